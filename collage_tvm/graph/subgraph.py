@@ -1,0 +1,157 @@
+"""Cut a group of nodes out of the graph as a standalone Relax function, and hash it.
+
+Boundary values become parameters of the right type; constants stay inline (weights are
+part of what a backend compiles). Values used outside the group become its outputs.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from .dataflow import DataflowGraph, _free_vars
+
+Constant = tvm.ir.expr.GenericConst  # relax.Constant in TVM < 0.27
+
+
+def group_boundary(graph: DataflowGraph, group) -> tuple[list, list]:
+    """(input vars in first-use order, escaping node indices) of ``group``."""
+    defined = {graph.nodes[i].var for i in group}
+    inputs, seen = [], set()
+    for i in sorted(group):
+        for v in _free_vars(graph.nodes[i].value):
+            if v not in defined and v not in seen:
+                seen.add(v)
+                inputs.append(v)
+    return inputs, graph.escapes(group)
+
+
+def extract_function(graph: DataflowGraph, group, lift_constants: bool = False):
+    """The group as ``relax.Function``; returns (func, input_vars, output_node_indices, consts).
+
+    With ``lift_constants`` every non-scalar constant becomes a trailing parameter (TVM's
+    FuseTIR accepts no tensor constants inside a primitive function); ``consts`` lists them.
+    """
+    inputs, outputs = group_boundary(graph, group)
+    new_params = [relax.Var(v.name, v.ty) for v in inputs]
+    vmap = dict(zip(inputs, new_params))
+    consts: list = []
+    const_params: list = []
+    bindings = []
+    for i in sorted(group):
+        node = graph.nodes[i]
+        value = _substitute(node.value, vmap)
+        if lift_constants:
+            value = _lift_constants(value, consts, const_params)
+        # Escaping values are bound to non-dataflow vars: they are the block's outputs.
+        var_cls = relax.Var if i in outputs else relax.DataflowVar
+        new_var = var_cls(node.var.name, node.var.ty)
+        vmap[node.var] = new_var
+        bindings.append(relax.VarBinding(new_var, value))
+    out_vars = [vmap[graph.nodes[i].var] for i in outputs]
+    body_out = out_vars[0] if len(out_vars) == 1 else relax.Tuple(out_vars)
+    body = relax.SeqExpr([relax.DataflowBlock(bindings)], body_out)
+    ret_ty = out_vars[0].ty if len(out_vars) == 1 else relax.TupleType([v.ty for v in out_vars])
+    func = relax.Function(new_params + const_params, body, ret_ty)
+    return func, inputs, outputs, consts
+
+
+_SUBST = None
+
+
+def _substitute(expr, vmap: dict):
+    global _SUBST
+    if _SUBST is None:
+        _SUBST = _make_subst()
+    return _SUBST(vmap).visit_expr(expr)
+
+
+def _make_subst():
+    @relax.expr_functor.mutator
+    class Subst(relax.PyExprMutator):
+        def __init__(self, vmap):
+            super().__init__()
+            self.vmap = vmap
+
+        def visit_var_(self, op):  # noqa: N802 (TVM's visitor naming)
+            return self.vmap.get(op, op)
+
+        def visit_dataflow_var_(self, op):  # noqa: N802
+            return self.vmap.get(op, op)
+
+    return Subst
+
+
+def _lift_constants(expr, consts: list, const_params: list):
+    if not isinstance(expr, relax.Call):
+        return expr
+    new_args = []
+    for a in expr.args:
+        if isinstance(a, Constant) and len(a.ty.shape) > 0:
+            p = relax.Var(f"c{len(consts)}", a.ty)
+            consts.append(a)
+            const_params.append(p)
+            new_args.append(p)
+        else:
+            new_args.append(a)
+    return relax.Call(expr.op, new_args, expr.attrs, expr.ty_args)
+
+
+def _render(expr, names: dict) -> str:
+    if isinstance(expr, relax.Var):
+        return names.get(expr, "?free")
+    if isinstance(expr, Constant):
+        arr = expr.value.numpy()
+        text = f"const[{arr.shape},{arr.dtype}]"
+        if arr.size <= 8:  # small constants (clip bounds, scalars) change semantics: keep them
+            text += repr(arr.tolist())
+        return text
+    if isinstance(expr, relax.Call):
+        op = expr.op.name if isinstance(expr.op, tvm.ir.Op) else str(expr.op)
+        args = ",".join(_render(a, names) for a in expr.args)
+        return f"{op}({args}){expr.attrs}|{list(expr.ty_args) if expr.ty_args else ''}"
+    if isinstance(expr, relax.Tuple):
+        return "(" + ",".join(_render(a, names) for a in expr.fields) + ")"
+    if isinstance(expr, relax.TupleGetItem):
+        return f"{_render(expr.tuple_value, names)}[{expr.index}]"
+    if isinstance(expr, relax.ShapeExpr):
+        return str(expr)
+    return f"{type(expr).__name__}:{expr}"
+
+
+def function_key(func: relax.Function) -> str:
+    """Structural hash of a function, shapes/dtypes/attributes included, weights' values not.
+
+    Two convolutions of the same shapes with different weights cost the same, so they share
+    one cost-DB entry.
+    """
+    names = {}
+    lines = []
+    for i, p in enumerate(func.params):
+        names[p] = f"p{i}"
+        lines.append(f"p{i}:{p.ty}")
+    body = func.body
+    for block in body.blocks:
+        for b in block.bindings:
+            names[b.var] = f"v{len(names)}"
+            lines.append(f"{names[b.var]}:{b.var.ty}={_render(b.value, names)}")
+    lines.append("ret " + _render(body.body, names))
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:32]
+
+
+def random_inputs(params, seed: int = 0) -> list:
+    """Random numpy arrays for ``params`` (floats in [-1, 1), ints small and non-negative)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for p in params:
+        shape = [int(s) for s in p.ty.shape]
+        dtype = p.ty.dtype
+        if dtype.startswith("float"):
+            out.append(rng.uniform(-1, 1, size=shape).astype(dtype))
+        elif dtype == "bool":
+            out.append(rng.integers(0, 2, size=shape).astype(bool))
+        else:
+            out.append(rng.integers(0, 4, size=shape).astype(dtype))
+    return out

@@ -1,0 +1,58 @@
+"""Replace calls to ``Codegen`` functions with calls into each backend's compiled callable.
+
+The wheel has no ``relax.ext.*`` codegens for our libraries, so instead of ``RunCodegen``
+each external function is lowered by its backend to a Python callable, registered as a
+global packed function *before* the VM is created, and called with
+``R.call_pure_packed`` (tensors cross by DLPack, zero-copy).
+"""
+from __future__ import annotations
+
+import itertools
+
+import tvm
+from tvm import relax
+
+from ..partition import CODEGEN_PREFIX
+
+# Registered callables stay alive for the life of the process (the VM looks them up by name).
+_LIVE: dict = {}
+_COUNTER = itertools.count()
+
+
+def lower_external(mod: tvm.IRModule, backends: dict) -> tvm.IRModule:
+    """Lower every ``Codegen=collage_<backend>`` function of ``mod``; returns the new module."""
+    symbols = {}
+    for gv, func in list(mod.functions.items()):
+        if not isinstance(func, relax.Function) or func.attrs is None:
+            continue
+        codegen = func.attrs.get("Codegen")
+        if codegen is None or not str(codegen).startswith(CODEGEN_PREFIX):
+            continue
+        name = str(codegen)[len(CODEGEN_PREFIX):]
+        if name not in backends:
+            raise KeyError(f"function {gv.name_hint} asks for backend {name!r}, which is not loaded")
+        fn = backends[name].get_lowering().lower(func)
+        symbol = f"{func.attrs['global_symbol']}.{next(_COUNTER)}"
+        tvm.register_global_func(symbol, fn, override=True)
+        _LIVE[symbol] = fn
+        symbols[gv] = (symbol, func.ret_ty)
+    if not symbols:
+        return mod
+
+    @relax.expr_functor.mutator
+    class _Rewrite(relax.PyExprMutator):
+        def visit_call_(self, call):  # noqa: N802 (TVM's visitor naming)
+            call = super().visit_call_(call)
+            if isinstance(call.op, relax.GlobalVar) and call.op in symbols:
+                symbol, ret_ty = symbols[call.op]
+                return relax.op.call_pure_packed(symbol, *call.args, ty_args=ret_ty)
+            return call
+
+    new_mod = tvm.IRModule()
+    for gv, func in mod.functions.items():
+        if gv in symbols:
+            continue
+        if isinstance(func, relax.Function):
+            func = _Rewrite().visit_expr(func)
+        new_mod[gv] = func
+    return new_mod

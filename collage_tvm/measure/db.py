@@ -1,0 +1,520 @@
+"""The cost database: measured kernel costs, cached across runs and processes.
+
+Collage measures every candidate kernel once per (backend, backend version,
+candidate, device) and reuses the number afterwards.  The cache is a SQLite file:
+
+* primary key ``(backend, version, key, device)`` where ``key`` is a structural
+  hash of the candidate supplied by the caller;
+* ``cost_ms`` may be ``math.inf`` for a candidate that failed to build or run,
+  with ``reason`` saying why;
+* safe for several processes at once: WAL journal, a 30 s busy timeout, one short
+  transaction per write and ``INSERT ... ON CONFLICT DO UPDATE``;
+* nothing is lost: a damaged file (not SQLite, truncated, failing
+  ``PRAGMA quick_check``, or a schema from an unknown version) is reported with a
+  WARNING on the ``collage_tvm`` logger, moved aside to
+  ``<path>.corrupt-<YYYYmmdd-HHMMSS>`` and replaced by a fresh database.
+  ``CostDB.recovered_from`` names the moved-aside file.
+
+Open one :class:`CostDB` per process (a connection must not cross ``fork``; if it
+does, the child transparently opens its own).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sqlite3
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+try:  # POSIX only; elsewhere the open/recover step is simply not serialised
+    import fcntl
+except ImportError:  # pragma: no cover
+    fcntl = None  # type: ignore[assignment]
+
+logger = logging.getLogger("collage_tvm")
+
+SCHEMA_VERSION = 1
+EXPORT_FORMAT = "collage_tvm.costdb"
+EXPORT_VERSION = 1
+BUSY_TIMEOUT_S = 30.0
+_MEMORY = ":memory:"
+_CHUNK = 500  # bound on SQL variables per statement
+
+# SQLite primary result codes that mean "this file is damaged / not a database".
+_SQLITE_CORRUPT = 11
+_SQLITE_NOTADB = 26
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS costs (
+    backend     TEXT NOT NULL,
+    version     TEXT NOT NULL,
+    key         TEXT NOT NULL,
+    device      TEXT NOT NULL,
+    cost_ms     REAL NOT NULL,
+    reason      TEXT,
+    measured_at REAL NOT NULL,
+    extra       TEXT NOT NULL DEFAULT '{}',
+    PRIMARY KEY (backend, version, key, device)
+) WITHOUT ROWID
+"""
+
+_UPSERT = """
+INSERT INTO costs (backend, version, key, device, cost_ms, reason, measured_at, extra)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?)
+ON CONFLICT (backend, version, key, device) DO UPDATE SET
+    cost_ms = excluded.cost_ms,
+    reason = excluded.reason,
+    measured_at = excluded.measured_at,
+    extra = excluded.extra
+"""
+# Import: only replace what we hold when the incoming measurement is newer.
+_UPSERT_IF_NEWER = _UPSERT + " WHERE excluded.measured_at > costs.measured_at"
+
+_COLUMNS = ("backend", "version", "key", "device", "cost_ms", "reason", "measured_at", "extra")
+
+# Connections inherited through fork(): never closed in the child (closing would
+# run SQLite's last-connection cleanup on files the parent still uses).
+_abandoned_after_fork: list = []
+
+
+@dataclass
+class CostRecord:
+    """One cached measurement."""
+
+    cost_ms: float  # math.inf for a failed candidate
+    reason: str | None  # why it failed / was cut short, else None
+    measured_at: float  # unix time
+    extra: dict = field(default_factory=dict)  # free-form JSON-able info
+
+    @property
+    def failed(self) -> bool:
+        return math.isinf(self.cost_ms)
+
+
+class _DamagedDB(Exception):
+    """Internal: the file at the DB path is not a usable cost database."""
+
+
+def _is_corruption(err: sqlite3.DatabaseError) -> bool:
+    code = getattr(err, "sqlite_errorcode", None)
+    if code is not None:
+        return (code & 0xFF) in (_SQLITE_CORRUPT, _SQLITE_NOTADB)
+    msg = str(err).lower()  # Python < 3.11: no error codes
+    return "not a database" in msg or "malformed" in msg or "corrupt" in msg
+
+
+def _check_cost(cost_ms) -> float:
+    try:
+        cost = float(cost_ms)
+    except (TypeError, ValueError):
+        raise TypeError(f"cost_ms must be a number, got {cost_ms!r}") from None
+    if math.isnan(cost):
+        raise ValueError("cost_ms must not be NaN (use math.inf for a failed candidate)")
+    return cost
+
+
+def _dump_extra(extra) -> str:
+    if extra is None:
+        extra = {}
+    if not isinstance(extra, dict):
+        raise TypeError(f"extra must be a dict, got {type(extra).__name__}")
+    try:
+        return json.dumps(extra, sort_keys=True)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"extra is not JSON-able: {e}") from None
+
+
+def _load_extra(text: str | None) -> dict:
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return {"_unparsed": text}
+    return value if isinstance(value, dict) else {"_value": value}
+
+
+def _cost_to_json(cost: float):
+    if math.isinf(cost):
+        return "inf" if cost > 0 else "-inf"
+    return cost
+
+
+def _cost_from_json(value, where: str) -> float:
+    if isinstance(value, bool):
+        raise ValueError(f"{where}: cost_ms must be a number or \"inf\", got {value!r}")
+    if isinstance(value, (int, float)):
+        cost = float(value)
+    elif isinstance(value, str) and value.strip().lower() in ("inf", "+inf", "infinity", "+infinity"):
+        cost = math.inf
+    elif isinstance(value, str) and value.strip().lower() in ("-inf", "-infinity"):
+        cost = -math.inf
+    else:
+        raise ValueError(f"{where}: cost_ms must be a number or \"inf\", got {value!r}")
+    if math.isnan(cost):
+        raise ValueError(f"{where}: cost_ms is NaN")
+    return cost
+
+
+def _aside_name(path: Path) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    candidate = path.with_name(f"{path.name}.corrupt-{stamp}")
+    n = 1
+    while candidate.exists():
+        candidate = path.with_name(f"{path.name}.corrupt-{stamp}-{n}")
+        n += 1
+    return candidate
+
+
+@contextmanager
+def _file_lock(lock_path: Path) -> Iterator[None]:
+    """Exclusive advisory lock on a side file (never on the DB file itself: closing
+    any descriptor of the DB would drop SQLite's own POSIX locks)."""
+    if fcntl is None:  # pragma: no cover
+        yield
+        return
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
+
+class CostDB:
+    """Persistent cache of measured kernel costs (see module docstring)."""
+
+    def __init__(self, path: str | os.PathLike | None = None):
+        self._lock = threading.Lock()
+        self.recovered_from: str | None = None
+        if path is None or str(path) == _MEMORY:
+            self.path: str = _MEMORY
+            self._file: Path | None = None
+        else:
+            self._file = Path(os.fspath(path)).expanduser()
+            self.path = str(self._file)
+            self._file.parent.mkdir(parents=True, exist_ok=True)
+        self._conn: sqlite3.Connection | None = None
+        self._pid = os.getpid()
+        self._conn = self._open()
+
+    # ------------------------------------------------------------------ opening
+    def _connect(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(
+            self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
+        )
+        conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+        return conn
+
+    def _open(self) -> sqlite3.Connection:
+        if self._file is None:
+            conn = self._connect()
+            self._init_schema(conn)
+            return conn
+        lock_path = self._file.with_name(self._file.name + ".lock")
+        # Serialise validate-and-maybe-recover across processes, so two processes
+        # opening the same damaged file do not both move things aside.
+        with _file_lock(lock_path):
+            try:
+                return self._open_checked()
+            except _DamagedDB as damage:
+                reason = str(damage)
+            aside = self._move_aside()
+            self.recovered_from = str(aside)
+            logger.warning(
+                "cost database %s is damaged (%s); moved it aside to %s and started a fresh one",
+                self.path, reason, aside,
+            )
+            try:
+                return self._open_checked()
+            except _DamagedDB as damage:  # pragma: no cover - a fresh file should never fail
+                raise RuntimeError(f"cost database {self.path}: cannot create a fresh database: {damage}")
+
+    def _open_checked(self) -> sqlite3.Connection:
+        conn = self._connect()
+        try:
+            try:
+                conn.execute("PRAGMA journal_mode = WAL").fetchone()
+                conn.execute("PRAGMA synchronous = NORMAL")
+                rows = conn.execute("PRAGMA quick_check").fetchall()
+                if [r[0] for r in rows] != ["ok"]:
+                    detail = "; ".join(str(r[0]) for r in rows[:3])
+                    raise _DamagedDB(f"PRAGMA quick_check failed: {detail}")
+                version = conn.execute("PRAGMA user_version").fetchone()[0]
+                tables = {
+                    r[0]
+                    for r in conn.execute(
+                        "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'"
+                    )
+                }
+                if version == 0 and tables:
+                    raise _DamagedDB(
+                        f"not a cost database (no schema version, tables: {', '.join(sorted(tables))})"
+                    )
+                if version not in (0, SCHEMA_VERSION):
+                    raise _DamagedDB(
+                        f"unknown schema version {version} (this code reads version {SCHEMA_VERSION})"
+                    )
+                self._init_schema(conn)
+                cols = [r[1] for r in conn.execute("PRAGMA table_info(costs)")]
+                if tuple(cols) != _COLUMNS:
+                    raise _DamagedDB(f"unexpected columns in table costs: {cols}")
+            except sqlite3.DatabaseError as e:
+                if _is_corruption(e):
+                    raise _DamagedDB(f"{type(e).__name__}: {e}") from None
+                raise
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    @staticmethod
+    def _init_schema(conn: sqlite3.Connection) -> None:
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            conn.execute(_SCHEMA)
+            conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+
+    def _move_aside(self) -> Path:
+        assert self._file is not None
+        aside = _aside_name(self._file)
+        os.replace(self._file, aside)
+        # A stale WAL must not be replayed into the fresh database: keep it next
+        # to the moved-aside file (so SQLite would pair them if it is opened).
+        wal = self._file.with_name(self._file.name + "-wal")
+        if wal.exists():
+            os.replace(wal, aside.with_name(aside.name + "-wal"))
+        shm = self._file.with_name(self._file.name + "-shm")
+        try:
+            shm.unlink()  # only an index, rebuilt from the WAL
+        except FileNotFoundError:
+            pass
+        return aside
+
+    # ------------------------------------------------------------------ helpers
+    @contextmanager
+    def _use(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            if self._conn is None:
+                raise ValueError(f"cost database {self.path} is closed")
+            if os.getpid() != self._pid:
+                # Inherited through fork: leave the parent's connection alone.
+                _abandoned_after_fork.append(self._conn)
+                self._pid = os.getpid()
+                self._conn = None
+                self._conn = self._open()
+            yield self._conn
+
+    @staticmethod
+    def _record(row) -> CostRecord:
+        cost_ms, reason, measured_at, extra = row
+        return CostRecord(float(cost_ms), reason, float(measured_at), _load_extra(extra))
+
+    # ------------------------------------------------------------------ API
+    def get(self, backend: str, version: str, key: str, device: str) -> CostRecord | None:
+        with self._use() as conn:
+            row = conn.execute(
+                "SELECT cost_ms, reason, measured_at, extra FROM costs"
+                " WHERE backend = ? AND version = ? AND key = ? AND device = ?",
+                (backend, version, key, device),
+            ).fetchone()
+        return None if row is None else self._record(row)
+
+    def get_many(self, backend: str, version: str, keys: list[str], device: str) -> dict[str, CostRecord]:
+        """Records for those of ``keys`` that are cached (missing keys are absent)."""
+        wanted = list(dict.fromkeys(keys))
+        out: dict[str, CostRecord] = {}
+        with self._use() as conn:
+            for i in range(0, len(wanted), _CHUNK):
+                chunk = wanted[i : i + _CHUNK]
+                marks = ",".join("?" * len(chunk))
+                for row in conn.execute(
+                    "SELECT key, cost_ms, reason, measured_at, extra FROM costs"
+                    f" WHERE backend = ? AND version = ? AND device = ? AND key IN ({marks})",
+                    (backend, version, device, *chunk),
+                ):
+                    out[row[0]] = self._record(row[1:])
+        return out
+
+    def put(
+        self,
+        backend: str,
+        version: str,
+        key: str,
+        device: str,
+        cost_ms: float,
+        reason: str | None = None,
+        extra: dict | None = None,
+    ) -> None:
+        """Store (or overwrite) one measurement, stamped with the current time."""
+        for name, value in (("backend", backend), ("version", version), ("key", key), ("device", device)):
+            if not isinstance(value, str):
+                raise TypeError(f"{name} must be a str, got {type(value).__name__}")
+        if reason is not None and not isinstance(reason, str):
+            raise TypeError(f"reason must be a str or None, got {type(reason).__name__}")
+        row = (backend, version, key, device, _check_cost(cost_ms), reason, time.time(), _dump_extra(extra))
+        with self._use() as conn:
+            conn.execute(_UPSERT, row)  # autocommit: one short transaction
+
+    def __len__(self) -> int:
+        with self._use() as conn:
+            return conn.execute("SELECT COUNT(*) FROM costs").fetchone()[0]
+
+    def stats(self) -> dict:
+        with self._use() as conn:
+            total = conn.execute("SELECT COUNT(*) FROM costs").fetchone()[0]
+            by_backend = dict(
+                conn.execute("SELECT backend, COUNT(*) FROM costs GROUP BY backend ORDER BY backend").fetchall()
+            )
+            failed = conn.execute("SELECT COUNT(*) FROM costs WHERE cost_ms = ?", (math.inf,)).fetchone()[0]
+        return {"path": self.path, "records": total, "by_backend": by_backend, "failed": failed}
+
+    def rows(self) -> list[dict]:
+        with self._use() as conn:
+            fetched = conn.execute(
+                f"SELECT {', '.join(_COLUMNS)} FROM costs ORDER BY backend, version, key, device"
+            ).fetchall()
+        out = []
+        for r in fetched:
+            d = dict(zip(_COLUMNS, r))
+            d["cost_ms"] = float(d["cost_ms"])
+            d["measured_at"] = float(d["measured_at"])
+            d["extra"] = _load_extra(d["extra"])
+            out.append(d)
+        return out
+
+    def export_json(self, path) -> int:
+        """Write every record to ``path`` (atomically); infinite costs become "inf"."""
+        records = self.rows()
+        for r in records:
+            r["cost_ms"] = _cost_to_json(r["cost_ms"])
+        doc = {"format": EXPORT_FORMAT, "version": EXPORT_VERSION, "records": records}
+        target = Path(os.fspath(path)).expanduser()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(doc, f, indent=1, sort_keys=True)
+                f.write("\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, target)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+        return len(records)
+
+    def import_json(self, path) -> int:
+        """Merge records from a file written by :meth:`export_json`.
+
+        On a key already present, the record with the newer ``measured_at`` wins.
+        Returns the number of records that were added or replaced.  A malformed
+        file raises ``ValueError`` naming the path and the problem; nothing is
+        imported from it then.
+        """
+        src = Path(os.fspath(path)).expanduser()
+        try:
+            text = src.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{src}: not UTF-8 text: {e}") from None
+        try:
+            doc = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"{src}: not valid JSON: {e}") from None
+        rows = self._validate_import(doc, str(src))
+        with self._use() as conn:
+            before = conn.total_changes
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                conn.executemany(_UPSERT_IF_NEWER, rows)
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            return conn.total_changes - before
+
+    @staticmethod
+    def _validate_import(doc, where: str) -> list[tuple]:
+        if not isinstance(doc, dict):
+            raise ValueError(f"{where}: expected a JSON object with \"records\", got {type(doc).__name__}")
+        fmt = doc.get("format", EXPORT_FORMAT)
+        if fmt != EXPORT_FORMAT:
+            raise ValueError(f"{where}: not a cost database export (format {fmt!r})")
+        version = doc.get("version")
+        if version != EXPORT_VERSION:
+            raise ValueError(f"{where}: unsupported export version {version!r} (expected {EXPORT_VERSION})")
+        records = doc.get("records")
+        if not isinstance(records, list):
+            raise ValueError(f"{where}: \"records\" must be a list")
+        rows = []
+        for i, r in enumerate(records):
+            at = f"{where}: record {i}"
+            if not isinstance(r, dict):
+                raise ValueError(f"{at}: expected an object, got {type(r).__name__}")
+            for name in ("backend", "version", "key", "device"):
+                if name not in r:
+                    raise ValueError(f"{at}: missing field {name!r}")
+                if not isinstance(r[name], str):
+                    raise ValueError(f"{at}: field {name!r} must be a string, got {r[name]!r}")
+            if "cost_ms" not in r:
+                raise ValueError(f"{at}: missing field 'cost_ms'")
+            cost = _cost_from_json(r["cost_ms"], at)
+            reason = r.get("reason")
+            if reason is not None and not isinstance(reason, str):
+                raise ValueError(f"{at}: field 'reason' must be a string or null, got {reason!r}")
+            measured_at = r.get("measured_at")
+            if isinstance(measured_at, bool) or not isinstance(measured_at, (int, float)) or math.isnan(measured_at):
+                raise ValueError(f"{at}: field 'measured_at' must be a number (unix time), got {measured_at!r}")
+            extra = r.get("extra", {})
+            if extra is None:
+                extra = {}
+            if not isinstance(extra, dict):
+                raise ValueError(f"{at}: field 'extra' must be an object, got {type(extra).__name__}")
+            rows.append(
+                (r["backend"], r["version"], r["key"], r["device"], cost, reason, float(measured_at),
+                 json.dumps(extra, sort_keys=True))
+            )
+        return rows
+
+    def close(self) -> None:
+        with self._lock:
+            conn, self._conn = self._conn, None
+            if conn is None:
+                return
+            if os.getpid() == self._pid:
+                conn.close()
+            else:  # inherited through fork: the parent still uses it
+                _abandoned_after_fork.append(conn)
+
+    def __enter__(self) -> "CostDB":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):  # best effort; explicit close() is preferred
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        return f"CostDB({self.path!r})"

@@ -1,0 +1,60 @@
+"""Rewrite ``main`` so each chosen group is one call (the BYOC partitioning step).
+
+- A TVM group of several ops becomes a private function marked ``Primitive``, so TVM's
+  FuseOps leaves it alone and FuseTIR compiles it as exactly one kernel, as measured.
+- A group placed on an external backend becomes a function with a ``Codegen`` attribute
+  (``collage_<backend>``) and a ``global_symbol``; ``lower.lower_external`` turns its calls
+  into ``R.call_pure_packed`` to the backend's compiled callable.
+"""
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+
+from ..graph import DataflowGraph
+from ..graph.subgraph import _substitute, extract_function, function_key
+
+CODEGEN_PREFIX = "collage_"
+
+
+def partition(graph: DataflowGraph, groups, backends: dict) -> tvm.IRModule:
+    """``groups``: candidates covering every node, in execution order. ``backends``: name -> Backend."""
+    covered = sorted(i for g in groups for i in g.nodes)
+    if covered != list(range(len(graph))):
+        raise ValueError("placement does not cover every node exactly once")
+    func = graph.func
+    bb = relax.BlockBuilder()
+    params = [relax.Var(p.name, p.ty) for p in graph.params]
+    vmap = dict(zip(graph.params, params))
+    attrs = dict(func.attrs) if func.attrs is not None else {}
+    attrs.pop("global_symbol", None)
+    with bb.function("main", params, attrs or None):
+        with bb.dataflow():
+            for k, group in enumerate(groups):
+                backend = backends[group.backend]
+                nodes = [graph.nodes[i] for i in sorted(group.nodes)]
+                if not backend.is_external and (len(nodes) == 1 or all(n.call is None for n in nodes)):
+                    for n in nodes:  # a single TVM op stays inline; TVM compiles it as usual
+                        vmap[n.var] = bb.emit(_substitute(n.value, vmap), name_hint=n.var.name)
+                    continue
+                sub, inputs, outputs, consts = extract_function(
+                    graph, group.nodes, lift_constants=not backend.is_external)
+                if backend.is_external:
+                    key = function_key(sub)
+                    sub = sub.with_attrs({"Codegen": CODEGEN_PREFIX + backend.name,
+                                          "global_symbol": f"collage.{backend.name}.{key}_{k}",
+                                          "collage.label": group.label})
+                    args = [vmap[v] for v in inputs]
+                else:
+                    sub = sub.with_attrs({"Primitive": True, "collage.label": group.label})
+                    args = [vmap[v] for v in inputs] + list(consts)
+                gv = bb.add_func(sub, f"collage_{backend.name}_g{k}")
+                call = bb.emit(relax.Call(gv, args), name_hint=f"g{k}")
+                if len(outputs) == 1:
+                    vmap[graph.nodes[outputs[0]].var] = call
+                else:
+                    for j, i in enumerate(outputs):
+                        vmap[graph.nodes[i].var] = bb.emit(relax.TupleGetItem(call, j))
+            out = bb.emit_output(_substitute(func.body.body, vmap))
+        bb.emit_func_output(out)
+    return bb.get()

@@ -1,0 +1,1 @@
+"""Placers: choose which backend runs each part of the graph (Collage paper §4)."""

@@ -1,0 +1,265 @@
+"""Op-level placer: exact DP over frontiers (Collage paper, Algorithm 1, Eq. 2-4).
+
+Given a DAG of ``n`` nodes in topological order, a list of candidates (a backend
+plus a set of nodes), a compute cost per candidate and a per-backend switching
+cost ``epsilon`` (ms per kernel), choose candidates that cover every node exactly
+once, can be executed in some order, and minimise
+
+    sum(cost[c] + epsilon[c.backend])                               (Eq. 2-4)
+
+The DP state is the set of nodes already placed, held as a Python int bitmask.
+Every state is downward-closed (it holds all producers of its nodes), so placing a
+candidate ``c`` at state ``S`` is legal iff ``c`` is disjoint from ``S`` and *ready*:
+every producer of every node of ``c`` is in ``S`` or in ``c``. Readiness alone rules
+out non-convex groups (a path that leaves ``c`` and re-enters it runs through an
+unplaced node outside ``c``) and cycles between groups (a sequence of ready
+placements *is* an execution order).
+
+Rather than the paper's recursion from the full graph, the DP runs forwards from
+the empty state as an A* search over states: edge weights are
+``cost + epsilon`` and the heuristic ``h(S) = sum over unplaced v of lb[v]``, with
+``lb[v] = min over candidates c containing v of w(c) / |c|``. Any completion pays
+at least ``h`` (split each group's weight evenly over its nodes) and
+``h(S) - h(S | c) <= w(c)`` for every edge, so ``h`` is consistent: the first time a
+state is popped its cost is optimal and the search is exact.
+"""
+from __future__ import annotations
+
+import heapq
+import logging
+import math
+from typing import Callable
+
+from ..candidate import Candidate, Placement
+
+log = logging.getLogger("collage_tvm")
+
+_PROGRESS_EVERY = 10_000
+
+
+def place(
+    producers: list[list[int]],
+    candidates: list[Candidate],
+    costs: dict[Candidate, float] | list[float],
+    epsilon: dict[str, float],
+    progress: Callable[[int], None] | None = None,
+    max_states: int = 2_000_000,
+) -> Placement:
+    """Find the cheapest executable cover of the graph by ``candidates``.
+
+    ``producers[i]``: indices of the nodes node ``i`` reads (all ``< i``).
+    ``costs``: dict keyed by candidate (a missing key counts as ``inf``) or a list
+    parallel to ``candidates``. Candidates of infinite or NaN cost are ignored.
+    ``epsilon``: per-backend switching cost added once per chosen candidate
+    (a backend missing from the dict costs 0).
+    ``progress``: called with the number of expanded states every ~10000 states
+    and once at the end.
+    ``max_states``: if the exact search expands more states than this, it is
+    abandoned for a restricted search that only tries candidates containing the
+    smallest unplaced node (not exact; a warning is logged).
+
+    Returns the groups in execution order. Raises ``ValueError`` if some node has no
+    finite candidate or if no executable cover exists.
+    """
+    n = len(producers)
+    if n == 0:
+        return Placement(groups=[], cost=0.0, chosen_by={})
+
+    # Producer bitmask per node; topological order is what makes "smallest
+    # unplaced node" a frontier node, so enforce it.
+    prod_mask = [0] * n
+    consumers: list[list[int]] = [[] for _ in range(n)]
+    for i, ps in enumerate(producers):
+        m = 0
+        for p in ps:
+            if not 0 <= p < i:
+                raise ValueError(
+                    f"node {i}: producer {p} is not an earlier node "
+                    "(nodes must be in topological order)")
+            m |= 1 << p
+            consumers[p].append(i)
+        prod_mask[i] = m
+
+    if isinstance(costs, dict):
+        cost_list = [costs.get(c, math.inf) for c in candidates]
+    else:
+        cost_list = list(costs)
+        if len(cost_list) != len(candidates):
+            raise ValueError(
+                f"costs has {len(cost_list)} entries for {len(candidates)} candidates")
+
+    # Keep the cheapest finite candidate per node set: a dearer one with the same
+    # nodes can always be swapped for it, so dropping it keeps the optimum.
+    best_by_mask: dict[int, tuple[float, int]] = {}
+    for k, c in enumerate(candidates):
+        w = float(cost_list[k]) + float(epsilon.get(c.backend, 0.0))
+        if math.isnan(w) or math.isinf(w) or not c.nodes:
+            continue
+        mask = 0
+        for v in c.nodes:
+            if not 0 <= v < n:
+                raise ValueError(f"candidate {c!r} names node {v}, graph has {n} nodes")
+            mask |= 1 << v
+        if mask not in best_by_mask or w < best_by_mask[mask][0]:
+            best_by_mask[mask] = (w, k)
+
+    # Transitive descendants per node (reverse topological sweep).
+    desc = [0] * n
+    for i in range(n - 1, -1, -1):
+        d = 0
+        for j in consumers[i]:
+            d |= (1 << j) | desc[j]
+        desc[i] = d
+
+    # Flat per-candidate arrays: mask, external producers, weight, descendants.
+    cmask: list[int] = []
+    cext: list[int] = []
+    cw: list[float] = []
+    cdesc: list[int] = []
+    csize: list[int] = []
+    corig: list[int] = []
+    by_node: list[list[int]] = [[] for _ in range(n)]
+    by_min: list[list[int]] = [[] for _ in range(n)]
+    for mask, (w, k) in best_by_mask.items():
+        nodes = sorted(candidates[k].nodes)
+        ext = 0
+        dsc = 0
+        for v in nodes:
+            ext |= prod_mask[v]
+            dsc |= desc[v]
+        cid = len(cmask)
+        cmask.append(mask)
+        cext.append(ext & ~mask)     # ready at S  <=>  (ext & ~S) == 0
+        cdesc.append(dsc & ~mask)    # nodes outside c reachable from c
+        cw.append(w)
+        csize.append(len(nodes))
+        corig.append(k)
+        for v in nodes:
+            by_node[v].append(cid)
+        by_min[nodes[0]].append(cid)
+
+    uncovered = [v for v in range(n) if not by_node[v]]
+    if uncovered:
+        raise ValueError(
+            f"no finite-cost candidate covers node(s) {uncovered}; "
+            "no valid placement exists")
+
+    # A* heuristic: per-node lower bound on the share of a group's weight.
+    lb = [min(cw[c] / csize[c] for c in by_node[v]) for v in range(n)]
+    h0 = math.fsum(lb)
+    # Reduced edge cost w(c) - (h(S) - h(S|c)) >= 0 by consistency; clamp rounding.
+    cred = [max(0.0, cw[c] - math.fsum(lb[v] for v in candidates[corig[c]].nodes))
+            for c in range(len(cmask))]
+
+    full = (1 << n) - 1
+
+    def search(restricted: bool, limit: int | None):
+        g: dict[int, float] = {0: 0.0}
+        parent: dict[int, tuple[int, int] | None] = {0: None}
+        closed: set[int] = set()
+        heap = [(h0, 0, 0, 0)]  # (f = g + h, -placed count, tie counter, state)
+        counter = 1
+        expanded = 0
+        stuck = (-1, 0)  # (placed count, smallest unplaced node) of deepest dead end
+        while heap:
+            f, negpop, _, s = heapq.heappop(heap)
+            if s in closed:
+                continue  # stale heap entry; a cheaper path already closed it
+            closed.add(s)
+            if s == full:
+                return s, g, parent, expanded, stuck
+            expanded += 1
+            if limit is not None and expanded > limit:
+                return None, g, parent, expanded, stuck
+            if progress is not None and expanded % _PROGRESS_EVERY == 0:
+                progress(expanded)
+            free = ~s
+            u = (free & -free).bit_length() - 1  # smallest unplaced node; a frontier node
+            succ = []
+            reach_u = 0  # union of the still-possible groups that could hold u
+            for c in by_node[u]:
+                if cmask[c] & s:
+                    continue
+                reach_u |= cmask[c]
+                if cext[c] & free == 0:
+                    succ.append(c)
+            if not reach_u:
+                if -negpop > stuck[0]:
+                    stuck = (-negpop, u)
+                continue  # u can no longer be covered: dead state
+            if not restricted:
+                # Exactness-preserving pruning: any execution order of a solution can be
+                # rewritten to place G_u (the group holding u) as soon as it is ready and
+                # otherwise a ready group-graph ancestor of G_u, so besides candidates
+                # holding u we only try ready candidates that may be such an ancestor.
+                # Ancestry can hop between nodes of an intermediate group, so take the
+                # fixpoint: x = nodes of candidates that hold u or reach x via edges.
+                # A candidate reaching x has its min node below max(x), so scan only
+                # min nodes in (u, max(x)).
+                x = reach_u
+                hi = x.bit_length() - 1
+                scanned = u + 1
+                pool: list[int] = []
+                grew = True
+                while grew:
+                    for m in range(scanned, hi):
+                        if not (s >> m) & 1:
+                            pool.extend(c for c in by_min[m] if not cmask[c] & s)
+                    scanned = max(scanned, hi)
+                    grew = False
+                    rest = []
+                    for c in pool:
+                        if cdesc[c] & x:
+                            x |= cmask[c]
+                            grew = True
+                            if cext[c] & free == 0:
+                                succ.append(c)
+                        else:
+                            rest.append(c)
+                    pool = rest
+                    hi = x.bit_length() - 1
+            if not succ and -negpop > stuck[0]:
+                stuck = (-negpop, u)
+            gs = g[s]
+            for c in succ:
+                s2 = s | cmask[c]
+                if s2 in closed:
+                    continue
+                g2 = gs + cw[c]
+                if g2 < g.get(s2, math.inf):
+                    g[s2] = g2
+                    parent[s2] = (s, c)
+                    heapq.heappush(heap, (f + cred[c], negpop - csize[c], counter, s2))
+                    counter += 1
+        return None, g, parent, expanded, stuck
+
+    found, g, parent, expanded, stuck = search(restricted=False, limit=max_states)
+    if found is None and expanded > max_states:
+        log.warning(
+            "op-level placer: exact search passed max_states=%d on %d nodes / %d "
+            "candidates; falling back to a restricted search over candidates "
+            "containing the smallest unplaced node (result may be suboptimal)",
+            max_states, n, len(cmask))
+        found, g, parent, more, stuck = search(restricted=True, limit=None)
+        expanded += more
+    if progress is not None:
+        progress(expanded)
+    if found is None:
+        raise ValueError(
+            f"no valid placement: search got stuck at node {stuck[1]} "
+            f"(no executable cover of the graph by the finite-cost candidates)")
+
+    # Walk parents back from the full state; the path order is an execution order.
+    chosen: list[int] = []
+    s = full
+    while parent[s] is not None:
+        prev, c = parent[s]
+        chosen.append(c)
+        s = prev
+    chosen.reverse()
+    groups = [candidates[corig[c]] for c in chosen]
+    total = math.fsum(cw[c] for c in chosen)
+    log.debug("op-level placer: %d nodes, %d candidates, %d states expanded, cost %.6g ms",
+              n, len(cmask), expanded, total)
+    return Placement(groups=groups, cost=total,
+                     chosen_by={c: "op-level" for c in groups})

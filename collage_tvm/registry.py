@@ -1,0 +1,221 @@
+"""Backend registry: the data a pattern file declares (Collage paper §3, Listing 1).
+
+A backend is a name, a kind (``op`` library or ``graph`` library), a device, a
+lowering (how a chosen subgraph becomes something runnable) and what it can run:
+explicit ``tvm.relax.dpl`` patterns and/or a pattern rule that the generator
+expands over the model's graph.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import runpy
+import sys
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable
+
+logger = logging.getLogger("collage_tvm")
+
+KINDS = ("op", "graph")
+DEVICES = ("cpu", "cuda")
+
+
+class PatternFileError(Exception):
+    """A pattern file could not be loaded; the message names its path and line."""
+
+
+@dataclass
+class PatternEntry:
+    """One explicit pattern: ``check(ctx)`` may reject a match (attrs, shapes, dtypes)."""
+
+    name: str
+    pattern: object  # tvm.relax.dpl.DFPattern
+    annotations: dict = field(default_factory=dict)
+    check: Callable | None = None
+
+
+@dataclass
+class PatternRule:
+    """A pattern rule (paper Fig. 4): which ops the backend runs and which groups it fuses.
+
+    ``valid_op(node) -> bool`` says whether one node can run on the backend.
+    ``fusion_rule(nodes) -> bool`` says whether a connected group of valid nodes
+    (in topological order) can run as one kernel; ``None`` means single ops only.
+    """
+
+    valid_op: Callable
+    fusion_rule: Callable | None = None
+    max_size: int = 8
+
+
+@dataclass
+class Backend:
+    name: str
+    kind: str = "op"
+    device: str = "cpu"
+    lowering: object = None  # instance, class or "module:Class"; None = TVM's own codegen
+    patterns: list = field(default_factory=list)
+    rules: list = field(default_factory=list)
+    source: str | None = None  # the pattern file that registered it
+    _lowering_obj: object = field(default=None, repr=False)
+
+    def get_lowering(self):
+        """The lowering object (resolved lazily so a missing library fails late, with a reason)."""
+        if self._lowering_obj is None and self.lowering is not None:
+            low = self.lowering
+            if isinstance(low, str):
+                mod_name, _, cls_name = low.partition(":")
+                low = getattr(importlib.import_module(mod_name), cls_name)
+            if isinstance(low, type):
+                low = low()
+            self._lowering_obj = low
+        return self._lowering_obj
+
+    def available(self) -> tuple[bool, str]:
+        """(True, "") or (False, reason); never raises."""
+        if self.lowering is None:
+            return True, ""
+        try:
+            return self.get_lowering().available()
+        except Exception as err:  # a missing library must not stop the build
+            return False, f"{type(err).__name__}: {err}"
+
+    def version(self) -> str:
+        if self.lowering is None:
+            import tvm
+
+            return f"tvm-{tvm.__version__}"
+        return self.get_lowering().version()
+
+    @property
+    def is_external(self) -> bool:
+        return self.lowering is not None
+
+
+_BACKENDS: dict[str, Backend] = {}
+
+
+def register_backend(name: str, kind: str = "op", device: str = "cpu", lowering=None,
+                     replace: bool = True) -> Backend:
+    """Declare a backend. Re-registering replaces its patterns (a pattern file may be reloaded)."""
+    if not name or not name.replace("_", "").isalnum():
+        raise ValueError(f"backend name {name!r} must be a non-empty identifier")
+    if kind not in KINDS:
+        raise ValueError(f"backend {name!r}: kind must be one of {KINDS}, got {kind!r}")
+    if device not in DEVICES:
+        raise ValueError(f"backend {name!r}: device must be one of {DEVICES}, got {device!r}")
+    if name in _BACKENDS and not replace:
+        raise ValueError(f"backend {name!r} is already registered")
+    backend = Backend(name=name, kind=kind, device=device, lowering=lowering,
+                      source=_LOADING[-1] if _LOADING else None)
+    _BACKENDS[name] = backend
+    return backend
+
+
+def _backend(name: str) -> Backend:
+    if name not in _BACKENDS:
+        raise KeyError(f"unknown backend {name!r}; registered: {sorted(_BACKENDS)}")
+    return _BACKENDS[name]
+
+
+def add_backend_pattern(backend: str, pattern, check: Callable | None = None,
+                        name: str | None = None, annotations: dict | None = None) -> PatternEntry:
+    """Add an explicit ``tvm.relax.dpl`` pattern; the match's root is the group's output."""
+    from tvm.relax.dpl import DFPattern
+
+    b = _backend(backend)
+    if not isinstance(pattern, DFPattern):
+        raise TypeError(f"backend {backend!r}: pattern must be a tvm.relax.dpl pattern, "
+                        f"got {type(pattern).__name__}")
+    entry = PatternEntry(name or f"{backend}.pattern{len(b.patterns)}", pattern,
+                         dict(annotations or {}), check)
+    b.patterns.append(entry)
+    return entry
+
+
+def add_backend_pattern_rule(backend: str, valid_op: Callable, fusion_rule: Callable | None = None,
+                             max_size: int = 8) -> PatternRule:
+    """Add a pattern rule the generator expands over the graph (paper Fig. 4)."""
+    if not callable(valid_op):
+        raise TypeError(f"backend {backend!r}: valid_op must be callable")
+    rule = PatternRule(valid_op, fusion_rule, max_size)
+    _backend(backend).rules.append(rule)
+    return rule
+
+
+def get_backend(name: str) -> Backend:
+    ensure_builtin_backends()
+    return _backend(name)
+
+
+def list_backends() -> list[str]:
+    ensure_builtin_backends()
+    return sorted(_BACKENDS)
+
+
+_LOADING: list[str] = []
+
+
+def load_pattern_file(path: str | os.PathLike) -> list[str]:
+    """Run a pattern file; return the backends it registered.
+
+    Errors name the file and line, e.g. ``patterns/foo.py:12: NameError: ...``.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise PatternFileError(f"{path}: pattern file not found")
+    before = {k: id(v) for k, v in _BACKENDS.items()}
+    _LOADING.append(os.path.abspath(path))
+    try:
+        runpy.run_path(path, run_name=f"collage_pattern_file_{os.path.basename(path)[:-3]}")
+    except SyntaxError as err:
+        raise PatternFileError(f"{path}:{err.lineno}: SyntaxError: {err.msg}") from err
+    except PatternFileError:
+        raise
+    except Exception as err:
+        line = _line_in(path, err)
+        raise PatternFileError(f"{path}:{line}: {type(err).__name__}: {err}") from err
+    finally:
+        _LOADING.pop()
+    return sorted(k for k, v in _BACKENDS.items() if before.get(k) != id(v))
+
+
+def _line_in(path: str, err: BaseException) -> int | str:
+    """The deepest traceback line that lies in the pattern file itself."""
+    line: int | str = "?"
+    apath = os.path.abspath(path)
+    for frame in traceback.extract_tb(err.__traceback__):
+        if os.path.abspath(frame.filename) == apath:
+            line = frame.lineno
+    return line
+
+
+def builtin_pattern_dir() -> str:
+    """Where the built-in pattern files live (``patterns/`` of the source tree)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for cand in (os.path.join(os.path.dirname(here), "patterns"), os.path.join(here, "_patterns")):
+        if os.path.isdir(cand):
+            return cand
+    raise FileNotFoundError("built-in pattern directory not found next to collage_tvm")
+
+
+_BUILTINS_LOADED = False
+
+
+def ensure_builtin_backends() -> None:
+    """Load every ``patterns/*.py`` once, through the same loader users call."""
+    global _BUILTINS_LOADED
+    if _BUILTINS_LOADED:
+        return
+    _BUILTINS_LOADED = True
+    pdir = builtin_pattern_dir()
+    if pdir not in sys.path:
+        pass
+    for fname in sorted(os.listdir(pdir)):
+        if fname.endswith(".py") and not fname.startswith("_"):
+            try:
+                load_pattern_file(os.path.join(pdir, fname))
+            except PatternFileError as err:
+                logger.warning("skipping built-in pattern file: %s", err)
