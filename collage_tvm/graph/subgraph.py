@@ -105,7 +105,7 @@ def _render(expr, names: dict) -> str:
     if isinstance(expr, Constant):
         arr = expr.value.numpy()
         text = f"const[{arr.shape},{arr.dtype}]"
-        if arr.size <= 8:  # small constants (clip bounds, scalars) change semantics: keep them
+        if arr.size == 1:  # scalars (e.g. 0.5 in x * 0.5) change semantics: keep them
             text += repr(arr.tolist())
         return text
     if isinstance(expr, relax.Call):
@@ -147,7 +147,7 @@ def random_inputs(params, seed: int = 0) -> list:
     out = []
     for p in params:
         shape = [int(s) for s in p.ty.shape]
-        dtype = p.ty.dtype
+        dtype = str(p.ty.dtype)
         if dtype.startswith("float"):
             out.append(rng.uniform(-1, 1, size=shape).astype(dtype))
         elif dtype == "bool":

@@ -1,0 +1,90 @@
+"""Single-backend builds and end-to-end timing: the final check against the placement.
+
+"tvm": TVM alone (``tvm.compile`` with its own fusion). "<lib>": the BYOC habit — every
+group the library's patterns match (largest first) goes to it, TVM runs the rest.
+"""
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from .candidate import Candidate
+from .graph.subgraph import random_inputs
+from .measure.runner import time_main
+from .patterns import generate_candidates
+from .target import target_device
+
+logger = logging.getLogger("collage_tvm")
+
+
+def byoc_groups(graph, backend) -> list:
+    """Greedy offload: at each node, the largest candidate of ``backend`` starting there."""
+    cands = generate_candidates(graph, [backend])
+    best: dict = {}
+    for c in cands:
+        start = min(c.nodes)
+        if start not in best or len(c.nodes) > len(best[start].nodes):
+            best[start] = c
+    placed: set = set()
+    groups = []
+    for i in range(len(graph)):
+        if i in placed:
+            continue
+        c = best.get(i)
+        if c is not None and not (c.nodes & placed):
+            groups.append(c)
+            placed |= c.nodes
+    groups += [Candidate("tvm", frozenset([i]), "tvm.op") for i in range(len(graph))
+               if i not in placed]
+    return order_groups(graph, groups)
+
+
+def order_groups(graph, groups) -> list:
+    """Groups in an executable order (producers first); raises if they form a cycle."""
+    owner = {i: k for k, g in enumerate(groups) for i in g.nodes}
+    deps = [{owner[p] for i in g.nodes for p in graph.nodes[i].inputs} - {k}
+            for k, g in enumerate(groups)]
+    done, order = set(), []
+    while len(order) < len(groups):
+        ready = [k for k in range(len(groups)) if k not in done and deps[k] <= done]
+        if not ready:
+            raise ValueError("groups form a cycle; no executable order")
+        k = min(ready, key=lambda k: min(groups[k].nodes))
+        done.add(k)
+        order.append(groups[k])
+    return order
+
+
+def run_outputs(vm, args) -> list:
+    out = vm["main"](*args)
+    flat = []
+
+    def walk(o):
+        if isinstance(o, (list, tuple)) or type(o).__name__ == "Array":
+            for x in o:
+                walk(x)
+        else:
+            flat.append(o.numpy())
+
+    walk(out)
+    return flat
+
+
+def evaluate(executable, graph, target, reference=None, rtol=1e-3, atol=1e-3, seed=0) -> dict:
+    """{"ms": median latency, "outputs": [...], "match": bool|None, "max_err": float}."""
+    dev = target_device(target)
+    vm = relax.VirtualMachine(executable, dev)
+    args = [tvm.runtime.tensor(a, dev) for a in random_inputs(graph.params, seed)]
+    outputs = run_outputs(vm, args)
+    ms, _, _ = time_main(vm, args, dev, target_ms=50.0, repeat=3, max_batches=3)
+    result = {"ms": ms, "outputs": outputs, "match": None, "max_err": math.nan}
+    if reference is not None:
+        errs = [float(np.max(np.abs(a - b))) if a.size else 0.0 for a, b in zip(outputs, reference)]
+        result["max_err"] = max(errs, default=0.0)
+        result["match"] = len(outputs) == len(reference) and all(
+            np.allclose(a, b, rtol=rtol, atol=atol) for a, b in zip(outputs, reference))
+    return result

@@ -1,0 +1,139 @@
+"""``collage-tvm``: optimize a model, inspect the cost DB."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+import time
+
+
+def _optimize(args) -> int:
+    import tvm
+
+    from .build import compile_placement, optimize, placement_record
+    from .baselines import byoc_groups, evaluate
+    from .registry import get_backend, load_pattern_file
+    from .target import make_target
+
+    for path in args.patterns or []:
+        names = load_pattern_file(path)
+        print(f"loaded pattern file {path}: backends {', '.join(names)}")
+    backends = [b for b in args.backends.split(",") if b]
+    t0 = time.perf_counter()
+    res = optimize(args.model, args.target, backends, db=args.db, isolate=not args.in_process)
+    rep = res.report
+    print(f"\ncollage: {rep.summary()}; search took {time.perf_counter() - t0:.1f} s")
+    for name, why in rep.skipped.items():
+        print(f"  backend {name} skipped: {why}")
+    for backend, label, reason in rep.failures[:10]:
+        print(f"  {backend} {label}: {reason}")
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(placement_record(res.placement, res.graph, args.target),
+                      f, indent=1)
+        print(f"placement written to {args.output}")
+    if args.no_compare:
+        _print_ops(res)
+        return 0
+    target = make_target(args.target)
+    backend_map = {b: get_backend(b) for b in rep.backends}
+    print("building single-backend baselines and timing end to end ...")
+    ref_ex = tvm.compile(tvm.IRModule({"main": res.graph.func}), target)
+    ref = evaluate(ref_ex, res.graph, target)
+    rows = [("collage", evaluate(res.executable, res.graph, target, ref["outputs"]))]
+    rows.append(("tvm-only", {**ref, "match": True, "max_err": 0.0}))
+    for name, b in backend_map.items():
+        if b.is_external:
+            groups = byoc_groups(res.graph, b)
+            ex, _ = compile_placement(res.graph, groups, backend_map, target)
+            rows.append((f"{name}+tvm", evaluate(ex, res.graph, target, ref["outputs"])))
+    _print_ops(res)
+    print(f"\n{'build':<14}{'latency ms':>12}{'vs collage':>12}  matches tvm-only")
+    base = rows[0][1]["ms"]
+    for name, r in rows:
+        print(f"{name:<14}{r['ms']:>12.3f}{r['ms'] / base:>11.2f}x  "
+              f"{'yes' if r['match'] else 'NO'} (max err {r['max_err']:.2e})")
+    best = min(rows, key=lambda r: r[1]["ms"])
+    if best[0] != "collage":
+        print(f"note: {best[0]} was faster than the collage placement in this run")
+    return 0 if all(r["match"] for _, r in rows) else 1
+
+
+def _print_ops(res) -> None:
+    print("\noperators per backend:")
+    counts: dict = {}
+    for g in res.placement.groups:
+        for i in g.nodes:
+            op = res.graph.nodes[i].op_name.replace("relax.", "")
+            counts.setdefault(g.backend, {}).setdefault(op, 0)
+            counts[g.backend][op] += 1
+    for backend, ops in sorted(counts.items()):
+        kernels = sum(1 for g in res.placement.groups if g.backend == backend)
+        detail = ", ".join(f"{op} x{n}" for op, n in sorted(ops.items(), key=lambda x: -x[1]))
+        print(f"  {backend:<8} {sum(ops.values()):>4} ops in {kernels:>4} kernels: {detail}")
+
+
+def _db(args) -> int:
+    from .measure.db import CostDB
+
+    db = CostDB(args.db)
+    if args.action == "stats":
+        print(json.dumps(db.stats(), indent=1))
+    elif args.action == "export":
+        print(f"exported {db.export_json(args.file)} records to {args.file}")
+    elif args.action == "import":
+        print(f"imported {db.import_json(args.file)} records from {args.file}")
+    elif args.action == "show":
+        for r in sorted(db.rows(), key=lambda r: (r["backend"], r["cost_ms"]))[: args.limit]:
+            cost = "inf" if math.isinf(r["cost_ms"]) else f"{r['cost_ms']:.4f}"
+            print(f"{r['backend']:<8} {cost:>10} ms  {r['extra'].get('label', '')}  "
+                  f"{r['reason'] or ''}")
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="collage-tvm", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    o = sub.add_parser("optimize", help="search a placement for a model and build it")
+    o.add_argument("model", help="an .onnx file")
+    o.add_argument("--target", default="llvm")
+    o.add_argument("--backends", default="tvm,dnnl", help="comma-separated (default tvm,dnnl)")
+    o.add_argument("--db", default=None, help="cost DB path (default ~/.cache/collage-tvm/costs.db)")
+    o.add_argument("--patterns", action="append", help="extra pattern file (repeatable)")
+    o.add_argument("--output", "-o", help="write the placement JSON here")
+    o.add_argument("--no-compare", action="store_true",
+                   help="skip the single-backend builds and end-to-end timing")
+    o.add_argument("--in-process", action="store_true",
+                   help="measure in this process (faster start, no crash isolation)")
+    o.add_argument("-v", "--verbose", action="store_true")
+    d = sub.add_parser("db", help="inspect, export or import the cost DB")
+    d.add_argument("action", choices=["stats", "show", "export", "import"])
+    d.add_argument("file", nargs="?")
+    d.add_argument("--db", default=None)
+    d.add_argument("--limit", type=int, default=50)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if args.cmd == "db":
+        from .build import DEFAULT_DB
+
+        args.db = args.db or DEFAULT_DB
+        if args.action in ("export", "import") and not args.file:
+            p.error(f"db {args.action} needs a FILE")
+        return _db(args)
+    try:
+        return _optimize(args)
+    except (ValueError, KeyError, FileNotFoundError) as err:
+        from .frontend.load import ModelError
+        from .registry import PatternFileError
+
+        if isinstance(err, (ModelError, PatternFileError)) or args.verbose is False:
+            print(f"collage-tvm: error: {err}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+from setuptools import setup
+
+setup(
+    name="collage-tvm",
+    version="0.1.0",
+    description="Collage (automated integration of deep-learning backends) on TVM Relax",
+    python_requires=">=3.10",
+    packages=["collage_tvm", "collage_tvm.frontend", "collage_tvm.graph", "collage_tvm.patterns",
+              "collage_tvm.measure", "collage_tvm.placer", "collage_tvm.partition",
+              "collage_tvm.lower", "collage_tvm.backends", "collage_tvm._patterns"],
+    # The built-in lowerings and pattern files live at the top of the tree (backends/,
+    # patterns/) where a person adding a backend finds them; they install under collage_tvm.
+    package_dir={"collage_tvm.backends": "backends", "collage_tvm._patterns": "patterns"},
+    install_requires=[
+        "apache-tvm==0.27.0.post1",
+        "apache-tvm-ffi==0.1.14.post0",  # 0.1.15.post2 segfaults in MetaSchedule (DESIGN.md)
+        "numpy>=1.26,<3",
+        "onnx==1.23.2",
+        "onnxruntime==1.31.1",
+        "torch==2.13.0",  # CPU build; the dnnl backend uses its oneDNN (docs/DNNL_BINDING.md)
+        "deap==1.4.4",
+        "z3-solver==5.4.0.0",
+        "tqdm>=4.66",
+    ],
+    extras_require={"test": ["pytest>=8"]},
+    entry_points={"console_scripts": ["collage-tvm=collage_tvm.cli:main"]},
+)
