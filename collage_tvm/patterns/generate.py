@@ -26,6 +26,15 @@ class CheckContext:
     graph: DataflowGraph
 
 
+def _inner_pattern_types():
+    from tvm.relax import dpl
+
+    return (dpl.CallPattern, dpl.TuplePattern, dpl.TupleGetItemPattern)
+
+
+_INNER = _inner_pattern_types()
+
+
 def _match_explicit(graph: DataflowGraph, backend, var2val, node_of) -> list:
     out = []
     for entry in backend.patterns:
@@ -40,7 +49,10 @@ def _match_explicit(graph: DataflowGraph, backend, var2val, node_of) -> list:
             if not matched:
                 continue
             group = {node.index}
-            for expr in matched.values():
+            for pat, expr in matched.items():
+                # Only call/tuple sub-patterns are inside the group; wildcards are its inputs.
+                if not isinstance(pat, _INNER):
+                    continue
                 idx = node_of.get(expr)
                 if idx is not None:
                     group.add(idx)

@@ -1,0 +1,92 @@
+"""End to end on small models: search, partition, BYOC lowering, VM run, reuse of the DB."""
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+import collage_tvm
+from collage_tvm.baselines import evaluate
+from collage_tvm.models import export_onnx
+
+
+@pytest.fixture(scope="module")
+def small_onnx(tmp_path_factory):
+    return export_onnx("resnet_small", str(tmp_path_factory.mktemp("m") / "resnet_small.onnx"))
+
+
+def _available(name):
+    return name in collage_tvm.list_backends() and collage_tvm.get_backend(name).available()[0]
+
+
+def test_collage_build_matches_tvm_only_and_reuses_db(small_onnx, tmp_path):
+    backends = ["tvm", "dnnl"] if _available("dnnl") else ["tvm"]
+    db = str(tmp_path / "c.db")
+    res = collage_tvm.optimize(small_onnx, "llvm", backends, db=db, isolate=False, progress=False)
+    assert res.report.distinct_measured > 0
+    ref_ex = tvm.compile(tvm.IRModule({"main": res.graph.func}), res_target())
+    ref = evaluate(ref_ex, res.graph, res_target())
+    got = evaluate(res.executable, res.graph, res_target(), ref["outputs"])
+    assert got["match"], got["max_err"]
+    if "dnnl" in backends:
+        assert set(res.report.ops_per_backend) == {"tvm", "dnnl"}
+    # Second build: the placement log answers, nothing is measured.
+    again = collage_tvm.optimize(small_onnx, "llvm", backends, db=db, isolate=False,
+                                 progress=False)
+    assert again.report.placement_from_log and again.report.distinct_measured == 0
+    assert [g.nodes for g in again.placement.groups] == [g.nodes for g in res.placement.groups]
+    # Without the placement log, the cost DB answers every candidate.
+    third = collage_tvm.optimize(small_onnx, "llvm", backends, db=db, progress=False,
+                                 isolate=False, placement_log=str(tmp_path / "other.json"))
+    assert third.report.distinct_measured == 0 and third.report.db_hits > 0
+
+
+def res_target():
+    from collage_tvm.target import make_target
+
+    return make_target("llvm")
+
+
+def test_pipeline_stage_in_tvm_compile(tmp_path):
+    import torch
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(16, 8)
+
+        def forward(self, x):
+            return torch.relu(self.fc(x)) * 2.0
+
+    m, x = M().eval(), torch.randn(4, 16)
+    mod = collage_tvm.frontend.load_model(m, (x,))
+    ex = tvm.compile(mod, res_target(), relax_pipeline=collage_tvm.pipeline(
+        backends=["tvm"], db=str(tmp_path / "p.db"), isolate=False, progress=False))
+    vm = relax.VirtualMachine(ex, tvm.cpu())
+    out = vm["main"](tvm.runtime.tensor(x.numpy()))
+    out = out[0] if not hasattr(out, "numpy") else out
+    np.testing.assert_allclose(out.numpy(), m(x).detach().numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_unknown_backend_and_missing_model_are_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="unknown backend 'nope'"):
+        collage_tvm.optimize(export_onnx("resnet_small", str(tmp_path / "m.onnx")), "llvm",
+                             ["nope"], db=str(tmp_path / "x.db"))
+    from collage_tvm.frontend.load import ModelError
+
+    with pytest.raises(ModelError, match="not found"):
+        collage_tvm.optimize(str(tmp_path / "missing.onnx"), "llvm", ["tvm"])
+
+
+def test_backend_whose_library_is_missing_is_skipped(tmp_path, caplog):
+    from collage_tvm.registry import register_backend
+
+    class Missing:
+        def available(self):
+            return False, "libnothing.so not found"
+
+    register_backend("missing_lib", lowering=Missing)
+    from collage_tvm.build import resolve_backends
+
+    found, skipped = resolve_backends(["missing_lib"], res_target())
+    assert "missing_lib" not in found and "libnothing.so" in skipped["missing_lib"]
+    assert "tvm" in found

@@ -1,0 +1,98 @@
+"""Graph view, post-dominators, pattern generator and the pattern-file loader."""
+import numpy as np
+import pytest
+from tvm import relax
+
+from collage_tvm.graph import DataflowGraph
+from collage_tvm.graph.subgraph import extract_function, function_key
+from collage_tvm.patterns import generate_candidates
+from collage_tvm.registry import PatternFileError, get_backend, load_pattern_file
+
+
+def _conv_block(residual=True, c=8):
+    """conv -> +bias -> relu -> conv -> +bias (-> +x) -> relu -> mean."""
+    x = relax.Var("x", relax.TensorType((1, c, 8, 8), "float32"))
+    rng = np.random.default_rng(0)
+    w1 = relax.const(rng.random((c, c, 3, 3), dtype="float32"))
+    w2 = relax.const(rng.random((c, c, 1, 1), dtype="float32"))
+    b = relax.const(rng.random((1, c, 1, 1), dtype="float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.nn.conv2d(x, w1, padding=[1, 1, 1, 1]))
+            y = bb.emit(relax.op.add(y, b))
+            y = bb.emit(relax.op.nn.relu(y))
+            y = bb.emit(relax.op.nn.conv2d(y, w2))
+            y = bb.emit(relax.op.add(y, b))
+            if residual:
+                y = bb.emit(relax.op.add(y, x))
+            y = bb.emit(relax.op.nn.relu(y))
+            out = bb.emit_output(relax.op.mean(y, axis=[2, 3]))
+        bb.emit_func_output(out)
+    return bb.get()["main"]
+
+
+def test_graph_nodes_edges_and_post_dominators():
+    g = DataflowGraph(_conv_block())
+    assert [n.op_name for n in g.nodes] == [
+        "relax.nn.conv2d", "relax.add", "relax.nn.relu", "relax.nn.conv2d", "relax.add",
+        "relax.add", "relax.nn.relu", "relax.mean"]
+    assert g.nodes[1].inputs == [0] and g.nodes[0].users == [1]
+    assert g.outputs == [7]
+    assert g.post_dominators() == [1, 2, 3, 4, 5, 6, 7, None]
+
+
+def test_tvm_rule_emits_conv_epilogue_fusions_but_not_across_two_anchors():
+    g = DataflowGraph(_conv_block())
+    groups = {c.nodes for c in generate_candidates(g, [get_backend("tvm")])}
+    assert frozenset({0, 1, 2}) in groups          # conv + bias + relu
+    assert frozenset({3, 4, 5, 6}) in groups       # conv + bias + residual add + relu
+    assert frozenset({6, 7}) in groups             # elementwise into a reduction sink
+    assert not any({3, 7} <= g_ for g_ in groups)  # a conv epilogue never ends in a reduce
+    assert frozenset({0, 1, 2, 3}) not in groups   # two convolutions never fuse
+    assert all(frozenset([i]) in groups for i in range(len(g)))  # every op runs on TVM
+
+
+def test_explicit_pattern_match_respects_escaping_intermediates():
+    from tvm.relax.dpl import is_const, is_op, wildcard
+
+    from collage_tvm.registry import add_backend_pattern, register_backend
+
+    register_backend("toy_lib", kind="op")
+    conv = is_op("relax.nn.conv2d")(wildcard(), is_const())
+    add_backend_pattern("toy_lib", is_op("relax.add")(conv, is_const()), name="toy.conv_bias")
+    g = DataflowGraph(_conv_block())
+    found = {c.nodes for c in generate_candidates(g, [get_backend("toy_lib")])}
+    assert found == {frozenset({0, 1}), frozenset({3, 4})}
+
+
+def test_function_key_ignores_weight_values_but_not_shapes():
+    g8, g8b, g4 = (DataflowGraph(_conv_block(c=c)) for c in (8, 8, 4))
+    k = [function_key(extract_function(g, {0, 1, 2})[0]) for g in (g8, g8b, g4)]
+    assert k[0] == k[1] and k[0] != k[2]
+
+
+def test_pattern_file_with_error_is_reported_with_path_and_line(tmp_path):
+    bad = tmp_path / "bad_backend.py"
+    bad.write_text("from collage_tvm.registry import register_backend\n"
+                   "register_backend('bad_backend')\n"
+                   "undefined_name + 1\n")
+    with pytest.raises(PatternFileError, match=r"bad_backend\.py:3: NameError"):
+        load_pattern_file(bad)
+    syntax = tmp_path / "syntax.py"
+    syntax.write_text("def f(:\n")
+    with pytest.raises(PatternFileError, match=r"syntax\.py:1: SyntaxError"):
+        load_pattern_file(syntax)
+
+
+def test_user_pattern_file_registers_a_backend(tmp_path):
+    f = tmp_path / "mylib.py"
+    f.write_text(
+        "from tvm.relax.dpl import is_op, wildcard\n"
+        "from collage_tvm.registry import register_backend, add_backend_pattern_rule\n"
+        "register_backend('mylib', kind='op', device='cpu')\n"
+        "add_backend_pattern_rule('mylib', lambda n: n.op_name == 'relax.nn.relu')\n")
+    assert load_pattern_file(f) == ["mylib"]
+    g = DataflowGraph(_conv_block())
+    assert {c.nodes for c in generate_candidates(g, [get_backend("mylib")])} == {
+        frozenset({2}), frozenset({6})}
