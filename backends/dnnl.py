@@ -1,8 +1,9 @@
 """dnnl backend: run a matched conv2d / conv3d / matmul group on oneDNN, post-ops fused.
 
-The binding is the oneDNN that PyTorch's CPU build carries, called through the entry
-points PyTorch's inductor uses (see docs/DNNL_BINDING.md for the measurements behind
-the choice):
+The binding is the oneDNN that PyTorch's CPU build carries, called through torch's
+inference entry points (``torch.ops.mkldnn``, as inductor emits them, and
+``torch.ops.mkldnn_prepacked``, as TorchScript freezing does); docs/DNNL_BINDING.md has
+the measurements behind the choice:
 
 * conv2d: ``torch.ops.mkldnn_prepacked.conv2d_prepack`` once in :meth:`DnnlLowering.lower`
   (weight reordered to oneDNN's blocked layout, primitive parameters cached, bias and
@@ -103,6 +104,22 @@ class DnnlLowering:
         plan = _analyse(func)
         return _build(plan)
 
+    def probe(self):
+        """The switching-cost probe (collage_tvm.measure): the smallest kernel dnnl runs.
+
+        The engine's default probe, a 1-element ``add``, is not a dnnl op; a 1x1 inner
+        product measures the same thing: one call's overhead through torch and DLPack.
+        """
+        from tvm import relax
+
+        x = relax.Var("x", relax.TensorType((1, 1), "float32"))
+        bb = relax.BlockBuilder()
+        with bb.function("main", [x]):
+            with bb.dataflow():
+                y = bb.emit_output(relax.op.matmul(x, relax.const(np.ones((1, 1), "float32"))))
+            bb.emit_func_output(y)
+        return bb.get()["main"]
+
 
 @functools.lru_cache(maxsize=1)
 def _onednn_version() -> str | None:
@@ -118,12 +135,13 @@ def _static_shape(expr, what: str) -> tuple:
     import tvm
 
     ty = expr.ty
-    if not isinstance(ty, tvm.relax.TensorType) or ty.shape is None:
-        raise _unsupported(f"{what} without a known tensor shape")
+    values = getattr(ty.shape, "values", None) if isinstance(ty, tvm.relax.TensorType) else None
+    if values is None:
+        raise _unsupported(f"{what} without a known static shape")
     if ty.dtype != "float32":
         raise _unsupported(f"{what} of dtype {ty.dtype} (float32 only)")
     dims = []
-    for d in ty.shape.values:
+    for d in values:
         if not isinstance(d, (int, tvm.tirx.IntImm)):
             raise _unsupported(f"{what} with the dynamic shape {ty.shape}")
         dims.append(int(d))
@@ -152,7 +170,7 @@ def _analyse(func) -> _Plan:
         if expr in folded:
             return folded[expr]
         if expr in params:
-            _static_shape(expr, f"the input {expr.name_hint}")
+            _static_shape(expr, f"the input {expr.name}")
             return params[expr]
         raise _unsupported(f"the operand {expr} (not a parameter or a constant of the subgraph)")
 

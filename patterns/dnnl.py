@@ -41,9 +41,11 @@ def _dense_weight():
 
 def _static_f32(expr, ndim=None):
     ty = expr.ty
-    if not isinstance(ty, tvm.relax.TensorType) or ty.dtype != "float32" or ty.shape is None:
+    if not isinstance(ty, tvm.relax.TensorType) or ty.dtype != "float32":
         return None
-    shape = ty.shape.values
+    shape = getattr(ty.shape, "values", None)  # None: unknown rank or a symbolic shape var
+    if shape is None:
+        return None
     if not all(isinstance(d, (int, tvm.tirx.IntImm)) for d in shape):
         return None
     shape = [int(d) for d in shape]
