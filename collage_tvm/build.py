@@ -42,6 +42,8 @@ class BuildReport:
     estimated_ms: float = math.nan
     ops_per_backend: dict = field(default_factory=dict)
     times: dict = field(default_factory=dict)        # stage -> seconds
+    comparison: dict = field(default_factory=dict)   # build name -> {"ms", "match", "max_err"}
+    shipped: str = "collage"                         # which build was shipped
 
     def summary(self) -> str:
         if self.placement_from_log:
@@ -104,7 +106,8 @@ def _placement_log(log, db) -> PlacementLog:
 
 
 def search(model, target="llvm", backends=("tvm", "dnnl"), db=None, placement_log=None,
-           example_inputs=None, isolate: bool = True, progress: bool = True):
+           example_inputs=None, isolate: bool = True, progress: bool = True,
+           compare: bool = False):
     """Import, generate candidates, measure (or reuse) costs, place. Returns
     (graph, placement, backend_map, report, target)."""
     from .target import make_target
@@ -124,6 +127,7 @@ def search(model, target="llvm", backends=("tvm", "dnnl"), db=None, placement_lo
     if placement is not None:
         report.placement_from_log = True
         report.estimated_ms = placement.cost
+        report.comparison = log.get(key).get("comparison", {})
     else:
         t0 = time.perf_counter()
         candidates = generate_candidates(graph, backend_map.values())
@@ -143,7 +147,9 @@ def search(model, target="llvm", backends=("tvm", "dnnl"), db=None, placement_lo
         placement = place(graph.producers, candidates, costs, eps)
         report.times["search"] = time.perf_counter() - t0
         report.estimated_ms = placement.cost
-        log.put(key, placement_record(placement, graph, target))
+        if compare:
+            placement = never_slower(graph, placement, backend_map, target, report)
+        log.put(key, placement_record(placement, graph, target, report.comparison))
     for g in placement.groups:
         report.ops_per_backend[g.backend] = report.ops_per_backend.get(g.backend, 0) + len(g.nodes)
     logger.info("collage: %s", report.summary())
@@ -151,10 +157,11 @@ def search(model, target="llvm", backends=("tvm", "dnnl"), db=None, placement_lo
 
 
 def optimize(model, target="llvm", backends=("tvm", "dnnl"), db=None, placement_log=None,
-             example_inputs=None, isolate: bool = True, progress: bool = True) -> CollageResult:
+             example_inputs=None, isolate: bool = True, progress: bool = True,
+             compare: bool = False) -> CollageResult:
     """Search a placement for ``model`` and build it; see ``build`` for the arguments."""
     graph, placement, backend_map, report, target = search(
-        model, target, backends, db, placement_log, example_inputs, isolate, progress)
+        model, target, backends, db, placement_log, example_inputs, isolate, progress, compare)
     t0 = time.perf_counter()
     executable, lowered = compile_placement(graph, placement.groups, backend_map, target)
     report.times["compile"] = time.perf_counter() - t0
@@ -183,9 +190,46 @@ def build(model, target="llvm", backends=("tvm", "dnnl"), db=None, **kwargs):
     return optimize(model, target, backends, db, **kwargs).executable
 
 
-def placement_record(placement: Placement, graph: DataflowGraph, target) -> dict:
+def never_slower(graph, placement, backend_map, target, report) -> Placement:
+    """Time the placement end to end beside every single-backend build; ship the fastest.
+
+    Builds: "tvm-only" (TVM's own fusion), "<lib>+tvm" for each external op library (its
+    patterns offloaded greedily, TVM for the rest). Outputs are checked against tvm-only.
+    """
+    from .baselines import byoc_groups, evaluate
+
+    t0 = time.perf_counter()
+    builds = {"collage": placement.groups,
+              "tvm-only": [Candidate("tvm", frozenset([i]), "tvm.op") for i in range(len(graph))]}
+    for name, b in backend_map.items():
+        if b.is_external and b.kind == "op":
+            builds[f"{name}+tvm"] = byoc_groups(graph, b)
+    results, ref = {}, None
+    for name in ["tvm-only"] + [n for n in builds if n != "tvm-only"]:
+        executable, _ = compile_placement(graph, builds[name], backend_map, target)
+        r = evaluate(executable, graph, target, None if ref is None else ref["outputs"])
+        if ref is None:
+            ref, r["match"], r["max_err"] = r, True, 0.0
+        results[name] = {"ms": r["ms"], "match": bool(r["match"]), "max_err": r["max_err"]}
+        logger.info("end to end: %s %.3f ms (matches tvm-only: %s)", name, r["ms"], r["match"])
+    report.comparison = results
+    report.times["compare"] = time.perf_counter() - t0
+    ok = {n: r for n, r in results.items() if r["match"]}
+    best = min(ok, key=lambda n: ok[n]["ms"])
+    if best == "collage" or ok[best]["ms"] >= ok.get("collage", {"ms": math.inf})["ms"]:
+        return placement
+    report.shipped = best
+    logger.warning("%s (%.3f ms) beat the collage placement (%.3f ms): shipping %s", best,
+                   ok[best]["ms"], results["collage"]["ms"], best)
+    groups = builds[best]
+    return Placement(groups, math.nan, {g: f"baseline:{best}" for g in groups})
+
+
+def placement_record(placement: Placement, graph: DataflowGraph, target,
+                     comparison: dict | None = None) -> dict:
     return {
         "target": str(target),
+        "comparison": comparison or {},
         "estimated_ms": placement.cost,
         "groups": [{"backend": g.backend, "nodes": sorted(g.nodes), "label": g.label,
                     "ops": [graph.nodes[i].op_name for i in sorted(g.nodes)],

@@ -11,7 +11,6 @@ import importlib
 import logging
 import os
 import runpy
-import sys
 import traceback
 from dataclasses import dataclass, field
 from typing import Callable
@@ -211,8 +210,6 @@ def ensure_builtin_backends() -> None:
         return
     _BUILTINS_LOADED = True
     pdir = builtin_pattern_dir()
-    if pdir not in sys.path:
-        pass
     for fname in sorted(os.listdir(pdir)):
         if fname.endswith(".py") and not fname.startswith("_"):
             try:

@@ -29,6 +29,11 @@ def test_collage_build_matches_tvm_only_and_reuses_db(small_onnx, tmp_path):
     assert got["match"], got["max_err"]
     if "dnnl" in backends:
         assert set(res.report.ops_per_backend) == {"tvm", "dnnl"}
+    # Operators only TVM supports stay on TVM.
+    tvm_only_ops = {"relax.nn.max_pool2d", "relax.mean", "relax.reshape"}
+    placed = {i: g.backend for g in res.placement.groups for i in g.nodes}
+    assert any(n.op_name in tvm_only_ops for n in res.graph.nodes)
+    assert all(placed[n.index] == "tvm" for n in res.graph.nodes if n.op_name in tvm_only_ops)
     # Second build: the placement log answers, nothing is measured.
     again = collage_tvm.optimize(small_onnx, "llvm", backends, db=db, isolate=False,
                                  progress=False)
