@@ -127,7 +127,9 @@ def search(model, target="llvm", backends=("tvm", "dnnl"), db=None, placement_lo
     if placement is not None:
         report.placement_from_log = True
         report.estimated_ms = placement.cost
-        report.comparison = log.get(key).get("comparison", {})
+        logged = log.get(key)
+        report.comparison = logged.get("comparison", {})
+        report.shipped = logged.get("shipped", "collage")
     else:
         t0 = time.perf_counter()
         candidates = generate_candidates(graph, backend_map.values())
@@ -149,7 +151,8 @@ def search(model, target="llvm", backends=("tvm", "dnnl"), db=None, placement_lo
         report.estimated_ms = placement.cost
         if compare:
             placement = never_slower(graph, placement, backend_map, target, report)
-        log.put(key, placement_record(placement, graph, target, report.comparison))
+        log.put(key, placement_record(placement, graph, target, report.comparison,
+                                      report.shipped))
     for g in placement.groups:
         report.ops_per_backend[g.backend] = report.ops_per_backend.get(g.backend, 0) + len(g.nodes)
     logger.info("collage: %s", report.summary())
@@ -226,9 +229,10 @@ def never_slower(graph, placement, backend_map, target, report) -> Placement:
 
 
 def placement_record(placement: Placement, graph: DataflowGraph, target,
-                     comparison: dict | None = None) -> dict:
+                     comparison: dict | None = None, shipped: str = "collage") -> dict:
     return {
         "target": str(target),
+        "shipped": shipped,
         "comparison": comparison or {},
         "estimated_ms": placement.cost,
         "groups": [{"backend": g.backend, "nodes": sorted(g.nodes), "label": g.label,

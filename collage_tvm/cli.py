@@ -29,7 +29,8 @@ def _optimize(args) -> int:
         print(f"  {backend} {label}: {reason}")
     if args.output:
         with open(args.output, "w") as f:
-            json.dump(placement_record(res.placement, res.graph, args.target, rep.comparison),
+            json.dump(placement_record(res.placement, res.graph, args.target, rep.comparison,
+                                       rep.shipped),
                       f, indent=1)
         print(f"placement written to {args.output}")
     _print_ops(res)
