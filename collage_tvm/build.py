@@ -15,10 +15,9 @@ from .candidate import Candidate, Placement
 from .frontend import load_model, normalize_for_collage
 from .graph import DataflowGraph
 from .graph.subgraph import function_key
-from .lower import lower_external
+from .lower import lower_placement
 from .measure.db import CostDB
 from .measure.measurer import Measurer
-from .partition import partition
 from .patterns import generate_candidates
 from .placement_log import PlacementLog
 from .placer.op_level import place
@@ -123,11 +122,11 @@ def search(model, target="llvm", backends=("tvm", "dnnl"), db=None, placement_lo
     key = placement_key(graph.func, target, backend_map)
     report.times["import"] = time.perf_counter() - t_start
 
-    placement = _placement_from_log(log.get(key), graph, backend_map)
+    logged = log.get(key)
+    placement = _placement_from_log(logged, graph, backend_map)
     if placement is not None:
         report.placement_from_log = True
         report.estimated_ms = placement.cost
-        logged = log.get(key)
         report.comparison = logged.get("comparison", {})
         report.shipped = logged.get("shipped", "collage")
     else:
@@ -175,12 +174,11 @@ def optimize_module(mod, target, backends, db, placement_log, progress, isolate)
     """The partitioned module with external groups lowered (for ``collage_tvm.pipeline``)."""
     graph, placement, backend_map, _, _ = search(mod, target, backends, db, placement_log,
                                                  None, isolate, progress)
-    return lower_external(partition(graph, placement.groups, backend_map), backend_map)
+    return lower_placement(graph, placement.groups, backend_map)
 
 
 def compile_placement(graph, groups, backend_map, target):
-    mod = partition(graph, groups, backend_map)
-    mod = lower_external(mod, backend_map)
+    mod = lower_placement(graph, groups, backend_map)
     return tvm.compile(mod, target), mod
 
 

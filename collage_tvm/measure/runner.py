@@ -10,8 +10,7 @@ from tvm import relax
 from ..candidate import Candidate
 from ..graph import DataflowGraph
 from ..graph.subgraph import random_inputs
-from ..lower import lower_external
-from ..partition import partition
+from ..lower import lower_placement
 from ..target import target_device
 
 
@@ -19,9 +18,7 @@ def build_candidate(func: relax.Function, backend, target):
     """A VM running ``func`` exactly as the final build would run that group."""
     graph = DataflowGraph(func)
     group = Candidate(backend.name, frozenset(range(len(graph))), "measure")
-    mod = partition(graph, [group], {backend.name: backend})
-    mod = lower_external(mod, {backend.name: backend})
-    ex = tvm.compile(mod, target)
+    ex = tvm.compile(lower_placement(graph, [group], {backend.name: backend}), target)
     return relax.VirtualMachine(ex, target_device(target))
 
 
