@@ -88,3 +88,16 @@ def evaluate(executable, graph, target, reference=None, rtol=1e-3, atol=1e-3, se
         result["match"] = len(outputs) == len(reference) and all(
             np.allclose(a, b, rtol=rtol, atol=atol) for a, b in zip(outputs, reference))
     return result
+
+
+def graph_lib_groups(graph, backend) -> list:
+    """A graph library running all it can: its valid nodes merged into convex clusters
+    (the whole model as one call when it can run every operator), TVM for the rest."""
+    from .placer.graph_level import _valid_nodes, merge_offloaded
+
+    valid = _valid_nodes(graph, backend)
+    singles = [Candidate(backend.name if i in valid else "tvm", frozenset([i]),
+                         f"{backend.name}.graph" if i in valid else "tvm.op")
+               for i in range(len(graph))]
+    merged = merge_offloaded(graph, singles, {i for i in range(len(graph)) if i in valid})
+    return order_groups(graph, merged)

@@ -43,6 +43,7 @@ class BuildReport:
     times: dict = field(default_factory=dict)        # stage -> seconds
     comparison: dict = field(default_factory=dict)   # build name -> {"ms", "match", "max_err"}
     shipped: str = "collage"                         # which build was shipped
+    graph_level: dict = field(default_factory=dict)  # the evolutionary search: history, counts
 
     def summary(self) -> str:
         if self.placement_from_log:
@@ -106,9 +107,15 @@ def _placement_log(log, db) -> PlacementLog:
 
 def search(model, target="llvm", backends=("tvm", "dnnl"), db=None, placement_log=None,
            example_inputs=None, isolate: bool = True, progress: bool = True,
-           compare: bool = False):
+           compare: bool = False, graph_level: bool = False, budget: float = 300.0,
+           on_generation=None):
     """Import, generate candidates, measure (or reuse) costs, place. Returns
-    (graph, placement, backend_map, report, target)."""
+    (graph, placement, backend_map, report, target).
+
+    ``graph_level``: after the op-level DP, run the evolutionary graph-level placer
+    (``placer.graph_level``) for at most ``budget`` seconds over the registered graph
+    libraries; ``on_generation(entry)`` sees its progress.
+    """
     from .target import make_target
 
     t_start = time.perf_counter()
@@ -122,6 +129,8 @@ def search(model, target="llvm", backends=("tvm", "dnnl"), db=None, placement_lo
     key = placement_key(graph.func, target, backend_map)
     report.times["import"] = time.perf_counter() - t_start
 
+    if graph_level:
+        key = hashlib.sha256(f"{key}|graph-level".encode()).hexdigest()[:32]
     logged = log.get(key)
     placement = _placement_from_log(logged, graph, backend_map)
     if placement is not None:
@@ -129,6 +138,7 @@ def search(model, target="llvm", backends=("tvm", "dnnl"), db=None, placement_lo
         report.estimated_ms = placement.cost
         report.comparison = logged.get("comparison", {})
         report.shipped = logged.get("shipped", "collage")
+        report.graph_level = logged.get("graph_level", {})
     else:
         t0 = time.perf_counter()
         candidates = generate_candidates(graph, backend_map.values())
@@ -148,10 +158,15 @@ def search(model, target="llvm", backends=("tvm", "dnnl"), db=None, placement_lo
         placement = place(graph.producers, candidates, costs, eps)
         report.times["search"] = time.perf_counter() - t0
         report.estimated_ms = placement.cost
+        op_level = placement
+        if graph_level:
+            placement = _graph_level(graph, placement, backend_map, target, report, budget,
+                                     on_generation)
         if compare:
-            placement = never_slower(graph, placement, backend_map, target, report)
+            placement = never_slower(graph, placement, backend_map, target, report,
+                                     op_level if placement is not op_level else None)
         log.put(key, placement_record(placement, graph, target, report.comparison,
-                                      report.shipped))
+                                      report.shipped, report.graph_level))
     for g in placement.groups:
         report.ops_per_backend[g.backend] = report.ops_per_backend.get(g.backend, 0) + len(g.nodes)
     logger.info("collage: %s", report.summary())
@@ -160,10 +175,12 @@ def search(model, target="llvm", backends=("tvm", "dnnl"), db=None, placement_lo
 
 def optimize(model, target="llvm", backends=("tvm", "dnnl"), db=None, placement_log=None,
              example_inputs=None, isolate: bool = True, progress: bool = True,
-             compare: bool = False) -> CollageResult:
+             compare: bool = False, graph_level: bool = False, budget: float = 300.0,
+             on_generation=None) -> CollageResult:
     """Search a placement for ``model`` and build it; see ``build`` for the arguments."""
     graph, placement, backend_map, report, target = search(
-        model, target, backends, db, placement_log, example_inputs, isolate, progress, compare)
+        model, target, backends, db, placement_log, example_inputs, isolate, progress, compare,
+        graph_level, budget, on_generation)
     t0 = time.perf_counter()
     executable, lowered = compile_placement(graph, placement.groups, backend_map, target)
     report.times["compile"] = time.perf_counter() - t0
@@ -191,24 +208,90 @@ def build(model, target="llvm", backends=("tvm", "dnnl"), db=None, **kwargs):
     return optimize(model, target, backends, db, **kwargs).executable
 
 
-def never_slower(graph, placement, backend_map, target, report) -> Placement:
+def _latency_evaluator(graph, backend_map, target):
+    """``evaluate(groups) -> (ms, reason)`` for the graph-level search: build, run, time.
+
+    The first placement evaluated (the op-level one, the search's seed) gives the reference
+    outputs; a later placement whose outputs differ, or whose build fails (a graph library
+    that cannot load its subgraph), is invalid: infinite latency and the reason.
+    """
+    from .baselines import evaluate
+
+    reference: list = []
+
+    def evaluate_groups(groups):
+        try:
+            executable, _ = compile_placement(graph, groups, backend_map, target)
+            r = evaluate(executable, graph, target, reference[0] if reference else None)
+        except Exception as err:  # noqa: BLE001 - an invalid individual, not a failed search
+            return math.inf, f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        if not reference:
+            reference.append(r["outputs"])
+        elif not r["match"]:
+            return math.inf, f"outputs differ from the op-level placement's (max err {r['max_err']:.3g})"
+        return r["ms"], None
+
+    return evaluate_groups
+
+
+def _graph_level(graph, placement, backend_map, target, report, budget, on_generation):
+    from .placer.graph_level import GraphLevelSearch
+
+    libs = {n: b for n, b in backend_map.items() if b.kind == "graph"}
+    if not libs:
+        logger.warning("--graph-level: no graph library among the backends (%s); skipped",
+                       ", ".join(backend_map))
+        report.graph_level = {"skipped": "no graph library among the backends"}
+        return placement
+    t0 = time.perf_counter()
+    gl = GraphLevelSearch(graph, placement, libs, _latency_evaluator(graph, backend_map, target))
+    res = gl.run(budget_s=budget, on_generation=on_generation)
+    report.times["graph-level"] = time.perf_counter() - t0
+    report.graph_level = {"libraries": sorted(libs), "genes": gl.n_genes,
+                          "eligible_groups": len(gl.eligible), "seed_ms": res.seed_ms,
+                          "best_ms": res.best_ms, "evaluated": res.evaluated,
+                          "invalid": len(res.invalid), "stopped": res.stopped,
+                          "history": res.history,
+                          "invalid_reasons": sorted(set(res.invalid.values()))[:10]}
+    if not res.best_ms < res.seed_ms:
+        return placement
+    return res.placement
+
+
+def never_slower(graph, placement, backend_map, target, report, op_level=None) -> Placement:
     """Time the placement end to end beside every single-backend build; ship the fastest.
 
-    Builds: "tvm-only" (TVM's own fusion), "<lib>+tvm" for each external op library (its
-    patterns offloaded greedily, TVM for the rest). Outputs are checked against tvm-only.
+    Builds: "tvm-only" (TVM's own fusion); "<lib>+tvm" for each external op library (its
+    patterns offloaded greedily, TVM for the rest); "<lib>" for each graph library that
+    can run the whole model ("<lib>+tvm" when some operators stay on TVM); and the
+    op-level placement when the graph-level search changed it. Outputs are checked
+    against tvm-only.
     """
-    from .baselines import byoc_groups, evaluate
+    from .baselines import byoc_groups, evaluate, graph_lib_groups
 
     t0 = time.perf_counter()
     builds = {"collage": placement.groups,
               "tvm-only": [Candidate("tvm", frozenset([i]), "tvm.op") for i in range(len(graph))]}
+    if op_level is not None:
+        builds["collage-op-level"] = op_level.groups
     for name, b in backend_map.items():
         if b.is_external and b.kind == "op":
             builds[f"{name}+tvm"] = byoc_groups(graph, b)
+        elif b.kind == "graph":
+            groups = graph_lib_groups(graph, b)
+            builds[name if all(g.backend == name for g in groups) else f"{name}+tvm"] = groups
     results, ref = {}, None
     for name in ["tvm-only"] + [n for n in builds if n != "tvm-only"]:
-        executable, _ = compile_placement(graph, builds[name], backend_map, target)
-        r = evaluate(executable, graph, target, None if ref is None else ref["outputs"])
+        try:
+            executable, _ = compile_placement(graph, builds[name], backend_map, target)
+            r = evaluate(executable, graph, target, None if ref is None else ref["outputs"])
+        except Exception as err:  # noqa: BLE001 - a failing baseline is reported, not fatal
+            if name in ("tvm-only", "collage"):
+                raise
+            reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            logger.warning("end to end: %s failed to build or run: %s", name, reason)
+            results[name] = {"ms": math.inf, "match": False, "max_err": math.nan, "error": reason}
+            continue
         if ref is None:
             ref, r["match"], r["max_err"] = r, True, 0.0
         results[name] = {"ms": r["ms"], "match": bool(r["match"]), "max_err": r["max_err"]}
@@ -222,16 +305,20 @@ def never_slower(graph, placement, backend_map, target, report) -> Placement:
     report.shipped = best
     logger.warning("%s (%.3f ms) beat the collage placement (%.3f ms): shipping %s", best,
                    ok[best]["ms"], results["collage"]["ms"], best)
+    if best == "collage-op-level":
+        return op_level
     groups = builds[best]
     return Placement(groups, math.nan, {g: f"baseline:{best}" for g in groups})
 
 
 def placement_record(placement: Placement, graph: DataflowGraph, target,
-                     comparison: dict | None = None, shipped: str = "collage") -> dict:
+                     comparison: dict | None = None, shipped: str = "collage",
+                     graph_level: dict | None = None) -> dict:
     return {
         "target": str(target),
         "shipped": shipped,
         "comparison": comparison or {},
+        "graph_level": graph_level or {},
         "estimated_ms": placement.cost,
         "groups": [{"backend": g.backend, "nodes": sorted(g.nodes), "label": g.label,
                     "ops": [graph.nodes[i].op_name for i in sorted(g.nodes)],

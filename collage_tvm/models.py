@@ -69,7 +69,77 @@ def resnet_small():
     return resnet((1, 1), 16, num_classes=10), (1, 3, 56, 56)
 
 
-MODELS = {"resnet50": resnet50, "resnet_small": resnet_small}
+def bert(layers: int = 12, hidden: int = 768, heads: int = 12, ffn: int = 3072,
+         seq: int = 128, vocab: int = 30522):
+    """A BERT encoder (post-norm, GELU), attention written out as matmuls and a softmax.
+
+    Input: token ids ``(1, seq)`` int64; output: the last hidden states ``(1, seq, hidden)``.
+    """
+    torch, nn = _torch()
+    head_dim = hidden // heads
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v = (nn.Linear(hidden, hidden) for _ in range(3))
+            self.o = nn.Linear(hidden, hidden)
+            self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+            self.up, self.down = nn.Linear(hidden, ffn), nn.Linear(ffn, hidden)
+
+        def forward(self, x):
+            b, s, _ = x.shape
+
+            def split(t):
+                return t.reshape(b, s, heads, head_dim).permute(0, 2, 1, 3)
+
+            q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+            att = torch.softmax(torch.matmul(q, k.transpose(-1, -2)) / head_dim ** 0.5, dim=-1)
+            ctx = torch.matmul(att, v).permute(0, 2, 1, 3).reshape(b, s, hidden)
+            x = self.ln1(x + self.o(ctx))
+            return self.ln2(x + self.down(nn.functional.gelu(self.up(x))))
+
+    class Bert(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(vocab, hidden)
+            self.pos = nn.Parameter(torch.randn(1, seq, hidden) * 0.02)
+            self.ln = nn.LayerNorm(hidden)
+            self.layers = nn.Sequential(*[Layer() for _ in range(layers)])
+
+        def forward(self, ids):
+            return self.layers(self.ln(self.emb(ids) + self.pos))
+
+    torch.manual_seed(0)
+    model = Bert().eval()
+    with torch.no_grad():  # BERT's init scale keeps activations in range
+        for m in model.modules():
+            if isinstance(m, nn.Linear):
+                m.weight.normal_(0.0, 0.02)
+    return model, (1, seq)
+
+
+def bert_base():
+    return bert()
+
+
+def bert_small():
+    """Two thin layers on 32 tokens: the same op mix as BERT-base in seconds."""
+    return bert(layers=2, hidden=128, heads=2, ffn=512, seq=32, vocab=1000)
+
+
+MODELS = {"resnet50": resnet50, "resnet_small": resnet_small, "bert_base": bert_base,
+          "bert_small": bert_small}
+
+
+def example_input(name: str, shape=None, seed: int = 1):
+    """A deterministic example input for model ``name`` (token ids for BERT, an image otherwise)."""
+    torch, _ = _torch()
+    if shape is None:
+        _, shape = MODELS[name]()
+    torch.manual_seed(seed)
+    if name.startswith("bert"):
+        return torch.randint(0, 1000, shape, dtype=torch.int64)
+    return torch.randn(*shape)
 
 
 def export_onnx(name: str, path: str) -> str:
@@ -79,14 +149,13 @@ def export_onnx(name: str, path: str) -> str:
 
     model, shape = MODELS[name]()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    torch.manual_seed(1)
-    x = torch.randn(*shape)
+    x = example_input(name, shape)
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(model, (x,), path, dynamo=False, opset_version=17,
-                          input_names=["input"], output_names=["logits"])
+                          input_names=["input"], output_names=["output"])
     proto = onnx.load(path)
     if proto.ir_version > 10:
         proto.ir_version = 10

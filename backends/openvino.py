@@ -1,0 +1,70 @@
+"""openvino backend (kind ``graph``): a Relax subgraph exported to ONNX, compiled by OpenVINO.
+
+The ONNX bytes are read by OpenVINO's ONNX frontend and compiled for the CPU plugin with
+the latency hint, as many inference threads as the process has cores, and f32 inference
+precision: on CPUs with AMX/AVX512-BF16 the plugin otherwise runs in bf16, which does
+not match the reference. Inputs and outputs are OpenVINO tensors sharing memory with the
+TVM buffers (``shared_memory=True``): nothing is copied.
+"""
+from __future__ import annotations
+
+from collage_tvm.backends._graphlib import (GraphLibraryLowering, as_numpy, new_output,
+                                            single_or_tuple, threads)
+
+
+class OpenVinoLowering(GraphLibraryLowering):
+    name = "openvino"
+
+    def available(self) -> tuple[bool, str]:
+        try:
+            import openvino as ov
+
+            if "CPU" not in ov.Core().available_devices:
+                return False, "OpenVINO sees no CPU device"
+            from collage_tvm.export import onnx as _export  # noqa: F401
+        except Exception as err:  # noqa: BLE001 - available() never raises
+            return False, f"{type(err).__name__}: {err}"
+        return True, ""
+
+    def version(self) -> str:
+        try:
+            import openvino as ov
+
+            return f"openvino-{ov.__version__.split('-')[0]}"
+        except Exception:  # noqa: BLE001
+            return "openvino-unavailable"
+
+    def config(self) -> dict:
+        return {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": threads(),
+                "INFERENCE_PRECISION_HINT": "f32"}
+
+    def compile_bytes(self, model_bytes: bytes):
+        import openvino as ov
+
+        core = ov.Core()
+        return core.compile_model(core.read_model(model_bytes, b""), "CPU", self.config())
+
+    def compile(self, model, specs):
+        import openvino as ov
+
+        compiled = self.compile_bytes(model.SerializeToString())
+        if len(compiled.outputs) != len(specs):
+            raise RuntimeError(f"openvino: compiled model has {len(compiled.outputs)} outputs, "
+                               f"the subgraph {len(specs)}")
+        request = compiled.create_infer_request()
+        set_in, set_out, infer = request.set_input_tensor, request.set_output_tensor, request.infer
+        Tensor = ov.Tensor
+
+        def call(*args):
+            for i, a in enumerate(args):
+                set_in(i, Tensor(as_numpy(a), shared_memory=True))
+            outs = []
+            for i, (shape, dtype) in enumerate(specs):
+                out, view = new_output(shape, dtype)
+                set_out(i, Tensor(view, shared_memory=True))
+                outs.append(out)
+            infer()
+            return single_or_tuple(outs)
+
+        call.compiled = compiled  # keep the compiled model alive with the callable
+        return call

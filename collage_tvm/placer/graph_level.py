@@ -1,0 +1,293 @@
+"""Graph-level placer: evolutionary search over "offload to a graph library" (paper §4.3, Fig. 6).
+
+The op-level placer judges candidates one kernel at a time, with additive costs. A
+graph library (ONNX Runtime, OpenVINO) gains most from what additive costs cannot see:
+fusing and planning across many kernels at once. This placer starts from the op-level
+placement and asks, group by group, "would this run better inside a graph library,
+merged with its offloaded neighbours into one library call?" and answers with measured
+end-to-end latency.
+
+Encoding (DEAP, bit genes so ``cxTwoPoint`` and ``mutFlipBit`` apply as in the paper):
+
+* one *offload* bit per eligible op-level group (a group not already on a graph library
+  whose every node some registered graph library can run): 0 keeps the op-level choice,
+  1 offloads it;
+* with several graph libraries, ``ceil(log2(L))`` *choice* bits per group select which
+  one (a library that cannot run the group falls back to one that can).
+
+Offloaded groups of the same library that touch are merged into one call whenever the
+union stays convex (no path leaves it and comes back), so the result is always an
+executable placement. The population is seeded with the op-level placement (all 0) and
+one all-offload individual per library; fitness is the measured latency of the built
+placement, memoised on the decoded placement; an individual whose build fails or whose
+outputs differ from the reference is invalid (infinite latency, reason logged) and the
+search goes on. The search stops when the time budget is spent or the best latency has
+not improved for ``patience`` generations (saturation).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..candidate import Candidate, Placement
+
+logger = logging.getLogger("collage_tvm")
+
+
+@dataclass
+class GraphLevelResult:
+    placement: Placement
+    best_ms: float
+    seed_ms: float                    # the op-level placement's measured latency
+    history: list = field(default_factory=list)   # per generation: {"gen", "best_ms", "evaluated", "elapsed_s"}
+    evaluated: int = 0                # distinct placements built and timed
+    invalid: dict = field(default_factory=dict)   # decoded key -> reason
+    stopped: str = ""                 # "budget" | "saturation" | "exhausted"
+
+
+def is_convex(graph, nodes: set) -> bool:
+    """No path leaves ``nodes`` and re-enters it (the group can run as one call)."""
+    if not nodes:
+        return True
+    last = max(nodes)
+    frontier = [u for i in nodes for u in graph.nodes[i].users if u not in nodes and u < last]
+    seen = set(frontier)
+    while frontier:
+        i = frontier.pop()
+        for u in graph.nodes[i].users:
+            if u in nodes:
+                return False
+            if u not in seen and u < last:
+                seen.add(u)
+                frontier.append(u)
+    return True
+
+
+def merge_offloaded(graph, groups: list, offloaded: set) -> list:
+    """Merge touching groups of the same graph library (indices in ``offloaded``) while convex.
+
+    Returns the new list of candidates (unordered); merged groups are labelled
+    ``<lib>.graph``.
+    """
+    owner = {}
+    clusters: list = []  # [lib, set(nodes)] or None once absorbed
+    for k in sorted(offloaded, key=lambda k: min(groups[k].nodes)):
+        lib, nodes = groups[k].backend, set(groups[k].nodes)
+        neighbours = {owner[j] for i in nodes
+                      for j in list(graph.nodes[i].inputs) + list(graph.nodes[i].users)
+                      if j in owner and clusters[owner[j]] is not None
+                      and clusters[owner[j]][0] == lib}
+        for c in sorted(neighbours, key=lambda c: -len(clusters[c][1])):
+            union = nodes | clusters[c][1]
+            if is_convex(graph, union):
+                nodes = union
+                clusters[c] = None
+        clusters.append([lib, nodes])
+        for i in nodes:
+            owner[i] = len(clusters) - 1
+    out = [g for k, g in enumerate(groups) if k not in offloaded]
+    for c in clusters:
+        if c is not None:
+            out.append(Candidate(c[0], frozenset(c[1]), f"{c[0]}.graph"))
+    return out
+
+
+class GraphLevelSearch:
+    """Set up once per (graph, op-level placement, graph libraries); ``run`` does the search."""
+
+    def __init__(self, graph, placement: Placement, graph_libs: dict, evaluate: Callable,
+                 order: Callable | None = None, seed: int = 0):
+        """``graph_libs``: name -> Backend (kind ``graph``), each with pattern rules.
+        ``evaluate(groups) -> (ms, reason)``: build and time a placement (inf + reason if invalid).
+        ``order(graph, groups)``: an executable order of groups (default: baselines.order_groups).
+        """
+        if order is None:
+            from ..baselines import order_groups as order
+        self.graph, self.placement, self.evaluate, self.order = graph, placement, evaluate, order
+        self.libs = sorted(graph_libs)
+        self.valid = {name: _valid_nodes(graph, graph_libs[name]) for name in self.libs}
+        graph_names = set(self.libs)
+        self.eligible = []  # (group index, [libs that can run it])
+        for k, g in enumerate(placement.groups):
+            if g.backend in graph_names:
+                continue  # already on a graph library at the op level
+            can = [lib for lib in self.libs if g.nodes <= self.valid[lib]]
+            if can:
+                self.eligible.append((k, can))
+        self.choice_bits = max(0, math.ceil(math.log2(len(self.libs)))) if self.libs else 0
+        self.rng = random.Random(seed)
+        self.memo: dict = {}
+        self.invalid: dict = {}
+
+    @property
+    def n_genes(self) -> int:
+        return len(self.eligible) * (1 + self.choice_bits)
+
+    def decode(self, genes) -> tuple:
+        """(groups in executable order, {group: "op-level"|"graph-level"}) of an individual."""
+        n = len(self.eligible)
+        groups = list(self.placement.groups)
+        offloaded = set()
+        for pos, (k, can) in enumerate(self.eligible):
+            if not genes[pos]:
+                continue
+            choice = 0
+            for b in range(self.choice_bits):
+                choice = choice * 2 + int(genes[n + pos * self.choice_bits + b])
+            lib = self.libs[choice % len(self.libs)]
+            if lib not in can:
+                lib = can[0]
+            groups[k] = Candidate(lib, groups[k].nodes, f"{lib}.graph")
+            offloaded.add(k)
+        merged = merge_offloaded(self.graph, groups, offloaded)
+        chosen = {g: ("graph-level" if g.label.endswith(".graph") else
+                      self.placement.chosen_by.get(g, "op-level")) for g in merged}
+        return self.order(self.graph, merged), chosen
+
+    @staticmethod
+    def key(groups) -> frozenset:
+        return frozenset((g.backend, g.nodes) for g in groups)
+
+    def fitness(self, genes) -> float:
+        groups, _ = self.decode(genes)
+        key = self.key(groups)
+        if key not in self.memo:
+            ms, reason = self.evaluate(groups)
+            self.memo[key] = ms
+            if reason:
+                self.invalid[key] = reason
+                logger.warning("graph-level: placement invalid: %s", reason)
+        return self.memo[key]
+
+    def seeds(self) -> list:
+        n = len(self.eligible)
+        out = [[0] * self.n_genes]
+        for j, lib in enumerate(self.libs):
+            bits = [int(c) for c in format(j, f"0{self.choice_bits}b")] if self.choice_bits else []
+            out.append([1] * n + bits * n)
+        return out
+
+    def run(self, budget_s: float = 300.0, population: int = 12, patience: int = 5,
+            cxpb: float = 0.6, mutpb: float = 0.4, immigrants: int = 2,
+            max_generations: int = 1000,
+            on_generation: Callable | None = None) -> GraphLevelResult:
+        from deap import base, creator, tools
+
+        t_start = time.perf_counter()
+        if not hasattr(creator, "CollageFitnessMin"):
+            creator.create("CollageFitnessMin", base.Fitness, weights=(-1.0,))
+            creator.create("CollageIndividual", list, fitness=creator.CollageFitnessMin)
+        Individual = creator.CollageIndividual
+        toolbox = base.Toolbox()
+        toolbox.register("mate", tools.cxTwoPoint)
+        toolbox.register("mutate", tools.mutFlipBit, indpb=max(2.0 / max(self.n_genes, 1), 0.02))
+        toolbox.register("select", tools.selTournament, tournsize=3)
+
+        seed_groups, _ = self.decode([0] * self.n_genes)
+        result = GraphLevelResult(self.placement, math.inf, math.inf)
+        if self.n_genes == 0:
+            result.stopped = "exhausted"
+            logger.info("graph-level: no op-level group can run on a graph library; nothing to search")
+            return result
+
+        def out_of_time() -> bool:
+            return time.perf_counter() - t_start > budget_s
+
+        def assess(pop) -> None:
+            for ind in pop:
+                if not ind.fitness.valid:
+                    ind.fitness.values = (math.inf,) if out_of_time() and \
+                        self.key(self.decode(ind)[0]) not in self.memo else (self.fitness(ind),)
+
+        pop = [Individual(s) for s in self.seeds()]
+        while len(pop) < population:
+            pop.append(Individual(self.rng.randint(0, 1) for _ in range(self.n_genes)))
+        random.seed(self.rng.random())  # DEAP's operators draw from the global generator
+        assess(pop)
+        result.seed_ms = self.memo[self.key(seed_groups)]
+        best = tools.selBest(pop, 1)[0]
+        stale, gen = 0, 0
+        self._record(result, gen, best, t_start, on_generation)
+        while True:
+            if out_of_time():
+                result.stopped = "budget"
+                break
+            if stale >= patience:
+                result.stopped = "saturation"
+                break
+            if gen >= max_generations or len(self.memo) >= 2 ** min(self.n_genes, 60):
+                result.stopped = "exhausted"
+                break
+            gen += 1
+            offspring = [toolbox.clone(ind) for ind in toolbox.select(pop, population)]
+            for a, b in zip(offspring[::2], offspring[1::2]):
+                if random.random() < cxpb:
+                    toolbox.mate(a, b)
+            for ind in offspring:
+                if random.random() < mutpb:
+                    toolbox.mutate(ind)
+                # Every evaluation costs a build and a timing run: an offspring that decodes
+                # to a placement already measured is mutated again (a few tries).
+                for _ in range(3):
+                    if self.key(self.decode(ind)[0]) not in self.memo:
+                        break
+                    toolbox.mutate(ind)
+                del ind.fitness.values
+            # Fresh random individuals keep the population from collapsing onto one
+            # placement (on a dozen individuals a GA converges fast).
+            for k in range(1, min(immigrants, len(offspring)) + 1):
+                offspring[-k] = Individual(self.rng.randint(0, 1) for _ in range(self.n_genes))
+            assess(offspring)
+            # (mu + lambda) survival over distinct placements: parents compete with their
+            # offspring, so a good runner-up (e.g. the other library's seed) is not lost.
+            pop = self._distinct_best(pop + offspring, population)
+            new_best = tools.selBest(pop, 1)[0]
+            if new_best.fitness.values[0] < best.fitness.values[0] * (1 - 1e-3):
+                stale = 0
+            else:
+                stale += 1
+            best = new_best
+            self._record(result, gen, best, t_start, on_generation)
+        groups, chosen = self.decode(best)
+        result.best_ms = best.fitness.values[0]
+        result.placement = Placement(groups, result.best_ms, chosen)
+        result.evaluated = len(self.memo)
+        result.invalid = dict(self.invalid)
+        return result
+
+    def _distinct_best(self, individuals, n) -> list:
+        out, seen = [], set()
+        for ind in sorted(individuals, key=lambda i: i.fitness.values[0]):
+            key = self.key(self.decode(ind)[0])
+            if key not in seen:
+                seen.add(key)
+                out.append(ind)
+            if len(out) == n:
+                break
+        return out
+
+    def _record(self, result, gen, best, t_start, on_generation) -> None:
+        entry = {"gen": gen, "best_ms": best.fitness.values[0], "evaluated": len(self.memo),
+                 "elapsed_s": time.perf_counter() - t_start}
+        result.history.append(entry)
+        logger.info("graph-level gen %d: best %.3f ms (%d placements measured, %.0f s)",
+                    gen, entry["best_ms"], entry["evaluated"], entry["elapsed_s"])
+        if on_generation is not None:
+            on_generation(entry)
+
+
+def _valid_nodes(graph, backend) -> set:
+    """Nodes some pattern rule of ``backend`` accepts (graph libraries declare rules)."""
+    out = set()
+    for rule in backend.rules:
+        for node in graph.nodes:
+            try:
+                if rule.valid_op(node):
+                    out.add(node.index)
+            except Exception as err:  # a broken rule must not stop the search
+                logger.debug("%s valid_op raised on %s: %s", backend.name, node, err)
+    return out
