@@ -18,6 +18,8 @@ setup(
         "onnx==1.23.2",
         "onnxruntime==1.31.1",
         "torch==2.13.0",  # CPU build; the dnnl backend uses its oneDNN (docs/DNNL_BINDING.md)
+        "openvino==2026.4.1",  # the openvino graph backend
+        "mkl==2026.2.0",  # libmkl_rt for the mkl backend (docs/DNNL_BINDING.md, "MKL binding")
         "deap==1.4.4",
         "z3-solver==5.4.0.0",
         "tqdm>=4.66",

@@ -86,9 +86,11 @@ class GraphLibraryLowering:
 
     def lower(self, func):
         model = self.export(func)
-        return self.compile(model, output_specs(func))
+        sole = bool(func.attrs is not None and func.attrs.get("collage.sole_group", False))
+        return self.compile(model, output_specs(func), sole)
 
-    def compile(self, model, specs):  # pragma: no cover - abstract
+    def compile(self, model, specs, sole: bool = False):  # pragma: no cover - abstract
+        """``sole``: the subgraph is the whole model (no other runtime runs in between)."""
         raise NotImplementedError
 
 

@@ -1,7 +1,8 @@
 """onnxruntime backend (kind ``graph``): a Relax subgraph exported to ONNX, run by ONNX Runtime.
 
 One ``InferenceSession`` per subgraph (CPU execution provider, all graph optimizations,
-as many intra-op threads as the process has cores). Each call binds the TVM input
+as many intra-op threads as the process has cores; the threads do not spin between
+calls unless the subgraph is the whole model, see collage_tvm/__init__.py). Each call binds the TVM input
 buffers and freshly allocated output buffers with ONNX Runtime's I/O binding, so no
 tensor is copied on the way in or out.
 """
@@ -39,7 +40,7 @@ class OnnxRuntimeLowering(GraphLibraryLowering):
         except Exception:  # noqa: BLE001
             return "onnxruntime-unavailable"
 
-    def session(self, model_bytes: bytes):
+    def session(self, model_bytes: bytes, spin: bool = True):
         import onnxruntime as ort
 
         opts = ort.SessionOptions()
@@ -47,10 +48,14 @@ class OnnxRuntimeLowering(GraphLibraryLowering):
         opts.inter_op_num_threads = 1
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         opts.log_severity_level = 3
+        if not spin:  # see collage_tvm/__init__.py: spinning threads starve other runtimes
+            opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         return ort.InferenceSession(model_bytes, opts, providers=["CPUExecutionProvider"])
 
-    def compile(self, model, specs):
-        sess = self.session(model.SerializeToString())
+    def compile(self, model, specs, sole: bool = False):
+        # Spinning threads help only when nothing else runs between two calls: the whole
+        # model on onnxruntime. Anywhere else they starve the next runtime's threads.
+        sess = self.session(model.SerializeToString(), spin=sole)
         in_names = [i.name for i in sess.get_inputs()]
         out_names = [o.name for o in sess.get_outputs()]
         if len(out_names) != len(specs):

@@ -44,7 +44,7 @@ class OpenVinoLowering(GraphLibraryLowering):
         core = ov.Core()
         return core.compile_model(core.read_model(model_bytes, b""), "CPU", self.config())
 
-    def compile(self, model, specs):
+    def compile(self, model, specs, sole: bool = False):
         import openvino as ov
 
         compiled = self.compile_bytes(model.SerializeToString())

@@ -98,6 +98,21 @@ def _db(args) -> int:
     return 0
 
 
+def _bench(args, parser) -> int:
+    from . import bench
+    from .models import MODELS
+
+    unknown = [m for m in args.models if m not in MODELS]
+    if unknown:
+        parser.error(f"unknown model(s) {', '.join(unknown)}; known: {', '.join(sorted(MODELS))}")
+    backends = [b for b in args.backends.split(",") if b]
+    results = bench.run(args.models, args.out, backends, db=args.db,
+                        graph_level=args.graph_level, budget=args.budget)
+    print("\n" + bench.markdown(results))
+    print(f"\nwritten: {args.out}/results.json, {args.out}/results.md")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="collage-tvm", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -120,6 +135,15 @@ def main(argv=None) -> int:
     o.add_argument("--in-process", action="store_true",
                    help="measure in this process (faster start, no crash isolation)")
     o.add_argument("-v", "--verbose", action="store_true")
+    b = sub.add_parser("bench", help="Collage beside single-backend builds on bundled models")
+    b.add_argument("models", nargs="+", help="model names (collage_tvm.models: resnet50, "
+                   "resnet_small, bert_base, bert_small)")
+    b.add_argument("--backends", default="tvm,dnnl,mkl,onnxruntime,openvino")
+    b.add_argument("--graph-level", action="store_true", help="also run the two-level search")
+    b.add_argument("--budget", type=float, default=300.0)
+    b.add_argument("--db", default=None)
+    b.add_argument("--out", default="bench-out", help="folder for results.json / results.md")
+    b.add_argument("-v", "--verbose", action="store_true")
     d = sub.add_parser("db", help="inspect, export or import the cost DB")
     d.add_argument("action", choices=["stats", "show", "export", "import"])
     d.add_argument("file", nargs="?")
@@ -135,6 +159,8 @@ def main(argv=None) -> int:
         if args.action in ("export", "import") and not args.file:
             p.error(f"db {args.action} needs a FILE")
         return _db(args)
+    if args.cmd == "bench":
+        return _bench(args, p)
     try:
         return _optimize(args)
     except (ValueError, KeyError, FileNotFoundError) as err:

@@ -43,7 +43,8 @@ def partition(graph: DataflowGraph, groups, backends: dict) -> tvm.IRModule:
                     key = function_key(sub)
                     sub = sub.with_attrs({"Codegen": CODEGEN_PREFIX + backend.name,
                                           "global_symbol": f"collage.{backend.name}.{key}_{k}",
-                                          "collage.label": group.label})
+                                          "collage.label": group.label,
+                                          "collage.sole_group": len(groups) == 1})
                     args = [vmap[v] for v in inputs]
                 else:
                     sub = sub.with_attrs({"Primitive": True, "collage.label": group.label})

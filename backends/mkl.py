@@ -1,0 +1,478 @@
+"""mkl backend: run a matched matmul (+ bias) group as one Intel MKL GEMM call.
+
+The binding is ``libmkl_rt`` (MKL's single dynamic library) from the ``mkl`` PyPI wheel,
+called through ctypes:
+
+* ``cblas_sgemm`` for a 2-D matmul and for an N-D lhs times a weight shared by the whole
+  batch (the lhs batch folds into the GEMM's M);
+* ``cblas_sgemm_batch_strided`` for batched matmuls (equal batch dims, or an lhs shared by
+  a batched rhs: stride 0);
+* a rhs that is ``permute_dims`` of the last two axes (``x @ W^T``, attention's
+  ``Q @ K^T``) is passed in place with ``CblasTrans``, never copied;
+* a bias (constant, broadcast over the last dim) is written into C first and the GEMM runs
+  with ``beta = 1``: the epilogue costs no extra pass over C.
+
+Threading (docs/DNNL_BINDING.md, "MKL binding"): MKL runs on the GNU OpenMP layer
+(``MKL_Set_Threading_Layer(MKL_THREADING_GNU)`` before the first call) on the same
+``libgomp.so.1`` that torch ships and uses, preloaded by path, so torch (and the dnnl
+backend) and MKL share one OpenMP thread pool whichever is imported first. The Intel layer
+(``libiomp5``) beside torch's libgomp gave wrong GEMM results here; MKL runs with as many
+threads as the cores this process may use (``os.sched_getaffinity``), except GEMMs under
+``SINGLE_THREAD_FLOPS``, which run on one thread (``MKL_Set_Num_Threads_Local``).
+
+Tensors cross without copies: inputs by their data pointers (``Tensor.data_ptr()``), the
+output is a fresh (64-byte aligned) TVM tensor that MKL writes into.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import glob
+import os
+import re
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+
+# mkl_service.h / mkl_cblas.h
+_THREADING = {0: "intel", 1: "sequential", 2: "pgi", 3: "gnu", 4: "tbb"}
+MKL_THREADING_SEQUENTIAL, MKL_THREADING_GNU = 1, 3
+CBLAS_ROW_MAJOR, CBLAS_NO_TRANS, CBLAS_TRANS = 101, 111, 112
+_INT_MAX = 2**31 - 1  # LP64 interface: MKL_INT is 32 bits
+# GEMMs below this many flops run on one thread: a second thread gains nothing there (2 cores:
+# 1 MFLOP 9 us on 1 thread, 10-12 us on 2), and when other processes load the cores every
+# OpenMP barrier may wait a scheduler tick for a descheduled thread (medians of 8-12 ms seen).
+SINGLE_THREAD_FLOPS = 2e6
+
+
+def _unsupported(what: str) -> NotImplementedError:
+    return NotImplementedError(f"mkl: {what} is not supported")
+
+
+# ----------------------------------------------------------------------------- library
+
+def find_libmkl_rt() -> str | None:
+    """Where ``libmkl_rt`` is: next to the interpreter's prefix (the wheel's data files),
+    in the ``mkl`` distribution's file list, or on the system's library path."""
+    names = ("libmkl_rt.so.3", "libmkl_rt.so.2", "libmkl_rt.so")
+    for prefix in dict.fromkeys((sys.prefix, sys.base_prefix)):
+        for name in names:
+            path = os.path.join(prefix, "lib", name)
+            if os.path.isfile(path):
+                return path
+    try:
+        from importlib import metadata
+
+        for f in metadata.files("mkl") or ():
+            if os.path.basename(str(f)).startswith("libmkl_rt.so"):
+                path = os.path.realpath(f.locate())
+                if os.path.isfile(path):
+                    return path
+    except Exception:  # noqa: BLE001 - no mkl distribution: try the system next
+        pass
+    return ctypes.util.find_library("mkl_rt")
+
+
+def _torch_libgomp() -> str | None:
+    """torch's bundled ``libgomp.so.1`` (without importing torch), if torch is installed."""
+    try:
+        import importlib.util
+
+        spec = importlib.util.find_spec("torch")
+    except Exception:  # noqa: BLE001
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for loc in spec.submodule_search_locations:
+        for cand in glob.glob(os.path.join(loc, "lib", "libgomp*.so*")):
+            return cand
+    return None
+
+
+def _preload_libgomp() -> str | None:
+    """Load the libgomp that MKL's GNU layer will bind to; None if there is none.
+
+    If torch is (or will be) in the process, its bundled ``libgomp.so.1`` is loaded first, so
+    the dynamic linker hands the same library (by soname) to MKL and, later, to torch.
+    """
+    cands = []
+    if "torch" not in sys.modules:  # once torch is imported, its libgomp is already resident
+        cands.append(_torch_libgomp())
+    cands.append("libgomp.so.1")
+    for cand in cands:
+        if not cand:
+            continue
+        try:
+            ctypes.CDLL(cand, mode=ctypes.RTLD_GLOBAL)
+            return cand
+        except OSError:
+            continue
+    return None
+
+
+class _Mkl:
+    """One loaded libmkl_rt: signatures, threading set up once, version."""
+
+    def __init__(self, path: str):
+        lib = ctypes.CDLL(path)
+        p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+        lib.MKL_Set_Threading_Layer.argtypes, lib.MKL_Set_Threading_Layer.restype = [i], i
+        lib.MKL_Set_Num_Threads.argtypes, lib.MKL_Set_Num_Threads.restype = [i], None
+        lib.MKL_Set_Num_Threads_Local.argtypes, lib.MKL_Set_Num_Threads_Local.restype = [i], i
+        lib.MKL_Get_Max_Threads.argtypes, lib.MKL_Get_Max_Threads.restype = [], i
+        lib.MKL_Get_Version_String.argtypes, lib.MKL_Get_Version_String.restype = [ctypes.c_char_p, i], None
+        lib.cblas_sgemm.argtypes = [i, i, i, i, i, i, f, p, i, p, i, f, p, i]
+        lib.cblas_sgemm.restype = None
+        lib.cblas_sgemm_batch_strided.argtypes = [i, i, i, i, i, i, f, p, i, i, p, i, i, f, p, i, i, i]
+        lib.cblas_sgemm_batch_strided.restype = None
+        self.lib, self.path = lib, path
+        # The threading layer must be chosen before any other MKL call (even the version
+        # string initialises MKL, which then keeps the layer it detected).
+        self.libgomp = _preload_libgomp()
+        wanted = MKL_THREADING_GNU if self.libgomp else MKL_THREADING_SEQUENTIAL
+        self.threading = _THREADING.get(lib.MKL_Set_Threading_Layer(wanted), "unknown")
+        buf = ctypes.create_string_buffer(256)
+        lib.MKL_Get_Version_String(buf, len(buf))
+        self.version_string = buf.value.decode(errors="replace").strip()
+        try:
+            ncores = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            ncores = os.cpu_count() or 1
+        lib.MKL_Set_Num_Threads(max(1, ncores))
+        self.threads = lib.MKL_Get_Max_Threads()
+        self.set_num_threads_local = lib.MKL_Set_Num_Threads_Local
+        self.tls = threading.local()  # .threads: the thread-local count this thread last set
+        self.sgemm = lib.cblas_sgemm
+        self.sgemm_batch_strided = lib.cblas_sgemm_batch_strided
+
+    @property
+    def version(self) -> str:
+        found = re.search(r"Version\s+(\S+?)(?:-Product)?\s+Build\s+(\d+)", self.version_string)
+        return f"{found.group(1)}-{found.group(2)}" if found else (self.version_string or "unknown")
+
+
+_LIBS: dict = {}
+_LOCK = threading.Lock()
+
+
+def _load(path: str) -> _Mkl:
+    with _LOCK:
+        if path not in _LIBS:
+            _LIBS[path] = _Mkl(path)
+        return _LIBS[path]
+
+
+class MklLowering:
+    """Lowers one candidate subgraph (a standalone Relax function) to an MKL GEMM callable.
+
+    ``lib_path``: the ``libmkl_rt`` to use (default: :func:`find_libmkl_rt`).
+    """
+
+    name = "mkl"
+
+    def __init__(self, lib_path: str | None = None):
+        self.lib_path = lib_path
+
+    def _mkl(self) -> _Mkl:
+        path = self.lib_path or find_libmkl_rt()
+        if path is None:
+            raise OSError("libmkl_rt not found (pip install mkl==2026.2.0; looked in "
+                          f"{os.path.join(sys.prefix, 'lib')}, the mkl package, the library path)")
+        return _load(path)
+
+    def available(self) -> tuple[bool, str]:
+        try:
+            mkl = self._mkl()
+        except Exception as err:  # noqa: BLE001 - available() never raises
+            return False, f"cannot load MKL ({type(err).__name__}: {err})"
+        if mkl.threading not in ("gnu", "sequential"):
+            return False, (f"MKL's threading layer is {mkl.threading!r} (chosen before collage loaded "
+                           "it); only GNU OpenMP or sequential is safe beside torch's libgomp")
+        return True, ""
+
+    def version(self) -> str:
+        try:
+            mkl = self._mkl()
+        except Exception:  # noqa: BLE001
+            return "mkl-unavailable"
+        return f"mkl-{mkl.version}+{mkl.threading}{mkl.threads}"
+
+    def lower(self, func) -> Callable:
+        """Analyse ``func`` and return ``fn(*tvm_tensors) -> tvm.runtime.Tensor``.
+
+        Raises ``NotImplementedError("mkl: ... is not supported")`` for anything that is not
+        one matmul (rhs maybe transposed / reshaped in place) followed by a bias add.
+        """
+        plan = _analyse(func)
+        return _build(plan, self._mkl())
+
+    def probe(self):
+        """The switching-cost probe: a 1x1 GEMM (the engine's default, an add, is not MKL's)."""
+        from tvm import relax
+
+        x = relax.Var("x", relax.TensorType((1, 1), "float32"))
+        bb = relax.BlockBuilder()
+        with bb.function("main", [x]):
+            with bb.dataflow():
+                y = bb.emit_output(relax.op.matmul(x, relax.const(np.ones((1, 1), "float32"))))
+            bb.emit_func_output(y)
+        return bb.get()["main"]
+
+
+# ----------------------------------------------------------------------------- analysis
+
+@dataclass
+class _Operand:
+    """A GEMM operand: a parameter index or a constant array, maybe read transposed.
+
+    ``shape`` is the logical shape; the memory holds a contiguous array whose last two
+    dims are ``shape[-2:]``, or ``shape[-2:][::-1]`` when ``trans``.
+    """
+
+    src: object  # int (param index) or np.ndarray
+    shape: tuple
+    trans: bool = False
+    reshaped: bool = False
+
+
+@dataclass
+class _Plan:
+    lhs: _Operand
+    rhs: _Operand
+    out_shape: tuple
+    nparams: int
+    param_shapes: tuple
+    bias: np.ndarray | None = None  # (N,)
+
+
+def _static_shape(expr, what: str) -> tuple:
+    import tvm
+
+    ty = expr.ty
+    values = getattr(ty.shape, "values", None) if isinstance(ty, tvm.relax.TensorType) else None
+    if values is None:
+        raise _unsupported(f"{what} without a known static shape")
+    if ty.dtype != "float32":
+        raise _unsupported(f"{what} of dtype {ty.dtype} (float32 only)")
+    dims = []
+    for d in values:
+        if not isinstance(d, (int, tvm.tirx.IntImm)):
+            raise _unsupported(f"{what} with the dynamic shape {ty.shape}")
+        dims.append(int(d))
+    return tuple(dims)
+
+
+def _swap_last_two(ndim: int) -> list:
+    return list(range(ndim - 2)) + [ndim - 1, ndim - 2]
+
+
+def _view(op: str, value, x: _Operand, out_shape: tuple) -> _Operand:
+    """The operand ``op(x)`` for a permute / broadcast / reshape that needs no copy."""
+    if op == "relax.permute_dims":
+        nd = len(x.shape)
+        axes = value.attrs.axes
+        axes = list(range(nd))[::-1] if axes is None else [int(a) % nd for a in axes]
+        if nd >= 2 and axes == _swap_last_two(nd) and not x.trans and not x.reshaped:
+            return _Operand(x.src, out_shape, trans=True)
+        if isinstance(x.src, np.ndarray):  # any other permute of a constant: folded once
+            return _Operand(np.ascontiguousarray(np.transpose(_materialize(x), axes)), out_shape)
+        raise _unsupported(f"permute_dims with axes {axes} of a run-time tensor "
+                           "(only a swap of the last two axes)")
+    if op == "relax.broadcast_to":
+        if out_shape != x.shape:
+            raise _unsupported(f"broadcast_to from {list(x.shape)} to {list(out_shape)}")
+        return x
+    if op == "relax.reshape":
+        if not x.trans:
+            return _Operand(x.src, out_shape, reshaped=True)  # contiguous: any reshape is a view
+        if len(out_shape) < 2 or out_shape[-2:] != x.shape[-2:]:
+            raise _unsupported(f"reshape of a transposed tensor from {list(x.shape)} to "
+                               f"{list(out_shape)} (only batch dims may merge)")
+        return _Operand(x.src, out_shape, trans=True, reshaped=True)
+    raise _unsupported(f"{op} before the matmul")
+
+
+def _materialize(x: _Operand) -> np.ndarray:
+    arr = x.src
+    if x.trans:
+        arr = np.swapaxes(arr, -1, -2)
+    return arr.reshape(x.shape)
+
+
+def _analyse(func) -> _Plan:
+    import tvm
+    from tvm import relax
+
+    if not isinstance(func, relax.Function):
+        raise TypeError(f"mkl: expected a tvm.relax.Function, got {type(func).__name__}")
+    params = {p: i for i, p in enumerate(func.params)}
+    param_shapes = tuple(_static_shape(p, f"the input {p.name}") for p in func.params)
+    body = func.body
+    if not isinstance(body, relax.SeqExpr):
+        raise _unsupported(f"a function body of kind {type(body).__name__}")
+    bindings = [b for block in body.blocks for b in block.bindings]
+    views: dict = {}  # var -> _Operand (a no-copy view of a parameter or a constant)
+    plan, chain = None, None
+
+    def operand(expr) -> _Operand:
+        if isinstance(expr, tvm.ir.Constant):
+            shape = _static_shape(expr, "a constant")
+            return _Operand(np.ascontiguousarray(expr.value.numpy(), dtype=np.float32), shape)
+        if expr in views:
+            return views[expr]
+        if expr in params:
+            return _Operand(params[expr], param_shapes[params[expr]])
+        raise _unsupported(f"the operand {expr} (not a parameter or a constant of the subgraph)")
+
+    for binding in bindings:
+        if not isinstance(binding, relax.VarBinding):
+            raise _unsupported(f"a {type(binding).__name__} binding")
+        value = binding.value
+        if not isinstance(value, relax.Call) or not isinstance(value.op, tvm.ir.Op):
+            raise _unsupported(f"the expression {value}")
+        op = value.op.name
+        out_shape = _static_shape(value, f"the result of {op}")
+        if plan is None:
+            if op != "relax.matmul":
+                views[binding.var] = _view(op, value, operand(value.args[0]), out_shape)
+                continue
+            plan = _analyse_matmul(value, operand, out_shape, len(params), param_shapes)
+            chain = binding.var
+            continue
+        chain_args = [i for i, a in enumerate(value.args) if a.same_as(chain)]
+        if op != "relax.add" or len(chain_args) != 1:
+            raise _unsupported(f"{op} after the matmul (only a bias add)")
+        if out_shape != plan.out_shape:
+            raise _unsupported("an add that broadcasts the matmul's output")
+        _analyse_bias(plan, value.args[1 - chain_args[0]], operand)
+        chain = binding.var
+    if plan is None:
+        raise _unsupported("a subgraph without a matmul")
+    if not body.body.same_as(chain):
+        raise _unsupported("a subgraph that does not return the result of its last op")
+    return plan
+
+
+def _analyse_matmul(call, operand, out_shape, nparams, param_shapes) -> _Plan:
+    if str(call.attrs.out_dtype or "float32") not in ("float32", "void"):
+        raise _unsupported(f"matmul with out_dtype {call.attrs.out_dtype}")
+    lhs, rhs = operand(call.args[0]), operand(call.args[1])
+    if lhs.trans:
+        raise _unsupported("a transposed lhs")
+    if not 2 <= len(lhs.shape) <= 4 or not 2 <= len(rhs.shape) <= 4:
+        raise _unsupported(f"matmul of ranks {len(lhs.shape)} x {len(rhs.shape)} (2..4 only)")
+    if 0 in lhs.shape or 0 in rhs.shape:
+        raise _unsupported("matmul with an empty dimension")
+    if lhs.shape[-1] != rhs.shape[-2]:
+        raise _unsupported(f"matmul of {list(lhs.shape)} x {list(rhs.shape)}")
+    if _batch_mode(lhs.shape, rhs.shape) is None:
+        raise _unsupported(f"mixed batch broadcast {list(lhs.shape[:-2])} x {list(rhs.shape[:-2])} "
+                           "(equal batch dims, or one side unbatched)")
+    if int(np.prod(out_shape)) > _INT_MAX or int(np.prod(lhs.shape)) > _INT_MAX or \
+            int(np.prod(rhs.shape)) > _INT_MAX:
+        raise _unsupported("a matmul with more than 2**31 elements per operand (LP64 MKL)")
+    return _Plan(lhs, rhs, out_shape, nparams, param_shapes)
+
+
+def _batch_mode(lhs: tuple, rhs: tuple) -> str | None:
+    lb, rb = list(lhs[:-2]), list(rhs[:-2])
+    n = max(len(lb), len(rb))
+    lb, rb = [1] * (n - len(lb)) + lb, [1] * (n - len(rb)) + rb
+    if all(d == 1 for d in rb):
+        return "fold"      # one GEMM, the lhs batch folded into M
+    if all(d == 1 for d in lb):
+        return "shared_a"  # batched GEMM, A stride 0
+    if lb == rb:
+        return "strided"
+    return None
+
+
+def _analyse_bias(plan: _Plan, other, operand) -> None:
+    value = operand(other)
+    if not isinstance(value.src, np.ndarray):
+        raise _unsupported("an add of a run-time tensor (only a constant bias)")
+    shape, n = value.shape, plan.out_shape[-1]
+    if not (1 <= len(shape) <= len(plan.out_shape) and shape[-1] == n and all(d == 1 for d in shape[:-1])):
+        raise _unsupported(f"add of a {list(shape)} operand to the {list(plan.out_shape)} output "
+                           "(only a constant bias broadcast over the last dim)")
+    bias = _materialize(value).reshape(n).astype(np.float32)
+    plan.bias = bias if plan.bias is None else plan.bias + bias
+
+
+# ----------------------------------------------------------------------------- kernel
+
+def _build(plan: _Plan, mkl: _Mkl) -> Callable:
+    """Fix every GEMM argument but the three pointers; return the per-call function."""
+    import tvm
+    import tvm_ffi
+
+    lhs, rhs = plan.lhs, plan.rhs
+    m, k = lhs.shape[-2], lhs.shape[-1]
+    n = rhs.shape[-1]
+    transb = CBLAS_TRANS if rhs.trans else CBLAS_NO_TRANS
+    ldb = k if rhs.trans else n
+    beta = 0.0 if plan.bias is None else 1.0
+    mode = _batch_mode(lhs.shape, rhs.shape)
+    batch = int(np.prod(plan.out_shape[:-2], dtype=np.int64))
+    if mode == "fold":
+        rows = int(np.prod(lhs.shape[:-1], dtype=np.int64))
+        sgemm = mkl.sgemm
+
+        def gemm(a, b, c):
+            sgemm(CBLAS_ROW_MAJOR, CBLAS_NO_TRANS, transb, rows, n, k, 1.0, a, k, b, ldb, beta, c, n)
+    else:
+        stride_a = 0 if mode == "shared_a" else m * k
+        batched = mkl.sgemm_batch_strided
+
+        def gemm(a, b, c):
+            batched(CBLAS_ROW_MAJOR, CBLAS_NO_TRANS, transb, m, n, k, 1.0, a, k, stride_a,
+                    b, ldb, k * n, beta, c, n, m * n, batch)
+
+    # This thread's MKL thread count: 1 for a small GEMM, 0 (the global count) otherwise.
+    # Changed only when it differs from the last kernel's (one ctypes call is ~0.6 us).
+    local_threads = 1 if 2.0 * batch * m * n * k < SINGLE_THREAD_FLOPS else 0
+    set_local, tls = mkl.set_num_threads_local, mkl.tls
+    # Constants live as long as the callable; their pointers are fixed.
+    consts = [x.src for x in (lhs, rhs) if isinstance(x.src, np.ndarray)]
+    a_const = lhs.src.ctypes.data if isinstance(lhs.src, np.ndarray) else None
+    b_const = rhs.src.ctypes.data if isinstance(rhs.src, np.ndarray) else None
+    a_i = None if a_const is not None else lhs.src
+    b_i = None if b_const is not None else rhs.src
+    bias = plan.bias
+    nparams, param_shapes = plan.nparams, plan.param_shapes
+    out_shape = tvm_ffi.Shape(list(plan.out_shape))
+    f32, dev = tvm_ffi.dtype("float32"), tvm.cpu(0)
+    try:  # what tvm.runtime.empty calls, without its per-call argument conversions (~3 us)
+        from tvm.runtime import _ffi_api
+
+        alloc = _ffi_api.TVMTensorAllocWithScope
+        alloc(out_shape, f32, dev, None)
+    except Exception:  # noqa: BLE001 - another TVM: the public API
+        def alloc(shape, dtype, device, scope):
+            return tvm.runtime.empty(shape, dtype, device)
+
+    def run(*args):
+        if len(args) != nparams:
+            raise TypeError(f"mkl kernel takes {nparams} tensors, got {len(args)}")
+        for t, shape in zip(args, param_shapes):
+            if t.shape != shape:
+                raise ValueError(f"mkl kernel: input of shape {tuple(t.shape)}, expected {shape}")
+        if getattr(tls, "threads", 0) != local_threads:
+            set_local(local_threads)
+            tls.threads = local_threads
+        out = alloc(out_shape, f32, dev, None)  # 64-byte aligned, compact
+        if bias is not None:
+            np.copyto(np.from_dlpack(out), bias)  # C = bias; the GEMM adds with beta = 1
+        gemm(a_const if a_i is None else args[a_i].data_ptr(),
+             b_const if b_i is None else args[b_i].data_ptr(), out.data_ptr())
+        return out
+
+    run.__name__ = f"mkl_{'sgemm' if mode == 'fold' else 'sgemm_batch_strided'}"
+    run.mkl_plan = plan
+    run.mkl_threads = local_threads or mkl.threads
+    run._consts = consts  # keep the constant buffers alive
+    return run

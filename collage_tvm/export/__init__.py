@@ -1,0 +1,11 @@
+"""Write Relax subgraphs in the formats other runtimes read.
+
+The graph-library backends (onnxruntime, openvino) run a chosen subgraph by handing it to
+their library as an ONNX model: ``collage_tvm.export.onnx`` is that exporter. The pattern
+rules of those backends ask it, node by node, whether an operator can be written at all
+(``unsupported_reason``), so only exportable groups become candidates.
+"""
+from .onnx import ExportError, export_function, input_names, output_names, unsupported_reason
+
+__all__ = ["ExportError", "export_function", "input_names", "output_names",
+           "unsupported_reason"]

@@ -1,0 +1,146 @@
+"""Graph-library backends (onnxruntime, openvino) end to end, and the two-level search on them."""
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+import collage_tvm
+from collage_tvm.baselines import evaluate, graph_lib_groups
+from collage_tvm.build import compile_placement
+from collage_tvm.candidate import Candidate
+from collage_tvm.graph import DataflowGraph
+from collage_tvm.models import export_onnx
+from collage_tvm.registry import get_backend, register_backend
+from collage_tvm.target import make_target
+
+GRAPH_LIBS = [b for b in ("onnxruntime", "openvino") if get_backend(b).available()[0]]
+pytestmark = pytest.mark.skipif(not GRAPH_LIBS, reason="no graph library available")
+
+
+def _two_output_func():
+    """conv -> relu; the relu and a sigmoid of it both escape (a two-output group)."""
+    x = relax.Var("x", relax.TensorType((1, 4, 8, 8), "float32"))
+    w = relax.const(np.random.default_rng(0).uniform(-1, 1, (4, 4, 3, 3)).astype("float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            c = bb.emit(relax.op.nn.conv2d(x, w, padding=[1, 1, 1, 1]))
+            r = bb.emit(relax.op.nn.relu(c))
+            s = bb.emit(relax.op.sigmoid(r))
+            m = bb.emit(relax.op.multiply(r, s))
+            out = bb.emit_output(relax.op.add(m, r))
+        bb.emit_func_output(out)
+    return bb.get()["main"]
+
+
+@pytest.mark.parametrize("lib", GRAPH_LIBS)
+def test_graph_library_runs_groups_and_multi_output_groups(lib):
+    g = DataflowGraph(_two_output_func())
+    target = make_target("llvm")
+    backends = {"tvm": get_backend("tvm"), lib: get_backend(lib)}
+    ref_ex = tvm.compile(tvm.IRModule({"main": g.func}), target)
+    ref = evaluate(ref_ex, g, target)
+    # {conv, relu, sigmoid} on the library: relu and sigmoid both leave the group.
+    groups = [Candidate(lib, frozenset([0, 1, 2])), Candidate("tvm", frozenset([3])),
+              Candidate("tvm", frozenset([4]))]
+    ex, mod = compile_placement(g, groups, backends, target)
+    got = evaluate(ex, g, target, ref["outputs"])
+    assert got["match"], got["max_err"]
+    # The whole model as one library call.
+    whole = graph_lib_groups(g, backends[lib])
+    assert [c.nodes for c in whole] == [frozenset(range(len(g)))]
+    ex, _ = compile_placement(g, whole, backends, target)
+    got = evaluate(ex, g, target, ref["outputs"])
+    assert got["match"], got["max_err"]
+
+
+def test_library_versions_and_probes():
+    for lib in GRAPH_LIBS:
+        b = get_backend(lib)
+        assert b.kind == "graph" and b.version().startswith(lib)
+        probe = b.get_lowering().probe()
+        fn = b.get_lowering().lower(probe)
+        x = tvm.runtime.tensor(np.array([1.5], "float32"))
+        assert fn(x).numpy()[0] == 3.0
+
+
+@pytest.fixture(scope="module")
+def bert_onnx(tmp_path_factory):
+    return export_onnx("bert_small", str(tmp_path_factory.mktemp("m") / "bert_small.onnx"))
+
+
+def test_two_level_build_on_bert_small(bert_onnx, tmp_path):
+    lib = GRAPH_LIBS[0]
+    res = collage_tvm.optimize(bert_onnx, "llvm", ["tvm", lib], db=str(tmp_path / "c.db"),
+                               isolate=False, progress=False, graph_level=True, budget=20)
+    gl = res.report.graph_level
+    assert gl["history"] and gl["evaluated"] >= 2 and gl["eligible_groups"] > 0
+    assert gl["best_ms"] <= gl["seed_ms"]
+    ref_ex = tvm.compile(tvm.IRModule({"main": res.graph.func}), make_target("llvm"))
+    ref = evaluate(ref_ex, res.graph, make_target("llvm"))
+    got = evaluate(res.executable, res.graph, make_target("llvm"), ref["outputs"])
+    assert got["match"], got["max_err"]
+    levels = set(res.placement.chosen_by.values())
+    assert levels <= {"op-level", "graph-level"}
+    # The placement log keeps the graph-level result: the next build searches nothing.
+    again = collage_tvm.optimize(bert_onnx, "llvm", ["tvm", lib], db=str(tmp_path / "c.db"),
+                                 isolate=False, progress=False, graph_level=True, budget=20)
+    assert again.report.placement_from_log
+    assert {c.nodes for c in again.placement.groups} == {c.nodes for c in res.placement.groups}
+
+
+class _FailsOnLargeSubgraphs:
+    """onnxruntime that "cannot load" subgraphs of more than 3 operators (a real library
+    failing to load a subgraph, e.g. an op it lacks, looks the same to the search)."""
+
+    def __init__(self):
+        from collage_tvm.backends.onnxruntime import OnnxRuntimeLowering
+
+        self.inner = OnnxRuntimeLowering()
+
+    def available(self):
+        return self.inner.available()
+
+    def version(self):
+        return "flaky-" + self.inner.version()
+
+    def probe(self):
+        return self.inner.probe()
+
+    def lower(self, func):
+        n = sum(len(b.bindings) for b in func.body.blocks)
+        if n > 3:
+            raise RuntimeError(f"flaky: cannot load a subgraph of {n} operators")
+        return self.inner.lower(func)
+
+
+@pytest.mark.skipif("onnxruntime" not in GRAPH_LIBS, reason="onnxruntime unavailable")
+def test_graph_library_failure_marks_the_individual_invalid_and_search_goes_on(tmp_path):
+    from collage_tvm.patterns.graph_rule import exportable, one_anchor_group
+    from collage_tvm.registry import add_backend_pattern_rule
+
+    register_backend("flakyort", kind="graph", lowering=_FailsOnLargeSubgraphs())
+    add_backend_pattern_rule("flakyort", exportable, one_anchor_group, max_size=3)
+    g = DataflowGraph(_two_output_func())
+    mod = tvm.IRModule({"main": g.func})
+    res = collage_tvm.optimize(mod, "llvm", ["tvm", "flakyort"], db=str(tmp_path / "c.db"),
+                               isolate=False, progress=False, graph_level=True, budget=15)
+    gl = res.report.graph_level
+    assert gl["invalid"] >= 1  # at least the all-offload seed (5 operators) failed to load
+    assert any("cannot load" in r for r in gl["invalid_reasons"])
+    assert all(len(c.nodes) <= 3 for c in res.placement.groups if c.backend == "flakyort")
+    ref = evaluate(tvm.compile(mod, make_target("llvm")), g, make_target("llvm"))
+    got = evaluate(res.executable, res.graph, make_target("llvm"), ref["outputs"])
+    assert got["match"]
+
+
+def test_glue_check_matches_plain_onnxruntime(tmp_path):
+    if "onnxruntime" not in GRAPH_LIBS:
+        pytest.skip("onnxruntime unavailable")
+    from collage_tvm.bench import ort_glue_overhead
+
+    path = export_onnx("resnet_small", str(tmp_path / "r.onnx"))
+    r = ort_glue_overhead(path)
+    assert "error" not in r, r
+    assert r["match"] and r["plain_onnxruntime_ms"] > 0 and r["collage_onnxruntime_ms"] > 0
+
