@@ -107,8 +107,9 @@ def bench_model(name: str, out_dir: str, backends, db, graph_level: bool, budget
 
     path = export_onnx(name, os.path.join(out_dir, f"{name}.onnx"))
     entry: dict = {"model": name}
-    levels = [False, True] if graph_level else [False]
-    for gl in levels:
+    # The two-level run's comparison already holds the op-level placement ("collage-op-level")
+    # whenever the graph-level search changed it: one run covers both levels.
+    for gl in [graph_level]:
         label = "two-level" if gl else "op-level"
         print(f"\n== {name}: Collage {label} ({', '.join(backends)})", flush=True)
         t0 = time.perf_counter()

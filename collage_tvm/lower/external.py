@@ -7,9 +7,11 @@ global packed function *before* the VM is created, and called with
 """
 from __future__ import annotations
 
+import collections
 import itertools
 
 import tvm
+from tvm_ffi.structural import structural_equal, structural_hash
 from tvm import relax
 
 from ..partition import CODEGEN_PREFIX
@@ -17,6 +19,26 @@ from ..partition import CODEGEN_PREFIX
 # Registered callables stay alive for the life of the process (the VM looks them up by name).
 _LIVE: dict = {}
 _COUNTER = itertools.count()
+# Lowered callables by (backend, whole-model flag, structural hash incl. weights): the
+# graph-level search rebuilds placements that share most groups, and a graph library's
+# compile (an ONNX Runtime session, an OpenVINO model) is the slow part of a build.
+_CACHE: "collections.OrderedDict" = collections.OrderedDict()
+_CACHE_SIZE = 256
+
+
+def _lower_cached(backend, func):
+    sole = bool(func.attrs.get("collage.sole_group", False))
+    plain = relax.Function(func.params, func.body, func.ret_ty)
+    key = (backend.name, backend.version(), sole, structural_hash(plain))
+    hit = _CACHE.get(key)
+    if hit is not None and structural_equal(hit[0], plain):
+        _CACHE.move_to_end(key)
+        return hit[1]
+    fn = backend.get_lowering().lower(func)
+    _CACHE[key] = (plain, fn)
+    while len(_CACHE) > _CACHE_SIZE:
+        _CACHE.popitem(last=False)
+    return fn
 
 
 def lower_external(mod: tvm.IRModule, backends: dict) -> tvm.IRModule:
@@ -31,7 +53,7 @@ def lower_external(mod: tvm.IRModule, backends: dict) -> tvm.IRModule:
         name = str(codegen)[len(CODEGEN_PREFIX):]
         if name not in backends:
             raise KeyError(f"function {gv.name_hint} asks for backend {name!r}, which is not loaded")
-        fn = backends[name].get_lowering().lower(func)
+        fn = _lower_cached(backends[name], func)
         symbol = f"{func.attrs['global_symbol']}.{next(_COUNTER)}"
         tvm.register_global_func(symbol, fn, override=True)
         _LIVE[symbol] = fn
