@@ -51,13 +51,17 @@ class OpenVinoLowering(GraphLibraryLowering):
         if len(compiled.outputs) != len(specs):
             raise RuntimeError(f"openvino: compiled model has {len(compiled.outputs)} outputs, "
                                f"the subgraph {len(specs)}")
+        # OpenVINO drops graph inputs the model never reads: bind by name, not position.
+        position = {name: i for i, port in enumerate(compiled.inputs) for name in port.names}
+        slots = [(k, position[i.name]) for k, i in enumerate(model.graph.input)
+                 if i.name in position]
         request = compiled.create_infer_request()
         set_in, set_out, infer = request.set_input_tensor, request.set_output_tensor, request.infer
         Tensor = ov.Tensor
 
         def call(*args):
-            for i, a in enumerate(args):
-                set_in(i, Tensor(as_numpy(a), shared_memory=True))
+            for k, i in slots:
+                set_in(i, Tensor(as_numpy(args[k]), shared_memory=True))
             outs = []
             for i, (shape, dtype) in enumerate(specs):
                 out, view = new_output(shape, dtype)

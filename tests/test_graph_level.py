@@ -152,3 +152,21 @@ def test_nothing_to_search_without_eligible_groups():
     lib = Backend(name="ort", kind="graph", rules=[PatternRule(valid_op=lambda n: False)])
     res = GraphLevelSearch(g, _op_level(g), {"ort": lib}, evaluate).run(budget_s=5)
     assert res.stopped == "exhausted" and not calls and res.placement.groups == _op_level(g).groups
+
+
+def test_offloaded_groups_merge_with_op_level_library_groups():
+    g = _diamond_chain()
+    groups = [Candidate("ort" if i in (1, 2) else "tvm", frozenset([i]),
+                        "ort.op" if i in (1, 2) else "tvm.op") for i in range(len(g))]
+    op_level = Placement(groups, 0.0, {c: "op-level" for c in groups})
+    evaluate, _ = _fake_latency(g, {"tvm": 0.0, "ort": 0.1})
+    one = GraphLevelSearch(g, op_level, {"ort": _lib("ort")}, evaluate)
+    assert [k for k, _ in one.eligible] == [0, 3, 4, 5, 6]  # one library: its groups left out
+    assert one.decode([0] * one.n_genes)[0] == groups          # all 0 = the op-level placement
+    genes = [1, 0, 0, 0, 0]                                    # offload the conv (node 0)
+    merged, chosen = one.decode(genes)
+    lib_groups = [c for c in merged if c.backend == "ort"]
+    assert [c.nodes for c in lib_groups] == [frozenset({0, 1, 2})]
+    assert chosen[lib_groups[0]] == "graph-level"
+    two = GraphLevelSearch(g, op_level, {"ort": _lib("ort"), "ov": _lib("ov")}, evaluate)
+    assert len(two.eligible) == len(g)                          # several libraries: all groups

@@ -9,14 +9,15 @@ end-to-end latency.
 
 Encoding (DEAP, bit genes so ``cxTwoPoint`` and ``mutFlipBit`` apply as in the paper):
 
-* one *offload* bit per eligible op-level group (a group not already on a graph library
-  whose every node some registered graph library can run): 0 keeps the op-level choice,
-  1 offloads it;
+* one *offload* bit per eligible op-level group (a group whose every node some registered
+  graph library can run): 0 keeps the op-level choice, 1 offloads it. With one graph
+  library, groups the op level already put on it are left out (as in the paper); with
+  several they are eligible too, so the search also covers the choice between them;
 * with several graph libraries, ``ceil(log2(L))`` *choice* bits per group select which
   one (a library that cannot run the group falls back to one that can).
 
-Offloaded groups of the same library that touch are merged into one call whenever the
-union stays convex (no path leaves it and comes back), so the result is always an
+Offloaded groups, and groups the op level already put on a graph library, that touch and
+share the library are merged into one call whenever the union stays convex (no path leaves it and comes back), so the result is always an
 executable placement. The population is seeded with the op-level placement (all 0) and
 one all-offload individual per library; fitness is the measured latency of the built
 placement, memoised on the decoded placement; an individual whose build fails or whose
@@ -112,9 +113,10 @@ class GraphLevelSearch:
         self.valid = {name: _valid_nodes(graph, graph_libs[name]) for name in self.libs}
         graph_names = set(self.libs)
         self.eligible = []  # (group index, [libs that can run it])
+        self.on_lib = {k for k, g in enumerate(placement.groups) if g.backend in graph_names}
         for k, g in enumerate(placement.groups):
-            if g.backend in graph_names:
-                continue  # already on a graph library at the op level
+            if k in self.on_lib and len(self.libs) == 1:
+                continue  # already on the graph library at the op level
             can = [lib for lib in self.libs if g.nodes <= self.valid[lib]]
             if can:
                 self.eligible.append((k, can))
@@ -143,6 +145,10 @@ class GraphLevelSearch:
                 lib = can[0]
             groups[k] = Candidate(lib, groups[k].nodes, f"{lib}.graph")
             offloaded.add(k)
+        if not offloaded:  # all 0: exactly the op-level placement
+            return list(self.placement.groups), dict(self.placement.chosen_by)
+        # Groups the op level put on a graph library join the merge (same library only).
+        offloaded |= {k for k in self.on_lib if groups[k].backend in self.valid}
         merged = merge_offloaded(self.graph, groups, offloaded)
         chosen = {g: ("graph-level" if g.label.endswith(".graph") else
                       self.placement.chosen_by.get(g, "op-level")) for g in merged}
