@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
+import time
 
 import numpy as np
 import tvm
@@ -75,13 +77,16 @@ def run_outputs(vm, args) -> list:
 
 
 def evaluate(executable, graph, target, reference=None, rtol=1e-3, atol=1e-3, seed=0) -> dict:
-    """{"ms": median latency, "outputs": [...], "match": bool|None, "max_err": float}."""
+    """{"ms": median latency, "outputs": [...], "match": bool|None, "max_err": float,
+    "run": a zero-argument function running the model once (for interleaved timing)}."""
     dev = target_device(target)
     vm = relax.VirtualMachine(executable, dev)
     args = [tvm.runtime.tensor(a, dev) for a in random_inputs(graph.params, seed)]
     outputs = run_outputs(vm, args)
     ms, _, _ = time_main(vm, args, dev, target_ms=50.0, repeat=3, max_batches=3)
-    result = {"ms": ms, "outputs": outputs, "match": None, "max_err": math.nan}
+    main = vm["main"]
+    result = {"ms": ms, "outputs": outputs, "match": None, "max_err": math.nan,
+              "run": lambda: main(*args)}
     if reference is not None:
         errs = [float(np.max(np.abs(a - b))) if a.size else 0.0 for a, b in zip(outputs, reference)]
         result["max_err"] = max(errs, default=0.0)
@@ -101,3 +106,23 @@ def graph_lib_groups(graph, backend) -> list:
                for i in range(len(graph))]
     merged = merge_offloaded(graph, singles, {i for i in range(len(graph)) if i in valid})
     return order_groups(graph, merged)
+
+
+def interleaved(fns: dict, rounds: int = 7, min_ms: float = 200.0) -> dict:
+    """Median ms per call of each function, timed in alternating rounds (noise hits all alike)."""
+    for fn in fns.values():  # warm-up
+        fn()
+        fn()
+    number = {}
+    for name, fn in fns.items():
+        t0 = time.perf_counter()
+        fn()
+        number[name] = max(1, int(min_ms / max((time.perf_counter() - t0) * 1e3, 1e-3)))
+    samples: dict = {n: [] for n in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(number[name]):
+                fn()
+            samples[name].append((time.perf_counter() - t0) * 1e3 / number[name])
+    return {n: statistics.median(s) for n, s in samples.items()}

@@ -13,7 +13,6 @@ import logging
 import math
 import os
 import platform
-import statistics
 import time
 
 import numpy as np
@@ -21,32 +20,12 @@ import numpy as np
 logger = logging.getLogger("collage_tvm")
 
 
-def _interleaved(fns: dict, rounds: int = 7, min_ms: float = 200.0) -> dict:
-    """Median ms per call of each function, timed in alternating rounds (noise hits all alike)."""
-    for fn in fns.values():  # warm-up
-        fn()
-        fn()
-    number = {}
-    for name, fn in fns.items():
-        t0 = time.perf_counter()
-        fn()
-        number[name] = max(1, int(min_ms / max((time.perf_counter() - t0) * 1e3, 1e-3)))
-    samples: dict = {n: [] for n in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            for _ in range(number[name]):
-                fn()
-            samples[name].append((time.perf_counter() - t0) * 1e3 / number[name])
-    return {n: statistics.median(s) for n, s in samples.items()}
-
-
 def ort_glue_overhead(onnx_path: str, target="llvm") -> dict:
     """Plain onnxruntime on ``onnx_path`` vs the same model wholly on onnxruntime via collage-tvm."""
     import tvm
     from tvm import relax
 
-    from .baselines import graph_lib_groups, run_outputs
+    from .baselines import graph_lib_groups, interleaved, run_outputs
     from .build import compile_placement
     from .frontend import load_model, normalize_for_collage
     from .graph import DataflowGraph
@@ -75,7 +54,7 @@ def ort_glue_overhead(onnx_path: str, target="llvm") -> dict:
     feeds = {i.name: a for i, a in zip(sess.get_inputs(), arrays)}
     ours, plain = run_outputs(vm, args), sess.run(None, feeds)
     max_err = max(float(np.max(np.abs(a - b))) for a, b in zip(ours, plain))
-    ms = _interleaved({"plain": lambda: sess.run(None, feeds), "collage": lambda: vm["main"](*args)})
+    ms = interleaved({"plain": lambda: sess.run(None, feeds), "collage": lambda: vm["main"](*args)})
     return {"plain_onnxruntime_ms": ms["plain"], "collage_onnxruntime_ms": ms["collage"],
             "overhead": ms["collage"] / ms["plain"] - 1.0, "max_err": max_err,
             "match": bool(all(np.allclose(a, b, rtol=1e-3, atol=1e-3) for a, b in zip(ours, plain)))}

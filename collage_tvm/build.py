@@ -267,7 +267,7 @@ def never_slower(graph, placement, backend_map, target, report, op_level=None) -
     op-level placement when the graph-level search changed it. Outputs are checked
     against tvm-only.
     """
-    from .baselines import byoc_groups, evaluate, graph_lib_groups
+    from .baselines import byoc_groups, evaluate, graph_lib_groups, interleaved
 
     t0 = time.perf_counter()
     builds = {"collage": placement.groups,
@@ -280,7 +280,7 @@ def never_slower(graph, placement, backend_map, target, report, op_level=None) -
         elif b.kind == "graph":
             groups = graph_lib_groups(graph, b)
             builds[name if all(g.backend == name for g in groups) else f"{name}+tvm"] = groups
-    results, ref = {}, None
+    results, ref, runs = {}, None, {}
     for name in ["tvm-only"] + [n for n in builds if n != "tvm-only"]:
         try:
             executable, _ = compile_placement(graph, builds[name], backend_map, target)
@@ -295,7 +295,16 @@ def never_slower(graph, placement, backend_map, target, report, op_level=None) -
         if ref is None:
             ref, r["match"], r["max_err"] = r, True, 0.0
         results[name] = {"ms": r["ms"], "match": bool(r["match"]), "max_err": r["max_err"]}
+        runs[name] = r["run"]
         logger.info("end to end: %s %.3f ms (matches tvm-only: %s)", name, r["ms"], r["match"])
+    # The contenders (correct, within 2x of the fastest) are timed again in alternating
+    # rounds, so the machine's drifting load hits them alike: on a shared 2-core machine
+    # one build timed after another differed by up to 40% from the same build re-timed.
+    fastest = min((r["ms"] for r in results.values() if r["match"]), default=math.inf)
+    contenders = {n: runs[n] for n, r in results.items() if r["match"] and r["ms"] <= 2 * fastest}
+    if len(contenders) > 1:
+        for name, ms in interleaved(contenders).items():
+            results[name]["first_ms"], results[name]["ms"] = results[name]["ms"], ms
     report.comparison = results
     report.times["compare"] = time.perf_counter() - t0
     ok = {n: r for n, r in results.items() if r["match"]}
