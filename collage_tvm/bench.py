@@ -138,7 +138,8 @@ def markdown(results: dict) -> str:
                       "|---|---:|---:|---|"]
             base = comp.get("collage", {}).get("ms", math.nan)
             for n, c in comp.items():
-                lines.append(f"| {n} | {c['ms']:.3f} | {c['ms'] / base:.2f}x | "
+                same = f" (same placement as {c['same_as']})" if c.get("same_as") else ""
+                lines.append(f"| {n}{same} | {c['ms']:.3f} | {c['ms'] / base:.2f}x | "
                              f"{'yes' if c['match'] else 'NO'} |")
             t = r["times"]
             lines += ["", "Search: " + ", ".join(f"{k} {v:.1f} s" for k, v in t.items()), ""]

@@ -280,8 +280,13 @@ def never_slower(graph, placement, backend_map, target, report, op_level=None) -
         elif b.kind == "graph":
             groups = graph_lib_groups(graph, b)
             builds[name if all(g.backend == name for g in groups) else f"{name}+tvm"] = groups
-    results, ref, runs = {}, None, {}
+    results, ref, runs, seen = {}, None, {}, {}
     for name in ["tvm-only"] + [n for n in builds if n != "tvm-only"]:
+        same = seen.setdefault(frozenset((g.backend, g.nodes) for g in builds[name]), name)
+        if same != name:  # e.g. the two-level search chose the whole model on one library
+            results[name] = dict(results[same], same_as=same)
+            logger.info("end to end: %s is the same placement as %s", name, same)
+            continue
         try:
             executable, _ = compile_placement(graph, builds[name], backend_map, target)
             r = evaluate(executable, graph, target, None if ref is None else ref["outputs"])
@@ -301,10 +306,14 @@ def never_slower(graph, placement, backend_map, target, report, op_level=None) -
     # rounds, so the machine's drifting load hits them alike: on a shared 2-core machine
     # one build timed after another differed by up to 40% from the same build re-timed.
     fastest = min((r["ms"] for r in results.values() if r["match"]), default=math.inf)
-    contenders = {n: runs[n] for n, r in results.items() if r["match"] and r["ms"] <= 2 * fastest}
+    contenders = {n: runs[n] for n, r in results.items()
+                  if n in runs and r["match"] and r["ms"] <= 2 * fastest}
     if len(contenders) > 1:
         for name, ms in interleaved(contenders).items():
             results[name]["first_ms"], results[name]["ms"] = results[name]["ms"], ms
+    for name, r in results.items():
+        if "same_as" in r:
+            results[name] = dict(results[r["same_as"]], same_as=r["same_as"])
     report.comparison = results
     report.times["compare"] = time.perf_counter() - t0
     ok = {n: r for n, r in results.items() if r["match"]}

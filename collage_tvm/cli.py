@@ -57,8 +57,9 @@ def _optimize(args) -> int:
             if r.get("error"):
                 print(f"{name:<18}{'failed':>12}{'':>12}  {r['error']}")
                 continue
+            same = f"  (same placement as {r['same_as']})" if r.get("same_as") else ""
             print(f"{name:<18}{r['ms']:>12.3f}{r['ms'] / base:>11.2f}x  "
-                  f"{'yes' if r['match'] else 'NO'} (max err {r['max_err']:.2e})")
+                  f"{'yes' if r['match'] else 'NO'} (max err {r['max_err']:.2e}){same}")
         if rep.shipped != "collage":
             print(f"shipped: {rep.shipped} (faster than the collage placement in this run)")
         return 0 if all(r["match"] for n, r in rep.comparison.items()
