@@ -73,16 +73,9 @@ class GraphLibraryLowering:
 
     def probe(self):
         """The switching-cost probe: one 1-element add, the library's smallest call."""
-        import tvm
-        from tvm import relax
+        from collage_tvm.measure.measurer import add_probe
 
-        x = relax.Var("x", relax.TensorType((1,), "float32"))
-        bb = relax.BlockBuilder()
-        with bb.function("main", [x]):
-            with bb.dataflow():
-                y = bb.emit_output(relax.op.add(x, x))
-            bb.emit_func_output(y)
-        return bb.get()["main"] if isinstance(bb.get(), tvm.IRModule) else bb.get()
+        return add_probe()
 
     def lower(self, func):
         model = self.export(func)

@@ -32,6 +32,8 @@ from typing import Callable
 
 import numpy as np
 
+from collage_tvm.backends._common import static_float32_shape
+
 _ANCHORS = ("relax.nn.conv2d", "relax.nn.conv3d", "relax.matmul")
 _UNARY = {"relax.nn.relu": ("relu", ""), "relax.nn.gelu": ("gelu", "none"),
           "relax.nn.gelu_tanh": ("gelu", "tanh")}
@@ -132,20 +134,7 @@ def _onednn_version() -> str | None:
 # ----------------------------------------------------------------------------- analysis
 
 def _static_shape(expr, what: str) -> tuple:
-    import tvm
-
-    ty = expr.ty
-    values = getattr(ty.shape, "values", None) if isinstance(ty, tvm.relax.TensorType) else None
-    if values is None:
-        raise _unsupported(f"{what} without a known static shape")
-    if ty.dtype != "float32":
-        raise _unsupported(f"{what} of dtype {ty.dtype} (float32 only)")
-    dims = []
-    for d in values:
-        if not isinstance(d, (int, tvm.tirx.IntImm)):
-            raise _unsupported(f"{what} with the dynamic shape {ty.shape}")
-        dims.append(int(d))
-    return tuple(dims)
+    return static_float32_shape(expr, what, _unsupported)
 
 
 def _analyse(func) -> _Plan:

@@ -37,6 +37,8 @@ from typing import Callable
 
 import numpy as np
 
+from collage_tvm.backends._common import static_float32_shape
+
 
 # mkl_service.h / mkl_cblas.h
 _THREADING = {0: "intel", 1: "sequential", 2: "pgi", 3: "gnu", 4: "tbb"}
@@ -250,20 +252,7 @@ class _Plan:
 
 
 def _static_shape(expr, what: str) -> tuple:
-    import tvm
-
-    ty = expr.ty
-    values = getattr(ty.shape, "values", None) if isinstance(ty, tvm.relax.TensorType) else None
-    if values is None:
-        raise _unsupported(f"{what} without a known static shape")
-    if ty.dtype != "float32":
-        raise _unsupported(f"{what} of dtype {ty.dtype} (float32 only)")
-    dims = []
-    for d in values:
-        if not isinstance(d, (int, tvm.tirx.IntImm)):
-            raise _unsupported(f"{what} with the dynamic shape {ty.shape}")
-        dims.append(int(d))
-    return tuple(dims)
+    return static_float32_shape(expr, what, _unsupported)
 
 
 def _swap_last_two(ndim: int) -> list:

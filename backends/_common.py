@@ -1,0 +1,20 @@
+"""Helpers the op-library lowerings (dnnl, mkl) share."""
+from __future__ import annotations
+
+
+def static_float32_shape(expr, what: str, unsupported) -> tuple:
+    """The static shape of a float32 tensor ``expr``; else raises ``unsupported(reason)``."""
+    import tvm
+
+    ty = expr.ty
+    values = getattr(ty.shape, "values", None) if isinstance(ty, tvm.relax.TensorType) else None
+    if values is None:
+        raise unsupported(f"{what} without a known static shape")
+    if ty.dtype != "float32":
+        raise unsupported(f"{what} of dtype {ty.dtype} (float32 only)")
+    dims = []
+    for d in values:
+        if not isinstance(d, (int, tvm.tirx.IntImm)):
+            raise unsupported(f"{what} with the dynamic shape {ty.shape}")
+        dims.append(int(d))
+    return tuple(dims)
