@@ -63,15 +63,23 @@ class CollageResult:
 
 
 def resolve_backends(names, target) -> tuple[dict, dict]:
-    """(available backends by name, skipped name -> reason). ``tvm`` is always included."""
+    """(available backends by name, skipped name -> reason). ``tvm`` is always included.
+
+    A backend for another device than ``target``'s (a CUDA library on an ``llvm`` target)
+    is skipped with that reason.
+    """
     names = list(dict.fromkeys(["tvm", *names]))
+    device = "cuda" if target.kind.name == "cuda" else "cpu"
     backends, skipped = {}, {}
     for name in names:
         try:
             b = get_backend(name)
         except KeyError as err:
             raise ValueError(str(err).strip("'\"")) from None
-        ok, why = b.available()
+        if name != "tvm" and b.device != device:
+            ok, why = False, f"runs on {b.device}, the target is {device}"
+        else:
+            ok, why = b.available()
         if not ok:
             skipped[name] = why
             logger.warning("backend %s skipped: %s", name, why)

@@ -95,3 +95,16 @@ def test_backend_whose_library_is_missing_is_skipped(tmp_path, caplog):
     found, skipped = resolve_backends(["missing_lib"], res_target())
     assert "missing_lib" not in found and "libnothing.so" in skipped["missing_lib"]
     assert "tvm" in found
+
+
+def test_backend_for_another_device_is_skipped_with_the_reason():
+    from collage_tvm.build import resolve_backends
+    from collage_tvm.registry import register_backend
+
+    class Here:
+        def available(self):
+            return True, ""
+
+    register_backend("gpu_only_lib", device="cuda", lowering=Here)
+    found, skipped = resolve_backends(["gpu_only_lib"], res_target())
+    assert "gpu_only_lib" not in found and "cuda" in skipped["gpu_only_lib"]
