@@ -108,3 +108,24 @@ def test_backend_for_another_device_is_skipped_with_the_reason():
     register_backend("gpu_only_lib", device="cuda", lowering=Here)
     found, skipped = resolve_backends(["gpu_only_lib"], res_target())
     assert "gpu_only_lib" not in found and "cuda" in skipped["gpu_only_lib"]
+
+
+def test_backend_that_segfaults_costs_inf_and_the_search_goes_on(tmp_path, monkeypatch):
+    """Measurement runs in a child process: a crashing library is an infinite cost with the
+    signal as its reason, and the build goes on without it."""
+    import os
+
+    from collage_tvm.registry import add_backend_pattern_rule, register_backend
+    from test_patterns_and_graph import _conv_block
+
+    monkeypatch.setenv("PYTHONPATH", os.path.dirname(os.path.abspath(__file__)))
+    register_backend("crashlib", lowering="_crashing_lowering:SegfaultingLowering")
+    add_backend_pattern_rule("crashlib", lambda n: n.op_name == "relax.nn.relu")
+    mod = tvm.IRModule({"main": _conv_block()})
+    res = collage_tvm.optimize(mod, "llvm", ["tvm", "crashlib"], db=str(tmp_path / "c.db"),
+                               isolate=True, progress=False)
+    assert {g.backend for g in res.placement.groups} == {"tvm"}
+    crashes = [r for b, _, r in res.report.failures if b == "crashlib"]
+    assert crashes and all("SIGSEGV" in r or "signal" in r for r in crashes), crashes
+    ref = evaluate(tvm.compile(mod, res_target()), res.graph, res_target())
+    assert evaluate(res.executable, res.graph, res_target(), ref["outputs"])["match"]

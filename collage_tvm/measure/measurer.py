@@ -55,19 +55,27 @@ class Measurer:
         self.measured = 0
         self.hits = 0
         self.failures: list = []  # (backend, label, reason)
+        self._can_pickle: dict = {}
 
     def close(self) -> None:
         if self._worker is not None:
             self._worker.close()
 
-    def _measure(self, backend, func, cutoff_ms) -> tuple:
-        if self._worker is not None:
+    def _picklable(self, backend) -> bool:
+        """Whether ``backend``'s lowering can travel to the worker (checked once per backend)."""
+        if backend.name not in self._can_pickle:
             try:
                 pickle.dumps(backend.lowering)
-            except Exception:
+                self._can_pickle[backend.name] = True
+            except Exception:  # noqa: BLE001 - any pickling failure means "measure here"
                 logger.info("backend %s has an unpicklable lowering: measuring in-process",
                             backend.name)
-            else:
+                self._can_pickle[backend.name] = False
+        return self._can_pickle[backend.name]
+
+    def _measure(self, backend, func, cutoff_ms) -> tuple:
+        if self._worker is not None:
+            if self._picklable(backend):
                 mod_json = tvm.ir.save_json(tvm.IRModule({"main": func}))
                 return self._worker.measure(backend, mod_json, self.target_json, cutoff_ms)
         try:
