@@ -79,13 +79,29 @@ def machine() -> dict:
     return info
 
 
-def bench_model(name: str, out_dir: str, backends, db, graph_level: bool, budget: float,
-                glue: bool = True) -> dict:
-    from .build import optimize
-    from .models import export_onnx
+def model_onnx(name: str, size: str, out_dir: str) -> str:
+    """Export ``name`` (a zoo model at ``size``, or a ``collage_tvm.models`` name) to ONNX."""
+    from . import models, zoo
 
-    path = export_onnx(name, os.path.join(out_dir, f"{name}.onnx"))
-    entry: dict = {"model": name}
+    if name in zoo.ZOO:
+        return zoo.export_onnx(name, size, os.path.join(out_dir, f"{name}_{size}.onnx"))
+    if name in models.MODELS:
+        return models.export_onnx(name, os.path.join(out_dir, f"{name}.onnx"))
+    raise ValueError(f"unknown model {name!r}; known: {', '.join(known_models())}")
+
+
+def known_models() -> list:
+    from . import models, zoo
+
+    return sorted(set(zoo.names()) | set(models.MODELS))
+
+
+def bench_model(name: str, out_dir: str, backends, db, graph_level: bool, budget: float,
+                glue: bool = True, size: str = "paper") -> dict:
+    from .build import optimize
+
+    path = model_onnx(name, size, out_dir)
+    entry: dict = {"model": name, "size": size}
     # The two-level run's comparison already holds the op-level placement ("collage-op-level")
     # whenever the graph-level search changed it: one run covers both levels.
     for gl in [graph_level]:
@@ -152,11 +168,12 @@ def markdown(results: dict) -> str:
 
 
 def run(models, out_dir: str, backends, db=None, graph_level: bool = False,
-        budget: float = 300.0) -> dict:
+        budget: float = 300.0, size: str = "paper") -> dict:
     os.makedirs(out_dir, exist_ok=True)
     results = {"machine": machine(), "backends": list(backends), "models": []}
     for name in models:
-        results["models"].append(bench_model(name, out_dir, backends, db, graph_level, budget))
+        results["models"].append(bench_model(name, out_dir, backends, db, graph_level, budget,
+                                             size=size))
         with open(os.path.join(out_dir, "results.json"), "w") as f:
             json.dump(results, f, indent=1, default=str)
     with open(os.path.join(out_dir, "results.md"), "w") as f:

@@ -100,15 +100,18 @@ def _db(args) -> int:
 
 
 def _bench(args, parser) -> int:
-    from . import bench
-    from .models import MODELS
+    from . import bench, zoo
 
-    unknown = [m for m in args.models if m not in MODELS]
+    models = zoo.names() if args.all else args.models
+    if not models:
+        parser.error("name the models to run, or --all")
+    unknown = [m for m in models if m not in bench.known_models()]
     if unknown:
-        parser.error(f"unknown model(s) {', '.join(unknown)}; known: {', '.join(sorted(MODELS))}")
+        parser.error(f"unknown model(s) {', '.join(unknown)}; "
+                     f"known: {', '.join(bench.known_models())}")
     backends = [b for b in args.backends.split(",") if b]
-    results = bench.run(args.models, args.out, backends, db=args.db,
-                        graph_level=args.graph_level, budget=args.budget)
+    results = bench.run(models, args.out, backends, db=args.db, graph_level=args.graph_level,
+                        budget=args.budget, size=args.size)
     print("\n" + bench.markdown(results))
     print(f"\nwritten: {args.out}/results.json, {args.out}/results.md")
     return 0
@@ -137,8 +140,12 @@ def main(argv=None) -> int:
                    help="measure in this process (faster start, no crash isolation)")
     o.add_argument("-v", "--verbose", action="store_true")
     b = sub.add_parser("bench", help="Collage beside single-backend builds on bundled models")
-    b.add_argument("models", nargs="+", help="model names (collage_tvm.models: resnet50, "
-                   "resnet_small, bert_base, bert_small)")
+    b.add_argument("models", nargs="*", help="model names: the zoo (collage_tvm.zoo: bert, "
+                   "dcgan, nasnet, resnet3d, resnext50, resnet50, inception_v3, squeezenet) "
+                   "or resnet_small, bert_base, bert_small")
+    b.add_argument("--all", action="store_true", help="every zoo model")
+    b.add_argument("--size", choices=["small", "paper"], default="paper",
+                   help="zoo model size (default paper)")
     b.add_argument("--backends", default="tvm,dnnl,mkl,onnxruntime,openvino")
     b.add_argument("--graph-level", action="store_true", help="also run the two-level search")
     b.add_argument("--budget", type=float, default=300.0)
