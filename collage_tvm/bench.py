@@ -90,6 +90,89 @@ def model_onnx(name: str, size: str, out_dir: str) -> str:
     raise ValueError(f"unknown model {name!r}; known: {', '.join(known_models())}")
 
 
+def model_and_input(name: str, size: str):
+    """(torch module, example input tensor): the same model and input the ONNX file holds."""
+    from . import models, zoo
+
+    if name in zoo.ZOO:
+        return zoo.get(name, size)
+    model, shape = models.MODELS[name]()
+    return model, models.example_input(name, shape)
+
+
+def frameworks(name: str, size: str, onnx_path: str, collage_executable) -> dict:
+    """The frameworks a user would pick instead, at their documented latency settings and
+    this process's core count, timed interleaved with the shipped Collage build; every
+    output is checked against PyTorch's (rtol/atol 1e-3).
+
+    PyTorch eager (``inference_mode``), ONNX Runtime (all graph optimizations), OpenVINO
+    (latency hint, f32 precision). torch.compile is not here yet.
+    """
+    import torch
+    import tvm
+    from tvm import relax
+
+    from .baselines import interleaved, run_outputs
+    from .target import host_cores
+
+    torch.set_num_threads(host_cores())
+    model, x = model_and_input(name, size)
+    with torch.inference_mode():
+        ref = model(x)
+    ref = [t.numpy() for t in (ref if isinstance(ref, (tuple, list)) else [ref])]
+    runs: dict = {}
+    outs: dict = {}
+
+    def eager():
+        with torch.inference_mode():
+            return model(x)
+
+    runs["pytorch"] = eager
+    outs["pytorch"] = ref
+    x_np = x.numpy()
+    try:
+        import onnxruntime as ort
+
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = host_cores()
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        sess = ort.InferenceSession(onnx_path, opts, providers=["CPUExecutionProvider"])
+        feed = {sess.get_inputs()[0].name: x_np}
+        runs["onnxruntime"] = lambda: sess.run(None, feed)
+        outs["onnxruntime"] = sess.run(None, feed)
+    except Exception as err:  # noqa: BLE001 - a missing framework is reported, not fatal
+        outs["onnxruntime"] = f"{type(err).__name__}: {err}"
+    try:
+        import openvino as ov
+
+        compiled = ov.Core().compile_model(onnx_path, "CPU", {
+            "PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": host_cores(),
+            "INFERENCE_PRECISION_HINT": "f32"})
+        req = compiled.create_infer_request()
+        runs["openvino"] = lambda: req.infer([x_np])
+        outs["openvino"] = [req.infer([x_np])[o] for o in compiled.outputs]
+    except Exception as err:  # noqa: BLE001
+        outs["openvino"] = f"{type(err).__name__}: {err}"
+    dev = tvm.cpu()
+    vm = relax.VirtualMachine(collage_executable, dev)
+    args = [tvm.runtime.tensor(x_np, dev)]
+    main = vm["main"]
+    runs["collage"] = lambda: main(*args)
+    outs["collage"] = run_outputs(vm, args)
+    ms = interleaved(runs)
+    result = {}
+    for fw, out in outs.items():
+        if isinstance(out, str):
+            result[fw] = {"error": out, "ms": math.nan, "match": False}
+            continue
+        out = [np.asarray(o) for o in out]
+        errs = [float(np.max(np.abs(a - b))) for a, b in zip(out, ref)]
+        match = len(out) == len(ref) and all(
+            np.allclose(a, b, rtol=1e-3, atol=1e-3) for a, b in zip(out, ref))
+        result[fw] = {"ms": ms[fw], "match": bool(match), "max_err": max(errs, default=0.0)}
+    return result
+
+
 def known_models() -> list:
     from . import models, zoo
 
@@ -118,6 +201,11 @@ def bench_model(name: str, out_dir: str, backends, db, graph_level: bool, budget
                         "ops_per_backend": rep.ops_per_backend,
                         "graph_level": {k: v for k, v in rep.graph_level.items() if k != "history"}}
         _print_comparison(rep.comparison, rep.shipped)
+        print(f"\n== {name}: frameworks beside the shipped Collage build", flush=True)
+        entry["frameworks"] = frameworks(name, size, path, res.executable)
+        for fw, r in entry["frameworks"].items():
+            print(f"  {fw:<12} {r['ms']:>10.3f} ms  match={r['match']}"
+                  + (f"  ({r['error']})" if r.get("error") else ""), flush=True)
     if glue and "onnxruntime" in backends:
         print(f"\n== {name}: glue overhead, wholly on onnxruntime vs plain onnxruntime", flush=True)
         entry["glue"] = ort_glue_overhead(path)
@@ -159,6 +247,19 @@ def markdown(results: dict) -> str:
                              f"{'yes' if c['match'] else 'NO'} |")
             t = r["times"]
             lines += ["", "Search: " + ", ".join(f"{k} {v:.1f} s" for k, v in t.items()), ""]
+        if "frameworks" in m:
+            fw = m["frameworks"]
+            base = fw["collage"]["ms"]
+            others = [r["ms"] for n, r in fw.items() if n != "collage" and r["match"]]
+            best = min(others, default=math.nan)
+            lines += [f"Frameworks (interleaved with the shipped Collage build; speedup = their "
+                      f"latency / Collage's; best other: {best / base:.2f}x):", "",
+                      "| framework | latency ms | Collage speedup | matches PyTorch |",
+                      "|---|---:|---:|---|"]
+            for n, r in fw.items():
+                lines.append(f"| {n} | {r['ms']:.3f} | {r['ms'] / base:.2f}x | "
+                             f"{'yes' if r['match'] else 'NO'} |")
+            lines.append("")
         if "glue" in m and "overhead" in m["glue"]:
             g = m["glue"]
             lines += [f"Glue: plain onnxruntime {g['plain_onnxruntime_ms']:.3f} ms, through "
