@@ -250,7 +250,9 @@ def _analyse_add(plan: _Plan, other, operand) -> None:
     aligned = (1,) * (len(plan.out_shape) - len(shape)) + shape
     per_channel = len(shape) <= len(plan.out_shape) and all(
         d == (plan.out_shape[i] if i == channel else 1) for i, d in enumerate(aligned))
-    if isinstance(value, np.ndarray) and per_channel and shape != plan.out_shape:
+    # A per-channel constant is a bias even when it has the output's shape (all other output
+    # dims 1, e.g. a conv3d on a 1x1x1 map): the pattern's bias slot matches it as such.
+    if isinstance(value, np.ndarray) and per_channel:
         bias = value.reshape(-1).astype(np.float32)
         plan.bias = bias if plan.bias is None else plan.bias + bias
     elif shape == plan.out_shape and plan.residual is None:

@@ -328,3 +328,32 @@ def test_every_accepted_pattern_lowers(dnnl_backend):
     x = _rand(1, 8, 10, 10)
     fn = DnnlLowering().lower(f)
     assert fn(tvm.runtime.tensor(x)).numpy().shape == (1, 16, 10, 10)
+
+
+def test_conv3d_bias_shaped_like_a_1x1x1_output_is_a_bias_not_a_second_residual():
+    """resnet3d (zoo, small): conv3d on a 1x1x1 map + a [1,C,1,1,1] bias + a residual."""
+    from collage_tvm.baselines import evaluate
+    from collage_tvm.build import compile_placement
+    from collage_tvm.candidate import Candidate
+    from collage_tvm.graph import DataflowGraph
+    from collage_tvm.registry import get_backend
+    from collage_tvm.target import make_target
+
+    rng = np.random.default_rng(0)
+    x = relax.Var("x", relax.TensorType((1, 8, 1, 1, 1), "float32"))
+    r = relax.Var("r", relax.TensorType((1, 16, 1, 1, 1), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, r]):
+        with bb.dataflow():
+            w = rng.uniform(-1, 1, (16, 8, 1, 1, 1)).astype("float32")
+            y = bb.emit(relax.op.nn.conv3d(x, relax.const(w)))
+            b = rng.uniform(-1, 1, (1, 16, 1, 1, 1)).astype("float32")
+            y = bb.emit(relax.op.add(y, relax.const(b)))
+            y = bb.emit(relax.op.add(y, r))
+            y = bb.emit_output(relax.op.nn.relu(y))
+        bb.emit_func_output(y)
+    g, t = DataflowGraph(bb.get()["main"]), make_target("llvm")
+    ref = evaluate(tvm.compile(tvm.IRModule({"main": g.func}), t), g, t)
+    backends = {"tvm": get_backend("tvm"), "dnnl": get_backend("dnnl")}
+    ex, _ = compile_placement(g, [Candidate("dnnl", frozenset(range(4)))], backends, t)
+    assert evaluate(ex, g, t, ref["outputs"])["match"]
