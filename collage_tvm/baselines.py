@@ -88,11 +88,18 @@ def evaluate(executable, graph, target, reference=None, rtol=1e-3, atol=1e-3, se
     result = {"ms": ms, "outputs": outputs, "match": None, "max_err": math.nan,
               "run": lambda: main(*args)}
     if reference is not None:
-        errs = [float(np.max(np.abs(a - b))) if a.size else 0.0 for a, b in zip(outputs, reference)]
-        result["max_err"] = max(errs, default=0.0)
-        result["match"] = len(outputs) == len(reference) and all(
-            np.allclose(a, b, rtol=rtol, atol=atol) for a, b in zip(outputs, reference))
+        result["match"], result["max_err"] = compare_outputs(outputs, reference, rtol, atol)
     return result
+
+
+def compare_outputs(outputs, reference, rtol=1e-3, atol=1e-3) -> tuple:
+    """(all outputs close to the reference, max absolute error) of two lists of arrays."""
+    outputs = [np.asarray(o) for o in outputs]
+    reference = [np.asarray(r) for r in reference]
+    errs = [float(np.max(np.abs(a - b))) if a.size else 0.0 for a, b in zip(outputs, reference)]
+    match = len(outputs) == len(reference) and all(
+        np.allclose(a, b, rtol=rtol, atol=atol) for a, b in zip(outputs, reference))
+    return bool(match), max(errs, default=0.0)
 
 
 def graph_lib_groups(graph, backend) -> list:

@@ -15,7 +15,6 @@ import os
 import platform
 import time
 
-import numpy as np
 
 logger = logging.getLogger("collage_tvm")
 
@@ -25,7 +24,7 @@ def ort_glue_overhead(onnx_path: str, target="llvm") -> dict:
     import tvm
     from tvm import relax
 
-    from .baselines import graph_lib_groups, interleaved, run_outputs
+    from .baselines import compare_outputs, graph_lib_groups, interleaved, run_outputs
     from .build import compile_placement
     from .frontend import load_model, normalize_for_collage
     from .graph import DataflowGraph
@@ -52,12 +51,10 @@ def ort_glue_overhead(onnx_path: str, target="llvm") -> dict:
     args = [tvm.runtime.tensor(a, dev) for a in arrays]
     sess = backend.get_lowering().session(open(onnx_path, "rb").read())
     feeds = {i.name: a for i, a in zip(sess.get_inputs(), arrays)}
-    ours, plain = run_outputs(vm, args), sess.run(None, feeds)
-    max_err = max(float(np.max(np.abs(a - b))) for a, b in zip(ours, plain))
+    match, max_err = compare_outputs(run_outputs(vm, args), sess.run(None, feeds))
     ms = interleaved({"plain": lambda: sess.run(None, feeds), "collage": lambda: vm["main"](*args)})
     return {"plain_onnxruntime_ms": ms["plain"], "collage_onnxruntime_ms": ms["collage"],
-            "overhead": ms["collage"] / ms["plain"] - 1.0, "max_err": max_err,
-            "match": bool(all(np.allclose(a, b, rtol=1e-3, atol=1e-3) for a, b in zip(ours, plain)))}
+            "overhead": ms["collage"] / ms["plain"] - 1.0, "max_err": max_err, "match": match}
 
 
 def machine() -> dict:
@@ -112,7 +109,7 @@ def frameworks(name: str, size: str, onnx_path: str, collage_executable) -> dict
     import tvm
     from tvm import relax
 
-    from .baselines import interleaved, run_outputs
+    from .baselines import compare_outputs, interleaved, run_outputs
     from .target import host_cores
 
     torch.set_num_threads(host_cores())
@@ -165,11 +162,8 @@ def frameworks(name: str, size: str, onnx_path: str, collage_executable) -> dict
         if isinstance(out, str):
             result[fw] = {"error": out, "ms": math.nan, "match": False}
             continue
-        out = [np.asarray(o) for o in out]
-        errs = [float(np.max(np.abs(a - b))) for a, b in zip(out, ref)]
-        match = len(out) == len(ref) and all(
-            np.allclose(a, b, rtol=1e-3, atol=1e-3) for a, b in zip(out, ref))
-        result[fw] = {"ms": ms[fw], "match": bool(match), "max_err": max(errs, default=0.0)}
+        match, max_err = compare_outputs(out, ref)
+        result[fw] = {"ms": ms[fw], "match": match, "max_err": max_err}
     return result
 
 
