@@ -18,3 +18,21 @@ def static_float32_shape(expr, what: str, unsupported) -> tuple:
             raise unsupported(f"{what} with the dynamic shape {ty.shape}")
         dims.append(int(d))
     return tuple(dims)
+
+
+def op_calls(body, unsupported) -> list:
+    """[(var, call, op name)] of a subgraph body: only ``var = op(...)`` bindings are accepted;
+    anything else raises ``unsupported(reason)``."""
+    import tvm
+    from tvm import relax
+
+    out = []
+    for block in body.blocks:
+        for binding in block.bindings:
+            if not isinstance(binding, relax.VarBinding):
+                raise unsupported(f"a {type(binding).__name__} binding")
+            value = binding.value
+            if not isinstance(value, relax.Call) or not isinstance(value.op, tvm.ir.Op):
+                raise unsupported(f"the expression {value}")
+            out.append((binding.var, value, value.op.name))
+    return out

@@ -32,7 +32,7 @@ from typing import Callable
 
 import numpy as np
 
-from collage_tvm.backends._common import static_float32_shape
+from collage_tvm.backends._common import op_calls, static_float32_shape
 
 _ANCHORS = ("relax.nn.conv2d", "relax.nn.conv3d", "relax.matmul")
 _UNARY = {"relax.nn.relu": ("relu", ""), "relax.nn.gelu": ("gelu", "none"),
@@ -147,7 +147,7 @@ def _analyse(func) -> _Plan:
     body = func.body
     if not isinstance(body, relax.SeqExpr):
         raise _unsupported(f"a function body of kind {type(body).__name__}")
-    bindings = [b for block in body.blocks for b in block.bindings]
+    calls = op_calls(body, _unsupported)
     folded = {}  # var -> np.ndarray for permute_dims of a constant (a weight transposed by the frontend)
     chain = None  # the var holding the current result after the anchor op
     plan = None
@@ -163,23 +163,17 @@ def _analyse(func) -> _Plan:
             return params[expr]
         raise _unsupported(f"the operand {expr} (not a parameter or a constant of the subgraph)")
 
-    for binding in bindings:
-        if not isinstance(binding, relax.VarBinding):
-            raise _unsupported(f"a {type(binding).__name__} binding")
-        value = binding.value
-        if not isinstance(value, relax.Call) or not isinstance(value.op, tvm.ir.Op):
-            raise _unsupported(f"the expression {value}")
-        op = value.op.name
+    for var, value, op in calls:
         if plan is None:
             if op == "relax.permute_dims" and isinstance(value.args[0], tvm.ir.Constant):
                 axes = value.attrs.axes
                 arr = value.args[0].value.numpy()
-                folded[binding.var] = np.transpose(arr, None if axes is None else [int(a) for a in axes])
+                folded[var] = np.transpose(arr, None if axes is None else [int(a) for a in axes])
                 continue
             if op not in _ANCHORS:
                 raise _unsupported(f"{op} (a group must start with conv2d, conv3d or matmul)")
             plan = _analyse_anchor(value, op, operand, len(params))
-            chain = binding.var
+            chain = var
             continue
         chain_args = [i for i, a in enumerate(value.args) if a.same_as(chain)]
         if len(chain_args) != 1:
@@ -197,7 +191,7 @@ def _analyse(func) -> _Plan:
         _static_shape(value, f"the result of {op}")  # dtype stays float32
         if tuple(int(d) for d in value.ty.shape.values) != plan.out_shape:
             raise _unsupported(f"{op} that changes the output shape")
-        chain = binding.var
+        chain = var
     if plan is None:
         raise _unsupported("a subgraph without conv2d, conv3d or matmul")
     if not body.body.same_as(chain):

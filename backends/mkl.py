@@ -37,7 +37,7 @@ from typing import Callable
 
 import numpy as np
 
-from collage_tvm.backends._common import static_float32_shape
+from collage_tvm.backends._common import op_calls, static_float32_shape
 
 
 # mkl_service.h / mkl_cblas.h
@@ -303,7 +303,7 @@ def _analyse(func) -> _Plan:
     body = func.body
     if not isinstance(body, relax.SeqExpr):
         raise _unsupported(f"a function body of kind {type(body).__name__}")
-    bindings = [b for block in body.blocks for b in block.bindings]
+    calls = op_calls(body, _unsupported)
     views: dict = {}  # var -> _Operand (a no-copy view of a parameter or a constant)
     plan, chain = None, None
 
@@ -317,20 +317,14 @@ def _analyse(func) -> _Plan:
             return _Operand(params[expr], param_shapes[params[expr]])
         raise _unsupported(f"the operand {expr} (not a parameter or a constant of the subgraph)")
 
-    for binding in bindings:
-        if not isinstance(binding, relax.VarBinding):
-            raise _unsupported(f"a {type(binding).__name__} binding")
-        value = binding.value
-        if not isinstance(value, relax.Call) or not isinstance(value.op, tvm.ir.Op):
-            raise _unsupported(f"the expression {value}")
-        op = value.op.name
+    for var, value, op in calls:
         out_shape = _static_shape(value, f"the result of {op}")
         if plan is None:
             if op != "relax.matmul":
-                views[binding.var] = _view(op, value, operand(value.args[0]), out_shape)
+                views[var] = _view(op, value, operand(value.args[0]), out_shape)
                 continue
             plan = _analyse_matmul(value, operand, out_shape, len(params), param_shapes)
-            chain = binding.var
+            chain = var
             continue
         chain_args = [i for i, a in enumerate(value.args) if a.same_as(chain)]
         if op != "relax.add" or len(chain_args) != 1:
@@ -338,7 +332,7 @@ def _analyse(func) -> _Plan:
         if out_shape != plan.out_shape:
             raise _unsupported("an add that broadcasts the matmul's output")
         _analyse_bias(plan, value.args[1 - chain_args[0]], operand)
-        chain = binding.var
+        chain = var
     if plan is None:
         raise _unsupported("a subgraph without a matmul")
     if not body.body.same_as(chain):
