@@ -23,6 +23,7 @@ setup(
         "deap==1.4.4",
         "z3-solver==5.4.0.0",
         "tqdm>=4.66",
+        "matplotlib==3.11.2",  # bench plot and `collage-tvm show` PNG
     ],
     extras_require={"test": ["pytest>=8"]},
     entry_points={"console_scripts": ["collage-tvm=collage_tvm.cli:main"]},

@@ -37,6 +37,7 @@ class BuildReport:
     db_hits: int = 0
     failures: list = field(default_factory=list)
     epsilon: dict = field(default_factory=dict)
+    switch: dict = field(default_factory=dict)  # (a, b) -> ms per change of runtime
     placement_from_log: bool = False
     estimated_ms: float = math.nan
     ops_per_backend: dict = field(default_factory=dict)
@@ -116,9 +117,12 @@ def _placement_log(log, db) -> PlacementLog:
 def search(model, target="llvm", backends=("tvm", "dnnl"), db=None, placement_log=None,
            example_inputs=None, isolate: bool = True, progress: bool = True,
            compare: bool = False, graph_level: bool = False, budget: float = 300.0,
-           on_generation=None):
+           on_generation=None, switching: bool = True):
     """Import, generate candidates, measure (or reuse) costs, place. Returns
     (graph, placement, backend_map, report, target).
+
+    ``switching``: the op-level DP charges the measured cost of changing runtime between
+    consecutive kernels (``Measurer.switch_costs``); False gives the paper's additive model.
 
     ``graph_level``: after the op-level DP, run the evolutionary graph-level placer
     (``placer.graph_level``) for at most ``budget`` seconds over the registered graph
@@ -137,8 +141,9 @@ def search(model, target="llvm", backends=("tvm", "dnnl"), db=None, placement_lo
     key = placement_key(graph.func, target, backend_map)
     report.times["import"] = time.perf_counter() - t_start
 
-    if graph_level:
-        key = hashlib.sha256(f"{key}|graph-level".encode()).hexdigest()[:32]
+    variant = ("|switching" if switching else "") + ("|graph-level" if graph_level else "")
+    if variant:
+        key = hashlib.sha256(f"{key}{variant}".encode()).hexdigest()[:32]
     logged = log.get(key)
     placement = _placement_from_log(logged, graph, backend_map)
     if placement is not None:
@@ -154,16 +159,17 @@ def search(model, target="llvm", backends=("tvm", "dnnl"), db=None, placement_lo
         measurer = Measurer(target, cost_db, isolate=isolate, progress=progress)
         try:
             eps = measurer.epsilon(backend_map.values())
+            switch = measurer.switch_costs(backend_map.values()) if switching else {}
             raw = measurer.costs(graph, candidates, backend_map)
         finally:
             measurer.close()
         report.times["measure"] = time.perf_counter() - t0
         report.distinct_measured, report.db_hits = measurer.measured, measurer.hits
-        report.failures, report.epsilon = measurer.failures, eps
+        report.failures, report.epsilon, report.switch = measurer.failures, eps, switch
         # Measured times include one call's overhead; the DP adds it back as epsilon (Eq. 2).
         costs = {c: max(0.0, v - eps[c.backend]) for c, v in raw.items()}
         t0 = time.perf_counter()
-        placement = place(graph.producers, candidates, costs, eps)
+        placement = place(graph.producers, candidates, costs, eps, switch=switch)
         report.times["search"] = time.perf_counter() - t0
         report.estimated_ms = placement.cost
         op_level = placement
@@ -184,11 +190,11 @@ def search(model, target="llvm", backends=("tvm", "dnnl"), db=None, placement_lo
 def optimize(model, target="llvm", backends=("tvm", "dnnl"), db=None, placement_log=None,
              example_inputs=None, isolate: bool = True, progress: bool = True,
              compare: bool = False, graph_level: bool = False, budget: float = 300.0,
-             on_generation=None) -> CollageResult:
+             on_generation=None, switching: bool = True) -> CollageResult:
     """Search a placement for ``model`` and build it; see ``build`` for the arguments."""
     graph, placement, backend_map, report, target = search(
         model, target, backends, db, placement_log, example_inputs, isolate, progress, compare,
-        graph_level, budget, on_generation)
+        graph_level, budget, on_generation, switching)
     t0 = time.perf_counter()
     executable, lowered = compile_placement(graph, placement.groups, backend_map, target)
     report.times["compile"] = time.perf_counter() - t0
@@ -350,7 +356,21 @@ def placement_record(placement: Placement, graph: DataflowGraph, target,
                     "ops": [graph.nodes[i].op_name for i in sorted(g.nodes)],
                     "level": placement.chosen_by.get(g, "op-level")}
                    for g in placement.groups],
+        # The dataflow graph itself, so `collage-tvm show` can draw the placement.
+        "graph": {"nodes": [{"op": n.op_name, "inputs": list(n.inputs), "shape": _shape_of(n)}
+                            for n in graph.nodes],
+                  "outputs": list(graph.outputs)},
     }
+
+
+def _shape_of(node) -> list | None:
+    """The static output shape of ``node`` (None for tuples or symbolic shapes)."""
+    ty = getattr(node.var, "ty", None)
+    shape = getattr(ty, "shape", None)
+    try:
+        return [int(d) for d in shape.values]
+    except (AttributeError, TypeError):
+        return None
 
 
 def _placement_from_log(record, graph, backend_map):

@@ -27,8 +27,11 @@ def _optimize(args) -> int:
                   f"({e['evaluated']} placements measured, {e['elapsed_s']:.0f} s)", flush=True)
     res = optimize(args.model, args.target, backends, db=args.db, isolate=not args.in_process,
                    compare=not args.no_compare, graph_level=args.graph_level, budget=args.budget,
-                   on_generation=on_generation)
+                   on_generation=on_generation, switching=not args.no_switching)
     rep = res.report
+    if rep.switch:
+        print("switching cost between runtimes (ms per change): " + ", ".join(
+            f"{a}<->{b} {v:.3f}" for (a, b), v in sorted(rep.switch.items())))
     gl = rep.graph_level
     if gl.get("history"):
         print(f"graph-level: {gl['eligible_groups']} groups could move to "
@@ -117,6 +120,20 @@ def _bench(args, parser) -> int:
     return 0
 
 
+def _show(args) -> int:
+    from pathlib import Path
+
+    from .show import load_record, render
+
+    out = args.output or str(Path(args.placement).with_suffix(".svg"))
+    try:
+        print(render(load_record(args.placement), out))
+    except (ValueError, OSError) as err:
+        print(f"collage-tvm: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="collage-tvm", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -134,6 +151,9 @@ def main(argv=None) -> int:
     o.add_argument("--graph-level", action="store_true",
                    help="after the op-level DP, run the evolutionary graph-level placer over the "
                         "graph libraries among --backends (onnxruntime, openvino)")
+    o.add_argument("--no-switching", action="store_true",
+                   help="op-level DP with the paper's additive cost (no measured cost of "
+                        "changing runtime between consecutive kernels)")
     o.add_argument("--budget", type=float, default=300.0,
                    help="time budget of the graph-level search in seconds (default 300)")
     o.add_argument("--in-process", action="store_true",
@@ -157,6 +177,11 @@ def main(argv=None) -> int:
     d.add_argument("file", nargs="?")
     d.add_argument("--db", default=None)
     d.add_argument("--limit", type=int, default=50)
+    s = sub.add_parser("show", help="draw a placement JSON: the dataflow graph coloured by "
+                                    "backend, fused groups boxed")
+    s.add_argument("placement", help="a placement JSON written by `collage-tvm optimize -o`")
+    s.add_argument("--output", "-o", help="the picture: .svg, .html (hover for details) or .png "
+                                          "(default: the JSON's name with .svg)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
@@ -169,6 +194,8 @@ def main(argv=None) -> int:
         return _db(args)
     if args.cmd == "bench":
         return _bench(args, p)
+    if args.cmd == "show":
+        return _show(args)
     try:
         return _optimize(args)
     except (ValueError, KeyError, FileNotFoundError) as err:

@@ -296,3 +296,135 @@ def test_speed_sanity_300_node_chain_like_graph():
 def test_empty_graph():
     p = place([], [], {}, {})
     assert p.groups == [] and p.cost == 0.0
+
+
+# ---------------------------------------------------------------- switching costs
+
+def _sequence_cost(groups, costs, epsilon, switch):
+    total, last = 0.0, None
+    for c in groups:
+        total += costs[c] + epsilon[c.backend]
+        if last is not None:
+            total += switch.get((last, c.backend), switch.get((c.backend, last), 0.0))
+        last = c.backend
+    return total
+
+
+def _best_order_cost(producers, groups, costs, epsilon, switch):
+    """Cheapest sequence cost over every execution order of ``groups`` (memoised over
+    (groups done, last group); independent of the placer's search)."""
+    from functools import lru_cache
+
+    where = {v: gi for gi, grp in enumerate(groups) for v in grp.nodes}
+    needs = [0] * len(groups)
+    for v, ps in enumerate(producers):
+        for p in ps:
+            if where[p] != where[v]:
+                needs[where[v]] |= 1 << where[p]
+    full = (1 << len(groups)) - 1
+
+    @lru_cache(maxsize=None)
+    def rest(done, last):
+        if done == full:
+            return 0.0
+        best = INF
+        for i, grp in enumerate(groups):
+            if not (done >> i) & 1 and needs[i] & ~done == 0:
+                step = _sequence_cost([groups[last], grp] if last >= 0 else [grp],
+                                      costs, epsilon, switch)
+                if last >= 0:
+                    step -= costs[groups[last]] + epsilon[groups[last].backend]
+                best = min(best, step + rest(done | (1 << i), i))
+        return best
+
+    return rest(0, -1)
+
+
+def _brute_force_sequence(producers, candidates, costs, epsilon, switch):
+    n = len(producers)
+    finite = [c for c in candidates if costs[c] + epsilon[c.backend] < INF]
+    best = INF
+
+    def rec(covered, chosen):
+        nonlocal best
+        if len(covered) == n:
+            if _feasible(producers, chosen):
+                best = min(best, _best_order_cost(producers, chosen, costs, epsilon, switch))
+            return
+        v = min(set(range(n)) - covered)
+        for c in finite:
+            if v in c.nodes and not (c.nodes & covered):
+                rec(covered | c.nodes, chosen + [c])
+
+    rec(frozenset(), [])
+    return best
+
+
+@pytest.mark.parametrize("seed", range(120))
+def test_dp_with_switching_costs_matches_brute_force_over_orders(seed):
+    rng = random.Random(1000 + seed)
+    producers, cands, costs, epsilon = _random_case(rng)
+    backends = sorted({c.backend for c in cands})
+    switch = {(a, b): round(rng.uniform(0.0, 1.5), 3)
+              for a in backends for b in backends if a < b}
+    if rng.random() < 0.5:  # asymmetric pairs too
+        switch.update({(b, a): round(rng.uniform(0.0, 1.5), 3) for (a, b) in list(switch)})
+    if rng.random() < 0.5:  # a library whose consecutive kernels pay too (graph libraries)
+        b = rng.choice(backends)
+        switch[(b, b)] = round(rng.uniform(0.0, 1.0), 3)
+    expected = _brute_force_sequence(producers, cands, costs, epsilon, switch)
+    got = place(producers, cands, costs, epsilon, switch=switch)
+    assert math.isclose(got.cost, expected, rel_tol=1e-9, abs_tol=1e-9), (got, expected)
+    # The returned order is executable and its sequence cost is the reported cost.
+    placed = set()
+    for grp in got.groups:
+        assert all(p in placed or p in grp.nodes for v in grp.nodes for p in producers[v])
+        placed |= grp.nodes
+    assert placed == set(range(len(producers)))
+    assert math.isclose(_sequence_cost(got.groups, costs, epsilon, switch), got.cost,
+                        rel_tol=1e-9, abs_tol=1e-9)
+
+
+def test_switching_cost_keeps_a_backend_across_a_cheap_foreign_op():
+    # dnnl conv -> relu -> dnnl conv: the relu is cheapest on tvm in isolation, but two
+    # switches cost more than running it on dnnl (the ReLU-on-TVM case seen on ResNet-50).
+    producers = [[], [0], [1]]
+    conv0, conv2 = Candidate("dnnl", frozenset([0])), Candidate("dnnl", frozenset([2]))
+    relu_tvm, relu_dnnl = Candidate("tvm", frozenset([1])), Candidate("dnnl", frozenset([1]))
+    cands = [conv0, conv2, relu_tvm, relu_dnnl, Candidate("tvm", frozenset([0])),
+             Candidate("tvm", frozenset([2]))]
+    costs = {c: 10.0 for c in cands}
+    costs.update({conv0: 1.0, conv2: 1.0, relu_tvm: 0.05, relu_dnnl: 0.1})
+    eps = {"tvm": 0.0, "dnnl": 0.0}
+    assert relu_tvm in place(producers, cands, costs, eps).groups
+    p = place(producers, cands, costs, eps, switch={("dnnl", "tvm"): 0.2})
+    assert p.groups == [conv0, relu_dnnl, conv2] and math.isclose(p.cost, 2.1)
+
+
+def test_switching_cost_orders_parallel_branches_by_backend():
+    # Two branches a0 -> a1 and b0 -> b1 off one input; a* cheapest on x, b* on y.
+    # The additive pruning would place a0, then (holding the smallest node) interleave;
+    # with a switching cost the order x, x, y, y pays one switch.
+    producers = [[], [0], [0], [1], [2], [3, 4]]
+    x = {v: Candidate("x", frozenset([v])) for v in (0, 1, 3, 5)}
+    y = {v: Candidate("y", frozenset([v])) for v in (2, 4)}
+    cands = list(x.values()) + list(y.values())
+    costs = {c: 1.0 for c in cands}
+    eps = {"x": 0.0, "y": 0.0}
+    p = place(producers, cands, costs, eps, switch={("x", "y"): 0.5})
+    # x0 then the y branch or the x branch as a block: two switches at best (x..y..x).
+    assert math.isclose(p.cost, 6.0 + 2 * 0.5)
+    backends = [g.backend for g in p.groups]
+    assert sum(a != b for a, b in zip(backends, backends[1:])) == 2
+
+
+def test_speed_sanity_300_node_chain_like_graph_with_switching_costs():
+    rng = random.Random(0)
+    producers, cands, costs, eps = _chain_like(300, rng)
+    switch = {("tvm", "dnnl"): 0.05, ("tvm", "cutlass"): 0.03, ("cutlass", "dnnl"): 0.2}
+    seen = []
+    p = place(producers, cands, costs, eps, progress=seen.append, switch=switch)
+    assert math.isclose(_sequence_cost(p.groups, costs, eps, switch), p.cost, rel_tol=1e-9)
+    additive = place(producers, cands, costs, eps)
+    assert p.cost <= _sequence_cost(additive.groups, costs, eps, switch) + 1e-9
+    print(f"with switching costs: {seen[-1]} states expanded, cost {p.cost:.4f}")

@@ -12,12 +12,13 @@ from tvm import relax
 from ..graph.subgraph import extract_function, function_key
 from ..target import device_fingerprint
 from .db import CostDB
-from .runner import measure_function
+from .runner import measure_function, measure_switch
 from .worker import Worker
 
 logger = logging.getLogger("collage_tvm")
 
 EPSILON_KEY = "__epsilon__"
+SWITCH_KEY = "__switch__"
 
 
 def probe_function(backend) -> relax.Function:
@@ -26,6 +27,49 @@ def probe_function(backend) -> relax.Function:
     if low is not None and hasattr(low, "probe"):
         return low.probe()
     return add_probe()
+
+
+def _one_op_function(shape, make) -> relax.Function:
+    x = relax.Var("x", relax.TensorType(shape, "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit_output(make(x))
+        bb.emit_func_output(y)
+    return bb.get()["main"]
+
+
+def switch_probes(variant: int = 0) -> list:
+    """Kernels big enough to wake a runtime's thread pool (~0.05-0.3 ms on 2 cores), in
+    order of preference: an elementwise op, a 3x3 convolution, a GEMM. ``variant`` widens
+    the last input dimension, giving a second, distinct kernel of the same kind."""
+    import numpy as np
+
+    rng = np.random.default_rng(variant)
+    v = variant
+
+    def const(*shape):
+        return relax.const(rng.standard_normal(shape).astype("float32"))
+
+    return [
+        _one_op_function((1, 64, 56, 56 + v), relax.op.nn.relu),
+        _one_op_function((1, 32, 28, 28 + v),
+                         lambda x: relax.op.nn.conv2d(x, const(32, 32, 3, 3), padding=1)),
+        _one_op_function((64 + v, 256), lambda x: relax.op.matmul(x, const(256, 256))),
+    ]
+
+
+def switch_probe(backend, variant: int = 0) -> relax.Function | None:
+    """The first of ``switch_probes(variant)`` that ``backend``'s patterns run as one kernel."""
+    from ..graph import DataflowGraph
+    from ..patterns.generate import generate_candidates
+
+    for func in switch_probes(variant):
+        graph = DataflowGraph(func)
+        whole = frozenset(range(len(graph)))
+        if any(c.nodes == whole for c in generate_candidates(graph, [backend])):
+            return func
+    return None
 
 
 def add_probe() -> relax.Function:
@@ -102,6 +146,58 @@ class Measurer:
         """Measured per-kernel switching cost of each backend (ms)."""
         return {b.name: max(0.0, self._lookup_or_measure(
             b, EPSILON_KEY, probe_function(b), "epsilon-probe")) for b in backends}
+
+    def switch_costs(self, backends) -> dict:
+        """``(a, b) -> ms``: measured cost of running a kernel of ``b`` right after one of
+        ``a`` (thread pools of two runtimes waking and competing), for every pair.
+
+        Each backend runs its ``switch_probe``; a pair is timed alternating against each
+        alone (``runner.time_switch``), once per device and library versions (cost DB).
+        ``(a, a)`` is measured for graph libraries: each of their kernels is a session of its
+        own (own threads, own state), so two different ones in a row can cost more than one
+        repeated; op libraries share one runtime per process and pay nothing there.
+        A pair that cannot be measured counts as 0 (the additive model) with a logged reason.
+        """
+        backends = sorted(backends, key=lambda b: b.name)
+        probes = {b.name: switch_probe(b) for b in backends}
+        out: dict = {}
+        for i, a in enumerate(backends):
+            for b in backends[i:]:
+                if probes[a.name] is None or probes[b.name] is None:
+                    continue
+                probe_b = probes[b.name]
+                if a is b:
+                    if a.kind != "graph":
+                        continue
+                    probe_b = switch_probe(a, variant=1)
+                key = f"{SWITCH_KEY}:{b.name}"
+                version = f"{a.version()}|{b.version()}"
+                rec = self.db.get(a.name, version, key, self.device)
+                if rec is not None:
+                    self.hits += 1
+                    cost = rec.cost_ms
+                else:
+                    cost, reason, extra = self._measure_switch(a, probes[a.name], b, probe_b)
+                    self.measured += 1
+                    if math.isinf(cost):
+                        logger.info("switching cost %s<->%s not measured: %s", a.name, b.name,
+                                    reason)
+                    self.db.put(a.name, version, key, self.device, cost, reason,
+                                {"label": f"switch {a.name}<->{b.name}",
+                                 **{k: v for k, v in extra.items() if k != "traceback"}})
+                if math.isfinite(cost):
+                    out[(a.name, b.name)] = cost
+        return out
+
+    def _measure_switch(self, a, func_a, b, func_b) -> tuple:
+        if self._worker is not None and self._picklable(a) and self._picklable(b):
+            save = lambda f: tvm.ir.save_json(tvm.IRModule({"main": f}))  # noqa: E731
+            return self._worker.measure_switch(a, save(func_a), b, save(func_b),
+                                               self.target_json)
+        try:
+            return measure_switch(func_a, a, func_b, b, self.target)
+        except Exception as err:
+            return math.inf, f"{type(err).__name__}: {str(err).strip()[:400]}", {}
 
     def costs(self, graph, candidates, backends: dict) -> dict:
         """Measured cost (ms, inf when failed) of every candidate."""

@@ -55,3 +55,44 @@ def measure_function(func: relax.Function, backend, target, cutoff_ms=None) -> t
     vm = build_candidate(func, backend, target)
     args = [tvm.runtime.tensor(a, dev) for a in random_inputs(func.params)]
     return time_main(vm, args, dev, cutoff_ms=cutoff_ms)
+
+
+def time_switch(fn_a, args_a, fn_b, args_b, rounds: int = 9, target_ms: float = 8.0) -> tuple:
+    """(switch_ms, extra): what one change of runtime costs between two kernels.
+
+    Each round times ``a`` alone, ``b`` alone and ``a, b`` alternating (the same number of
+    calls each, interleaved so drift hits all three); the switch cost is half the median
+    excess of an alternating pair over one ``a`` plus one ``b`` (a pair holds two switches).
+    """
+    def loop(seq, n):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            for fn, args in seq:
+                fn(*args)
+        return (time.perf_counter() - t0) * 1e3 / n
+
+    a, b = (fn_a, args_a), (fn_b, args_b)
+    for _ in range(3):  # warm-up: lazy init, caches, thread pools
+        loop([a, b], 5)
+    pair_ms = loop([a, b], 10)
+    n = max(5, int(target_ms / max(pair_ms, 1e-3)))
+    excess, ta, tb, tab = [], [], [], []
+    for _ in range(rounds):
+        ta.append(loop([a], n))
+        tb.append(loop([b], n))
+        tab.append(loop([a, b], n))
+        excess.append(tab[-1] - ta[-1] - tb[-1])
+    med = statistics.median
+    return max(0.0, med(excess) / 2), {"a_ms": med(ta), "b_ms": med(tb), "pair_ms": med(tab),
+                                       "repeats": rounds * n}
+
+
+def measure_switch(func_a, backend_a, func_b, backend_b, target) -> tuple:
+    """(switch_ms, reason, extra) between two backends, each running its own probe kernel."""
+    dev = target_device(target)
+    fns = []
+    for func, backend in ((func_a, backend_a), (func_b, backend_b)):
+        vm = build_candidate(func, backend, target)
+        fns += [vm["main"], [tvm.runtime.tensor(x, dev) for x in random_inputs(func.params)], vm]
+    cost, extra = time_switch(fns[0], fns[1], fns[3], fns[4])
+    return cost, None, extra

@@ -25,7 +25,7 @@ def _serve() -> None:
 
     import tvm
 
-    from .runner import measure_function
+    from .runner import measure_function, measure_switch
 
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # library chatter goes to stderr, never into the reply stream
@@ -38,13 +38,23 @@ def _serve() -> None:
             return
         if msg is None:
             return
-        name, lowering, func_json, target_json, cutoff_ms = msg
         try:
-            if name not in backends:
-                backends[name] = Backend(name=name, lowering=lowering)
-            func = tvm.ir.load_json(func_json)["main"]
-            target = tvm.target.Target(json.loads(target_json))
-            reply = ("ok",) + tuple(measure_function(func, backends[name], target, cutoff_ms))
+            if msg[0] == "__switch__":  # ("__switch__", (name, lowering, func_json) x 2, target_json)
+                _, *pair, target_json = msg
+                target = tvm.target.Target(json.loads(target_json))
+                args = []
+                for name, lowering, func_json in pair:
+                    if name not in backends:
+                        backends[name] = Backend(name=name, lowering=lowering)
+                    args += [tvm.ir.load_json(func_json)["main"], backends[name]]
+                reply = ("ok",) + tuple(measure_switch(*args, target))
+            else:
+                name, lowering, func_json, target_json, cutoff_ms = msg
+                if name not in backends:
+                    backends[name] = Backend(name=name, lowering=lowering)
+                func = tvm.ir.load_json(func_json)["main"]
+                target = tvm.target.Target(json.loads(target_json))
+                reply = ("ok",) + tuple(measure_function(func, backends[name], target, cutoff_ms))
         except BaseException as err:  # any failure is a cost of inf with a reason
             tb = traceback.format_exc(limit=3)
             reply = ("err", f"{type(err).__name__}: {str(err).strip()[:400]}", tb[-800:])
@@ -68,11 +78,19 @@ class Worker:
 
     def measure(self, backend, func_json: str, target_json: str, cutoff_ms) -> tuple:
         """(cost_ms, reason, extra); cost is inf when the build or the child failed."""
+        return self._ask((backend.name, backend.lowering, func_json, target_json, cutoff_ms))
+
+    def measure_switch(self, backend_a, json_a: str, backend_b, json_b: str,
+                       target_json: str) -> tuple:
+        """(switch_ms, reason, extra) between two backends' probe kernels (inf on failure)."""
+        return self._ask(("__switch__", (backend_a.name, backend_a.lowering, json_a),
+                          (backend_b.name, backend_b.lowering, json_b), target_json))
+
+    def _ask(self, msg) -> tuple:
         if self._proc is None or self._proc.poll() is not None:
             self._start()
         try:
-            pickle.dump((backend.name, backend.lowering, func_json, target_json, cutoff_ms),
-                        self._proc.stdin)
+            pickle.dump(msg, self._proc.stdin)
             self._proc.stdin.flush()
             ready, _, _ = select.select([self._proc.stdout], [], [], self.timeout_s)
             if not ready:

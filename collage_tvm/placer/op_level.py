@@ -22,6 +22,16 @@ the empty state as an A* search over states: edge weights are
 at least ``h`` (split each group's weight evenly over its nodes) and
 ``h(S) - h(S | c) <= w(c)`` for every edge, so ``h`` is consistent: the first time a
 state is popped its cost is optimal and the search is exact.
+
+Context-aware switching (``switch``): a kernel of backend ``b`` that runs right after
+one of backend ``a`` pays ``switch[a, b]`` more (thread pools of two runtimes waking,
+spinning against each other; ``switch[a, a]``: two sessions of one graph library, each
+with its own state; measured by ``Measurer.switch_costs``). The cost
+then depends on the execution order, so the state becomes (placed nodes, backend of
+the last kernel), every ready candidate is tried (not only those the additive pruning
+keeps: placing a non-ancestor group earlier can save a switch), and the path found is
+the execution order the build uses. Weights stay >= the additive ones, so ``h`` stays
+consistent and the search stays exact for this sequence cost.
 """
 from __future__ import annotations
 
@@ -44,6 +54,7 @@ def place(
     epsilon: dict[str, float],
     progress: Callable[[int], None] | None = None,
     max_states: int = 2_000_000,
+    switch: dict[tuple[str, str], float] | None = None,
 ) -> Placement:
     """Find the cheapest executable cover of the graph by ``candidates``.
 
@@ -57,6 +68,8 @@ def place(
     ``max_states``: if the exact search expands more states than this, it is
     abandoned for a restricted search that only tries candidates containing the
     smallest unplaced node (not exact; a warning is logged).
+    ``switch``: ``(a, b) -> ms`` extra cost of a ``b`` kernel right after an ``a`` kernel,
+    ``a == b`` allowed (``(b, a)`` is used when ``(a, b)`` is missing; 0 for absent pairs).
 
     Returns the groups in execution order. Raises ``ValueError`` if some node has no
     finite candidate or if no executable cover exists.
@@ -88,9 +101,21 @@ def place(
             raise ValueError(
                 f"costs has {len(cost_list)} entries for {len(candidates)} candidates")
 
-    # Keep the cheapest finite candidate per node set: a dearer one with the same
-    # nodes can always be swapped for it, so dropping it keeps the optimum.
-    best_by_mask: dict[int, tuple[float, int]] = {}
+    # Backends as small ints; with switching costs, the matrix (row = previous kernel's
+    # backend, the extra last row = "no kernel yet", free).
+    bnames = sorted({c.backend for c in candidates})
+    bid = {b: i for i, b in enumerate(bnames)}
+    swm = [[0.0] * len(bnames) for _ in range(len(bnames) + 1)]
+    for (a, b), v in (switch or {}).items():
+        if a in bid and b in bid and v > 0 and math.isfinite(v):
+            swm[bid[a]][bid[b]] = float(v)
+            if (b, a) not in switch:
+                swm[bid[b]][bid[a]] = float(v)
+    sequence = any(v > 0 for row in swm for v in row)
+
+    # Keep the cheapest finite candidate per node set (per node set and backend when
+    # switching costs exist): a dearer one can always be swapped for it.
+    best_by_mask: dict = {}
     for k, c in enumerate(candidates):
         w = float(cost_list[k]) + float(epsilon.get(c.backend, 0.0))
         if math.isnan(w) or math.isinf(w) or not c.nodes:
@@ -100,8 +125,9 @@ def place(
             if not 0 <= v < n:
                 raise ValueError(f"candidate {c!r} names node {v}, graph has {n} nodes")
             mask |= 1 << v
-        if mask not in best_by_mask or w < best_by_mask[mask][0]:
-            best_by_mask[mask] = (w, k)
+        key = (mask, c.backend) if sequence else mask
+        if key not in best_by_mask or w < best_by_mask[key][0]:
+            best_by_mask[key] = (w, k)
 
     # Transitive descendants per node (reverse topological sweep).
     desc = [0] * n
@@ -120,7 +146,9 @@ def place(
     corig: list[int] = []
     by_node: list[list[int]] = [[] for _ in range(n)]
     by_min: list[list[int]] = [[] for _ in range(n)]
-    for mask, (w, k) in best_by_mask.items():
+    cb: list[int] = []
+    for w, k in best_by_mask.values():
+        mask = sum(1 << v for v in candidates[k].nodes)
         nodes = sorted(candidates[k].nodes)
         ext = 0
         dsc = 0
@@ -134,6 +162,7 @@ def place(
         cw.append(w)
         csize.append(len(nodes))
         corig.append(k)
+        cb.append(bid[candidates[k].backend])
         for v in nodes:
             by_node[v].append(cid)
         by_min[nodes[0]].append(cid)
@@ -152,22 +181,31 @@ def place(
             for c in range(len(cmask))]
 
     full = (1 << n) - 1
+    # A search state is one int: placed-node mask, shifted left by ``kb`` bits that hold
+    # the backend of the last kernel (``kb == 0`` without switching costs).
+    kb = len(bnames).bit_length() if sequence else 0
+    low = (1 << kb) - 1
+    start = len(bnames) if sequence else 0
+    roots = sum(1 << v for v in range(n) if not prod_mask[v])
 
     def search(restricted: bool, limit: int | None):
-        g: dict[int, float] = {0: 0.0}
-        parent: dict[int, tuple[int, int] | None] = {0: None}
+        s0 = start
+        g: dict[int, float] = {s0: 0.0}
+        parent: dict[int, tuple[int, int] | None] = {s0: None}
+        ready_of: dict[int, int] = {0: roots}  # mask -> unplaced nodes whose producers are placed
         closed: set[int] = set()
-        heap = [(h0, 0, 0, 0)]  # (f = g + h, -placed count, tie counter, state)
+        heap = [(h0, 0, 0, s0)]  # (f = g + h, -placed count, tie counter, state)
         counter = 1
         expanded = 0
         stuck = (-1, 0)  # (placed count, smallest unplaced node) of deepest dead end
         while heap:
-            f, negpop, _, s = heapq.heappop(heap)
-            if s in closed:
+            f, negpop, _, st = heapq.heappop(heap)
+            if st in closed:
                 continue  # stale heap entry; a cheaper path already closed it
-            closed.add(s)
+            closed.add(st)
+            s = st >> kb
             if s == full:
-                return s, g, parent, expanded, stuck
+                return st, g, parent, expanded, stuck
             expanded += 1
             if limit is not None and expanded > limit:
                 return None, g, parent, expanded, stuck
@@ -181,13 +219,22 @@ def place(
                 if cmask[c] & s:
                     continue
                 reach_u |= cmask[c]
-                if cext[c] & free == 0:
+                if cext[c] & free == 0 and not sequence:
                     succ.append(c)
             if not reach_u:
                 if -negpop > stuck[0]:
                     stuck = (-negpop, u)
                 continue  # u can no longer be covered: dead state
-            if not restricted:
+            if sequence and not restricted:
+                # Every ready candidate: its smallest node is a ready node.
+                ready = ready_of[s]
+                while ready:
+                    v = (ready & -ready).bit_length() - 1
+                    ready &= ready - 1
+                    succ.extend(c for c in by_min[v] if not cmask[c] & s and not cext[c] & free)
+            elif sequence:
+                succ = [c for c in by_node[u] if not cmask[c] & s and not cext[c] & free]
+            elif not restricted:
                 # Exactness-preserving pruning: any execution order of a solution can be
                 # rewritten to place G_u (the group holding u) as soon as it is ready and
                 # otherwise a ready group-graph ancestor of G_u, so besides candidates
@@ -220,18 +267,34 @@ def place(
                     hi = x.bit_length() - 1
             if not succ and -negpop > stuck[0]:
                 stuck = (-negpop, u)
-            gs = g[s]
+            gs = g[st]
+            row = swm[st & low] if sequence else None
             for c in succ:
                 s2 = s | cmask[c]
-                if s2 in closed:
+                st2 = (s2 << kb) | cb[c] if sequence else s2
+                if st2 in closed:
                     continue
-                g2 = gs + cw[c]
-                if g2 < g.get(s2, math.inf):
-                    g[s2] = g2
-                    parent[s2] = (s, c)
-                    heapq.heappush(heap, (f + cred[c], negpop - csize[c], counter, s2))
+                sw = row[cb[c]] if sequence else 0.0
+                g2 = gs + cw[c] + sw
+                if g2 < g.get(st2, math.inf):
+                    g[st2] = g2
+                    parent[st2] = (st, c)
+                    if sequence and s2 not in ready_of:
+                        ready_of[s2] = _newly_ready(ready_of[s], s2, cmask[c])
+                    heapq.heappush(heap, (f + cred[c] + sw, negpop - csize[c], counter, st2))
                     counter += 1
         return None, g, parent, expanded, stuck
+
+    def _newly_ready(ready: int, s2: int, cm: int) -> int:
+        ready &= ~cm
+        m = cm
+        while m:
+            x = (m & -m).bit_length() - 1
+            m &= m - 1
+            for y in consumers[x]:
+                if not (s2 >> y) & 1 and not prod_mask[y] & ~s2:
+                    ready |= 1 << y
+        return ready
 
     found, g, parent, expanded, stuck = search(restricted=False, limit=max_states)
     if found is None and expanded > max_states:
@@ -251,15 +314,15 @@ def place(
 
     # Walk parents back from the full state; the path order is an execution order.
     chosen: list[int] = []
-    s = full
-    while parent[s] is not None:
-        prev, c = parent[s]
+    st = found
+    while parent[st] is not None:
+        prev, c = parent[st]
         chosen.append(c)
-        s = prev
+        st = prev
     chosen.reverse()
     groups = [candidates[corig[c]] for c in chosen]
-    total = math.fsum(cw[c] for c in chosen)
-    log.debug("op-level placer: %d nodes, %d candidates, %d states expanded, cost %.6g ms",
-              n, len(cmask), expanded, total)
+    total = g[found]
+    log.debug("op-level placer: %d nodes, %d candidates, %d states expanded, cost %.6g ms%s",
+              n, len(cmask), expanded, total, " (with switching costs)" if sequence else "")
     return Placement(groups=groups, cost=total,
                      chosen_by={c: "op-level" for c in groups})
