@@ -6,12 +6,15 @@ process has cores): with one pool per session, a placement that calls many subgr
 turn wakes a different idle pool at every call (measured: alternating two small sessions
 cost 0.18 ms per call with spinning pools, 0.10-0.12 ms without spinning, 0.08 ms with
 the shared pool; 0.08 ms repeating one). If the global pool cannot be set up (ONNX Runtime
-was already initialised in this process), each session gets its own pool whose threads do
-not spin between calls unless the subgraph is the whole model (collage_tvm/__init__.py). Each call binds the TVM input
-buffers and freshly allocated output buffers with ONNX Runtime's I/O binding, so no
-tensor is copied on the way in or out.
+was already initialised in this process, or COLLAGE_ORT_SHARED_POOL=0), each session
+gets its own pool whose threads do not spin between calls unless the subgraph is the
+whole model (collage_tvm/__init__.py); the version string (the cost DB key) says which.
+Each call binds the TVM input buffers and freshly allocated output buffers with ONNX
+Runtime's I/O binding, so no tensor is copied on the way in or out.
 """
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -28,6 +31,8 @@ _GLOBAL_POOL: bool | None = None  # None: not tried yet in this process
 def _global_pool() -> bool:
     """Set up ONNX Runtime's process-wide thread pool once; False if it cannot be."""
     global _GLOBAL_POOL
+    if _GLOBAL_POOL is None and os.environ.get("COLLAGE_ORT_SHARED_POOL", "1") == "0":
+        _GLOBAL_POOL = False
     if _GLOBAL_POOL is None:
         try:
             from onnxruntime.capi import _pybind_state
@@ -68,7 +73,7 @@ class OnnxRuntimeLowering(GraphLibraryLowering):
         try:
             import onnxruntime as ort
 
-            return f"onnxruntime-{ort.__version__}"
+            return f"onnxruntime-{ort.__version__}" + ("-shared-pool" if _global_pool() else "")
         except Exception:  # noqa: BLE001
             return "onnxruntime-unavailable"
 

@@ -61,6 +61,7 @@ def _optimize(args) -> int:
                 print(f"{name:<18}{'failed':>12}{'':>12}  {r['error']}")
                 continue
             same = f"  (same placement as {r['same_as']})" if r.get("same_as") else ""
+            same += "  (timed once: >10x slower)" if r.get("timed_once") else ""
             print(f"{name:<18}{r['ms']:>12.3f}{r['ms'] / base:>11.2f}x  "
                   f"{'yes' if r['match'] else 'NO'} (max err {r['max_err']:.2e}){same}")
         if rep.shipped != "collage":

@@ -129,3 +129,27 @@ def test_backend_that_segfaults_costs_inf_and_the_search_goes_on(tmp_path, monke
     assert crashes and all("SIGSEGV" in r or "signal" in r for r in crashes), crashes
     ref = evaluate(tvm.compile(mod, res_target()), res.graph, res_target())
     assert evaluate(res.executable, res.graph, res_target(), ref["outputs"])["match"]
+
+
+def test_never_slower_compares_every_build_and_times_hopeless_ones_once(small_onnx, tmp_path,
+                                                                        monkeypatch):
+    import importlib
+
+    build = importlib.import_module("collage_tvm.build")
+
+    backends = ["tvm", "dnnl"] if _available("dnnl") else ["tvm"]
+    db = str(tmp_path / "c.db")
+    # Every build after the Collage placement counts as hopeless: timed once.
+    monkeypatch.setattr(build, "SLOW_BUILD_FACTOR", 1e-9)
+    res = collage_tvm.optimize(small_onnx, "llvm", backends, db=db, isolate=False,
+                               progress=False, compare=True)
+    comp = res.report.comparison
+    assert list(comp)[:2] == ["tvm-only", "collage"]
+    assert all(r["match"] for r in comp.values()), comp
+    assert "timed_once" not in comp["collage"]
+    assert comp["tvm-only"].get("timed_once") or comp["tvm-only"].get("same_as")
+    if "dnnl" in backends:
+        assert "dnnl+tvm" in comp
+    # The switching costs between runtimes were measured and reported.
+    if len(backends) > 1:
+        assert ("dnnl", "tvm") in res.report.switch
