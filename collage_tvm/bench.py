@@ -1,10 +1,13 @@
 """``collage-tvm bench``: Collage beside the builds a user would otherwise ship, in one run.
 
 For each model of ``collage_tvm.models``: export it to ONNX, run the Collage search
-(op-level, and two-level with ``--graph-level``) with the never-slower comparison, and
-check our glue: the model placed wholly on ONNX Runtime through collage-tvm against
-plain ONNX Runtime on the same ONNX file, timed interleaved in one process.
-Writes ``results.json`` and ``results.md`` into the output folder.
+(op-level, and two-level with ``--graph-level``) with the never-slower comparison, time
+the shipped build interleaved with the frameworks (PyTorch eager, torch.compile, ONNX
+Runtime, OpenVINO), and check our glue: the model placed wholly on ONNX Runtime through
+collage-tvm against plain ONNX Runtime on the same ONNX file, timed interleaved in one
+process. With ``ablation``, also Collage with the backends added one at a time (paper
+Fig. 11). Writes ``results.json``, ``results.md`` and ``results.png`` (paper Fig. 7;
+``results_ablation.png`` for the ablation) into the output folder.
 """
 from __future__ import annotations
 
@@ -102,23 +105,31 @@ def frameworks(name: str, size: str, onnx_path: str, collage_executable) -> dict
     this process's core count, timed interleaved with the shipped Collage build; every
     output is checked against PyTorch's (rtol/atol 1e-3).
 
-    PyTorch eager (``inference_mode``), ONNX Runtime (all graph optimizations), OpenVINO
-    (latency hint, f32 precision). torch.compile is not here yet.
+    PyTorch eager (``inference_mode``); torch.compile (inductor, ``inference_mode``, the
+    default mode: ``max-autotune-no-cudagraphs`` measured no faster on dcgan small, each
+    mode compiled in a fresh process on 2 cores: 0.47-0.51 ms against 0.48-0.52 ms, both
+    compiling in 12-16 s; compiled by two warm-up calls before the timing, its kernels
+    cached in inductor's default folder under the system temp dir); ONNX Runtime (all
+    graph optimizations, a session made as the onnxruntime backend makes them: on the
+    process-wide thread pool once that is set up, as ONNX Runtime then refuses a session
+    with a pool of its own); OpenVINO (latency hint, f32 precision). A framework that fails
+    to load or compile the model is reported with its error instead of a latency.
     """
     import torch
     import tvm
     from tvm import relax
 
     from .baselines import compare_outputs, interleaved, run_outputs
+    from .registry import get_backend
     from .target import host_cores
 
     torch.set_num_threads(host_cores())
     model, x = model_and_input(name, size)
     with torch.inference_mode():
-        ref = model(x)
-    ref = [t.numpy() for t in (ref if isinstance(ref, (tuple, list)) else [ref])]
+        ref = _numpy_outputs(model(x))
     runs: dict = {}
     outs: dict = {}
+    extra: dict = {}
 
     def eager():
         with torch.inference_mode():
@@ -126,36 +137,49 @@ def frameworks(name: str, size: str, onnx_path: str, collage_executable) -> dict
 
     runs["pytorch"] = eager
     outs["pytorch"] = ref
+    print(f"  torch.compile: compiling {name} with inductor (may take minutes)", flush=True)
+    try:
+        compiled = torch.compile(model)
+
+        def inductor():
+            with torch.inference_mode():
+                return compiled(x)
+
+        t0 = time.perf_counter()
+        outs["torch.compile"] = _numpy_outputs(inductor())
+        inductor()  # a recompile, if any, happens here rather than in the timing
+        extra["torch.compile"] = {"compile_s": time.perf_counter() - t0}
+        runs["torch.compile"] = inductor
+        print(f"  torch.compile: compiled in {extra['torch.compile']['compile_s']:.1f} s",
+              flush=True)
+    except Exception as err:  # noqa: BLE001 - a failed compile is reported, not fatal
+        outs["torch.compile"] = _why(err)
     x_np = x.numpy()
     try:
-        import onnxruntime as ort
-
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = host_cores()
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        sess = ort.InferenceSession(onnx_path, opts, providers=["CPUExecutionProvider"])
+        sess = get_backend("onnxruntime").get_lowering().session(open(onnx_path, "rb").read())
         feed = {sess.get_inputs()[0].name: x_np}
         runs["onnxruntime"] = lambda: sess.run(None, feed)
         outs["onnxruntime"] = sess.run(None, feed)
     except Exception as err:  # noqa: BLE001 - a missing framework is reported, not fatal
-        outs["onnxruntime"] = f"{type(err).__name__}: {err}"
+        outs["onnxruntime"] = _why(err)
     try:
         import openvino as ov
 
-        compiled = ov.Core().compile_model(onnx_path, "CPU", {
+        compiled_ov = ov.Core().compile_model(onnx_path, "CPU", {
             "PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": host_cores(),
             "INFERENCE_PRECISION_HINT": "f32"})
-        req = compiled.create_infer_request()
+        req = compiled_ov.create_infer_request()
         runs["openvino"] = lambda: req.infer([x_np])
-        outs["openvino"] = [req.infer([x_np])[o] for o in compiled.outputs]
+        outs["openvino"] = [req.infer([x_np])[o] for o in compiled_ov.outputs]
     except Exception as err:  # noqa: BLE001
-        outs["openvino"] = f"{type(err).__name__}: {err}"
+        outs["openvino"] = _why(err)
     dev = tvm.cpu()
     vm = relax.VirtualMachine(collage_executable, dev)
     args = [tvm.runtime.tensor(x_np, dev)]
     main = vm["main"]
     runs["collage"] = lambda: main(*args)
     outs["collage"] = run_outputs(vm, args)
+    print(f"  timing {', '.join(runs)} interleaved", flush=True)
     ms = interleaved(runs)
     result = {}
     for fw, out in outs.items():
@@ -163,8 +187,82 @@ def frameworks(name: str, size: str, onnx_path: str, collage_executable) -> dict
             result[fw] = {"error": out, "ms": math.nan, "match": False}
             continue
         match, max_err = compare_outputs(out, ref)
-        result[fw] = {"ms": ms[fw], "match": match, "max_err": max_err}
+        result[fw] = {"ms": ms[fw], "match": match, "max_err": max_err, **extra.get(fw, {})}
     return result
+
+
+def _numpy_outputs(out) -> list:
+    """A torch model's output (a tensor or a tuple/list of them) as a list of numpy arrays."""
+    return [t.numpy() for t in (out if isinstance(out, (tuple, list)) else [out])]
+
+
+def _why(err: Exception) -> str:
+    """An exception as one line (inductor's and OpenVINO's messages run to pages)."""
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+ABLATION_ONCE_MS = 2000.0  # an ablation step slower than this per run is timed once
+
+
+def ablation_steps(onnx_path: str, backends, db, graph_level: bool, budget: float) -> list:
+    """Paper Fig. 11: Collage with ``backends`` added one at a time in the given order.
+
+    Step k searches with ``backends[:k]`` (``tvm`` is always among them) and keeps the
+    Collage placement itself (``compare=False``, and a placement log of its own: the
+    persistent one holds what the never-slower check shipped, possibly a single-library
+    build); every step reads and fills the same cost DB. The steps' executables are then
+    timed interleaved in one go, except a step whose first run took over
+    ``ABLATION_ONCE_MS``, which is timed once (untuned TVM on a paper-size model can take
+    minutes per run, and interleaved timing runs each step at least ten times). Each
+    step's output is checked against the first step's.
+
+    Returns one ``{"backends", "ms", "match", "max_err", "ops_per_backend", "search_s"}``
+    per step (with ``"timed_once": True`` and ``"skipped"`` backends where they apply).
+    """
+    import tvm
+    from tvm import relax
+
+    from .baselines import compare_outputs, interleaved, run_outputs
+    from .build import optimize
+    from .graph.subgraph import random_inputs
+    from .placement_log import PlacementLog
+
+    log = PlacementLog(None)
+    dev = tvm.cpu()
+    steps, runs, outputs = [], [], []
+    for k in range(1, len(backends) + 1):
+        prefix = list(backends[:k])
+        print(f"  step {k}/{len(backends)}: Collage with {', '.join(prefix)}", flush=True)
+        t0 = time.perf_counter()
+        res = optimize(onnx_path, "llvm", prefix, db=db, placement_log=log, compare=False,
+                       graph_level=graph_level, budget=budget,
+                       on_generation=_print_generation if graph_level else None)
+        step = {"backends": prefix, "ops_per_backend": res.report.ops_per_backend,
+                "search_s": time.perf_counter() - t0}
+        if res.report.skipped:
+            step["skipped"] = res.report.skipped
+        vm = relax.VirtualMachine(res.executable, dev)
+        args = [tvm.runtime.tensor(a, dev) for a in random_inputs(res.graph.params)]
+        outputs.append(run_outputs(vm, args))
+        main = vm["main"]
+        t0 = time.perf_counter()
+        main(*args)
+        step["ms"] = (time.perf_counter() - t0) * 1e3
+        runs.append(lambda main=main, args=args: main(*args))
+        steps.append(step)
+    timed = {k: run for k, (run, s) in enumerate(zip(runs, steps))
+             if s["ms"] <= ABLATION_ONCE_MS}
+    print(f"  timing {len(timed)} steps interleaved"
+          + (f" ({len(steps) - len(timed)} timed once: over {ABLATION_ONCE_MS:.0f} ms a run)"
+             if len(timed) < len(steps) else ""), flush=True)
+    for k, ms in interleaved(timed).items():
+        steps[k]["ms"] = ms
+    for k, step in enumerate(steps):
+        if k not in timed:
+            step["timed_once"] = True
+        step["match"], step["max_err"] = compare_outputs(outputs[k], outputs[0])
+    return steps
 
 
 def known_models() -> list:
@@ -174,7 +272,7 @@ def known_models() -> list:
 
 
 def bench_model(name: str, out_dir: str, backends, db, graph_level: bool, budget: float,
-                glue: bool = True, size: str = "paper") -> dict:
+                glue: bool = True, size: str = "paper", ablation: bool = False) -> dict:
     from .build import optimize
 
     path = model_onnx(name, size, out_dir)
@@ -198,12 +296,18 @@ def bench_model(name: str, out_dir: str, backends, db, graph_level: bool, budget
         print(f"\n== {name}: frameworks beside the shipped Collage build", flush=True)
         entry["frameworks"] = frameworks(name, size, path, res.executable)
         for fw, r in entry["frameworks"].items():
-            print(f"  {fw:<12} {r['ms']:>10.3f} ms  match={r['match']}"
+            print(f"  {fw:<14} {r['ms']:>10.3f} ms  match={r['match']}"
                   + (f"  ({r['error']})" if r.get("error") else ""), flush=True)
     if glue and "onnxruntime" in backends:
         print(f"\n== {name}: glue overhead, wholly on onnxruntime vs plain onnxruntime", flush=True)
         entry["glue"] = ort_glue_overhead(path)
         print(json.dumps(entry["glue"], indent=1))
+    if ablation:
+        print(f"\n== {name}: ablation, Collage with the backends added one at a time", flush=True)
+        entry["ablation"] = ablation_steps(path, backends, db, graph_level, budget)
+        for step in entry["ablation"]:
+            print(f"  {'+'.join(step['backends']):<40} {step['ms']:>10.3f} ms  "
+                  f"match={step['match']}", flush=True)
     return entry
 
 
@@ -251,26 +355,155 @@ def markdown(results: dict) -> str:
                       "| framework | latency ms | Collage speedup | matches PyTorch |",
                       "|---|---:|---:|---|"]
             for n, r in fw.items():
+                if r.get("error"):
+                    lines.append(f"| {n} | - | - | failed: {r['error']} |")
+                    continue
                 lines.append(f"| {n} | {r['ms']:.3f} | {r['ms'] / base:.2f}x | "
                              f"{'yes' if r['match'] else 'NO'} |")
+            if "compile_s" in fw.get("torch.compile", {}):
+                compile_s = fw["torch.compile"]["compile_s"]
+                lines += ["", f"torch.compile compiled in {compile_s:.1f} s."]
             lines.append("")
         if "glue" in m and "overhead" in m["glue"]:
             g = m["glue"]
             lines += [f"Glue: plain onnxruntime {g['plain_onnxruntime_ms']:.3f} ms, through "
                       f"collage-tvm {g['collage_onnxruntime_ms']:.3f} ms "
                       f"({g['overhead'] * 100:+.1f}%)", ""]
+        if "ablation" in m:
+            steps = m["ablation"]
+            lines += ["Ablation (paper Fig. 11): Collage with the backends added one at a time, "
+                      "timed interleaved; speedup over the first step:", "",
+                      "| backends | latency ms | speedup | matches first step | ops per backend |",
+                      "|---|---:|---:|---|---|"]
+            for step in steps:
+                once = " (timed once)" if step.get("timed_once") else ""
+                ops = ", ".join(f"{b} {n}" for b, n in step["ops_per_backend"].items())
+                lines.append(f"| {', '.join(step['backends'])} | {step['ms']:.3f}{once} | "
+                             f"{steps[0]['ms'] / step['ms']:.2f}x | "
+                             f"{'yes' if step['match'] else 'NO'} | {ops} |")
+            lines.append("")
     return "\n".join(lines)
 
 
+FRAMEWORK_LABELS = {"pytorch": "PyTorch eager", "torch.compile": "torch.compile",
+                    "onnxruntime": "ONNX Runtime", "openvino": "OpenVINO"}
+
+
+def speedups(m: dict) -> dict:
+    """Label -> (speedup of the shipped Collage build, output matched) for one model's entry.
+
+    Frameworks: their latency / Collage's, both from the interleaved framework run.
+    Single-backend builds (tvm-only, ``<lib>+tvm``, ``<lib>`` through collage-tvm): their
+    latency / the shipped build's in the never-slower comparison. Failed entries are left out.
+    """
+    out = {}
+    fw = m.get("frameworks", {})
+    base = fw.get("collage", {}).get("ms", math.nan)
+    for n, r in fw.items():
+        if n != "collage" and math.isfinite(r["ms"]):
+            out[FRAMEWORK_LABELS.get(n, n)] = (r["ms"] / base, r["match"])
+    level = "two-level" if "two-level" in m else "op-level"
+    comp = m.get(level, {}).get("comparison", {})
+    shipped = comp.get(m.get(level, {}).get("shipped", "collage"), {}).get("ms", math.nan)
+    for n, r in comp.items():
+        if not n.startswith("collage") and math.isfinite(r.get("ms", math.inf)):
+            out[f"{n} build"] = (r["ms"] / shipped, r["match"])
+    return out
+
+
+def plot(results: dict, path: str) -> str:
+    """A PNG like the paper's Fig. 7: per model, the shipped Collage build's speedup over
+    each framework and single-backend build (above 1: Collage is faster). Hatched bars:
+    that entry's output did not match its reference. Returns ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    per_model = [(m["model"], speedups(m)) for m in results["models"]]
+    labels = list(dict.fromkeys(label for _, sp in per_model for label in sp))
+    width = 0.8 / max(len(labels), 1)
+    fig, ax = plt.subplots(figsize=(max(8.0, 3.0 + len(per_model) * len(labels) * 0.45), 4.5))
+    colors = plt.get_cmap("tab10")
+    for k, label in enumerate(labels):
+        xs = [i + (k - (len(labels) - 1) / 2) * width for i, (_, sp) in enumerate(per_model)
+              if label in sp]
+        vals = [sp[label] for _, sp in per_model if label in sp]
+        bars = ax.bar(xs, [v for v, _ in vals], width, label=label, color=colors(k % 10),
+                      edgecolor="black", linewidth=0.5)
+        for bar, (v, match) in zip(bars, vals):
+            if not match:
+                bar.set_hatch("xx")
+            ax.annotate(f"{v:.2f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                        ha="center", va="bottom", fontsize=7, rotation=90)
+    ax.axhline(1.0, color="black", linewidth=1)
+    top = max((v for _, sp in per_model for v, _ in sp.values()), default=1.0)
+    if top > 10:
+        ax.set_yscale("log")
+        ax.set_ylim(top=top * 3)  # room for the value labels
+    else:
+        ax.set_ylim(0, max(top, 1.0) * 1.2)
+    ax.set_xticks(range(len(per_model)), [name for name, _ in per_model])
+    ax.set_ylabel("Collage speedup (their latency / Collage's)")
+    mach = results["machine"]
+    ax.set_title(f"Shipped Collage build vs frameworks and single-backend builds\n"
+                 f"{mach['cpu']}, {mach['cores']} cores (hatched: output did not match)",
+                 fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_ablation(results: dict, path: str) -> str:
+    """A PNG like the paper's Fig. 11: per model, the speedup of each ablation step over the
+    first one's as backends are added; a red 'x' marks a step whose output did not match
+    the first step's. Returns ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.0, 4.5))
+    ablated = [m for m in results["models"] if m.get("ablation")]
+    for m in ablated:
+        steps = m["ablation"]
+        ys = [steps[0]["ms"] / s["ms"] for s in steps]
+        ax.plot(range(len(steps)), ys, marker="o", label=m["model"])
+        bad = [(k, y) for k, (s, y) in enumerate(zip(steps, ys)) if not s["match"]]
+        if bad:
+            ax.scatter(*zip(*bad), marker="x", s=80, color="red", zorder=3)
+    # Every model of a run ablates the same backend list.
+    steps = ablated[0]["ablation"] if ablated else []
+    ticks = ["+".join(s["backends"]) if k == 0 else f"+{s['backends'][-1]}"
+             for k, s in enumerate(steps)]
+    ax.axhline(1.0, color="black", linewidth=1)
+    ax.set_xticks(range(len(ticks)), ticks)
+    ax.set_xlabel("backends added one at a time")
+    ax.set_ylabel("speedup over the first step")
+    ax.set_title("Collage ablation (red x: output did not match the first step's)", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def run(models, out_dir: str, backends, db=None, graph_level: bool = False,
-        budget: float = 300.0, size: str = "paper") -> dict:
+        budget: float = 300.0, size: str = "paper", ablation: bool = False) -> dict:
+    """Bench ``models``; writes results.json (after each model), results.md, results.png
+    and, with ``ablation``, results_ablation.png into ``out_dir``."""
     os.makedirs(out_dir, exist_ok=True)
     results = {"machine": machine(), "backends": list(backends), "models": []}
     for name in models:
         results["models"].append(bench_model(name, out_dir, backends, db, graph_level, budget,
-                                             size=size))
+                                             size=size, ablation=ablation))
         with open(os.path.join(out_dir, "results.json"), "w") as f:
             json.dump(results, f, indent=1, default=str)
     with open(os.path.join(out_dir, "results.md"), "w") as f:
         f.write(markdown(results))
+    plot(results, os.path.join(out_dir, "results.png"))
+    if ablation:
+        plot_ablation(results, os.path.join(out_dir, "results_ablation.png"))
     return results

@@ -115,9 +115,11 @@ def _bench(args, parser) -> int:
                      f"known: {', '.join(bench.known_models())}")
     backends = [b for b in args.backends.split(",") if b]
     results = bench.run(models, args.out, backends, db=args.db, graph_level=args.graph_level,
-                        budget=args.budget, size=args.size)
+                        budget=args.budget, size=args.size, ablation=args.ablation)
     print("\n" + bench.markdown(results))
-    print(f"\nwritten: {args.out}/results.json, {args.out}/results.md")
+    written = ["results.json", "results.md", "results.png"]
+    written += ["results_ablation.png"] if args.ablation else []
+    print(f"\nwritten: {', '.join(f'{args.out}/{w}' for w in written)}")
     return 0
 
 
@@ -171,7 +173,11 @@ def main(argv=None) -> int:
     b.add_argument("--graph-level", action="store_true", help="also run the two-level search")
     b.add_argument("--budget", type=float, default=300.0)
     b.add_argument("--db", default=None)
-    b.add_argument("--out", default="bench-out", help="folder for results.json / results.md")
+    b.add_argument("--ablation", action="store_true",
+                   help="also run Collage with --backends added one at a time in their order "
+                        "(tvm; tvm,dnnl; ...: paper Fig. 11), the steps timed interleaved")
+    b.add_argument("--out", default="bench-out",
+                   help="folder for results.json / results.md / results.png")
     b.add_argument("-v", "--verbose", action="store_true")
     d = sub.add_parser("db", help="inspect, export or import the cost DB")
     d.add_argument("action", choices=["stats", "show", "export", "import"])

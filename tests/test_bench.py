@@ -1,5 +1,7 @@
 """`collage-tvm bench` end to end on a small zoo model: results written, every framework's
-output checked against PyTorch (no timing assertions: these machines are noisy)."""
+output (torch.compile included) checked against PyTorch, the plots written, and the
+ablation's steps checked against each other (no timing assertions: these machines are
+noisy). One bench run, with ``--ablation``, serves every test here."""
 import json
 import os
 
@@ -8,25 +10,87 @@ import pytest
 from collage_tvm.cli import main
 from collage_tvm.registry import get_backend
 
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
-@pytest.mark.skipif(not get_backend("onnxruntime").available()[0], reason="no onnxruntime")
-def test_bench_small_model_writes_results_and_checks_every_framework(tmp_path):
-    out = str(tmp_path / "bench")
+needs_ort = pytest.mark.skipif(not get_backend("onnxruntime").available()[0],
+                               reason="no onnxruntime")
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    """(output folder, its results.json) of ``bench dcgan --size small --ablation``."""
+    tmp = tmp_path_factory.mktemp("bench")
+    out = str(tmp / "out")
     rc = main(["bench", "dcgan", "--size", "small", "--backends", "tvm,onnxruntime",
-               "--db", str(tmp_path / "c.db"), "--out", out])
+               "--ablation", "--db", str(tmp / "c.db"), "--out", out])
     assert rc == 0
-    results = json.load(open(os.path.join(out, "results.json")))
+    return out, json.load(open(os.path.join(out, "results.json")))
+
+
+@needs_ort
+def test_bench_small_model_writes_results_and_checks_every_framework(bench_run):
+    out, results = bench_run
     (m,) = results["models"]
     assert m["model"] == "dcgan" and m["size"] == "small"
     comp = m["op-level"]["comparison"]
     assert {"tvm-only", "collage", "onnxruntime"} <= set(comp)
     assert all(r["match"] for r in comp.values())
     fw = m["frameworks"]
-    assert {"pytorch", "onnxruntime", "collage"} <= set(fw)
+    assert {"pytorch", "torch.compile", "onnxruntime", "collage"} <= set(fw)
+    assert "error" not in fw["torch.compile"], fw["torch.compile"]
+    assert fw["torch.compile"]["compile_s"] > 0
     assert all(r["match"] for r in fw.values()), fw
     assert m["glue"]["match"]
     text = open(os.path.join(out, "results.md")).read()
-    assert "| collage |" in text and "Frameworks" in text
+    assert "| collage |" in text and "| torch.compile |" in text and "Frameworks" in text
+
+
+@needs_ort
+def test_bench_plots_collage_speedups_as_png(bench_run):
+    out, results = bench_run
+    from collage_tvm.bench import speedups
+
+    with open(os.path.join(out, "results.png"), "rb") as f:
+        assert f.read(8) == PNG_MAGIC
+    bars = speedups(results["models"][0])
+    # every framework but Collage itself, and every single-backend build
+    assert {"PyTorch eager", "torch.compile", "ONNX Runtime", "tvm-only build",
+            "onnxruntime build"} <= set(bars)
+    assert all(v > 0 and match for v, match in bars.values())
+
+
+@needs_ort
+def test_bench_ablation_adds_backends_one_at_a_time(bench_run):
+    out, results = bench_run
+    steps = results["models"][0]["ablation"]
+    assert [s["backends"] for s in steps] == [["tvm"], ["tvm", "onnxruntime"]]
+    assert all(s["match"] and s["ms"] > 0 for s in steps), steps
+    assert set(steps[0]["ops_per_backend"]) == {"tvm"}
+    assert "| tvm, onnxruntime |" in open(os.path.join(out, "results.md")).read()
+    with open(os.path.join(out, "results_ablation.png"), "rb") as f:
+        assert f.read(8) == PNG_MAGIC
+
+
+def test_plot_leaves_out_failed_entries_and_keeps_mismatched_ones(tmp_path):
+    from collage_tvm.bench import plot, plot_ablation, speedups
+
+    nan = float("nan")
+    m = {"model": "toy",
+         "op-level": {"shipped": "collage", "comparison": {
+             "tvm-only": {"ms": 4.0, "match": True}, "collage": {"ms": 1.0, "match": True},
+             "dnnl+tvm": {"ms": float("inf"), "match": False, "error": "boom"}}},
+         "frameworks": {"pytorch": {"ms": 3.0, "match": True},
+                        "torch.compile": {"ms": nan, "match": False, "error": "no compiler"},
+                        "openvino": {"ms": 0.5, "match": False},
+                        "collage": {"ms": 2.0, "match": True}},
+         "ablation": [{"backends": ["tvm"], "ms": 4.0, "match": True},
+                      {"backends": ["tvm", "dnnl"], "ms": 2.0, "match": False}]}
+    assert speedups(m) == {"PyTorch eager": (1.5, True), "OpenVINO": (0.25, False),
+                           "tvm-only build": (4.0, True)}
+    results = {"machine": {"cpu": "test", "cores": 2}, "models": [m]}
+    for fn, name in ((plot, "r.png"), (plot_ablation, "a.png")):
+        with open(fn(results, str(tmp_path / name)), "rb") as f:
+            assert f.read(8) == PNG_MAGIC
 
 
 def test_bench_rejects_unknown_models(capsys):
