@@ -1,16 +1,20 @@
 """onnxruntime backend (kind ``graph``): a Relax subgraph exported to ONNX, run by ONNX Runtime.
 
-One ``InferenceSession`` per subgraph (CPU execution provider, all graph optimizations).
-All sessions share ONNX Runtime's global thread pool (as many intra-op threads as the
-process has cores): with one pool per session, a placement that calls many subgraphs in
-turn wakes a different idle pool at every call (measured: alternating two small sessions
-cost 0.18 ms per call with spinning pools, 0.10-0.12 ms without spinning, 0.08 ms with
-the shared pool; 0.08 ms repeating one). If the global pool cannot be set up (ONNX Runtime
-was already initialised in this process, or COLLAGE_ORT_SHARED_POOL=0), each session
-gets its own pool whose threads do not spin between calls unless the subgraph is the
-whole model (collage_tvm/__init__.py); the version string (the cost DB key) says which.
+One ``InferenceSession`` per subgraph (CPU execution provider, all graph optimizations,
+as many intra-op threads as the process has cores). By default each session has its own
+thread pool, whose threads do not spin between calls unless the subgraph is the whole
+model (spinning threads starve the next runtime's threads; collage_tvm/__init__.py).
 Each call binds the TVM input buffers and freshly allocated output buffers with ONNX
 Runtime's I/O binding, so no tensor is copied on the way in or out.
+
+``COLLAGE_ORT_SHARED_POOL=1`` puts every session on ONNX Runtime's global thread pool
+instead. Measured on ResNet-50 (2 cores, op-level placement with 56-78 onnxruntime calls):
+the calls took 87 ms in context with a pool each (45 ms alone) and 49 ms with the shared
+pool (41 ms alone); but the shared pool's threads spin after each call, and an MKL GEMM
+right after the last onnxruntime call took 20 ms instead of 0.18, while dnnl+tvm timed
+next to onnxruntime builds slowed down. It is also a process-wide choice: once it is set
+up, ONNX Runtime refuses any session in the process that asks for its own pool (a user's
+own sessions included). Hence opt-in. The version string (the cost DB key) says which.
 """
 from __future__ import annotations
 
@@ -29,9 +33,10 @@ _GLOBAL_POOL: bool | None = None  # None: not tried yet in this process
 
 
 def _global_pool() -> bool:
-    """Set up ONNX Runtime's process-wide thread pool once; False if it cannot be."""
+    """Set up ONNX Runtime's process-wide thread pool once (only with
+    COLLAGE_ORT_SHARED_POOL=1); False when off or when it cannot be set up."""
     global _GLOBAL_POOL
-    if _GLOBAL_POOL is None and os.environ.get("COLLAGE_ORT_SHARED_POOL", "1") == "0":
+    if _GLOBAL_POOL is None and os.environ.get("COLLAGE_ORT_SHARED_POOL", "0") != "1":
         _GLOBAL_POOL = False
     if _GLOBAL_POOL is None:
         try:

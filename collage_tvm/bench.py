@@ -291,6 +291,8 @@ def bench_model(name: str, out_dir: str, backends, db, graph_level: bool, budget
                         "measured": rep.distinct_measured, "db_hits": rep.db_hits,
                         "from_log": rep.placement_from_log,
                         "ops_per_backend": rep.ops_per_backend,
+                        "calibration": rep.calibration,
+                        "switch": {f"{a}|{b}": v for (a, b), v in rep.switch.items()},
                         "graph_level": {k: v for k, v in rep.graph_level.items() if k != "history"}}
         _print_comparison(rep.comparison, rep.shipped)
         print(f"\n== {name}: frameworks beside the shipped Collage build", flush=True)

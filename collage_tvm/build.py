@@ -20,6 +20,7 @@ from .measure.db import CostDB
 from .measure.measurer import Measurer
 from .patterns import generate_candidates
 from .placement_log import PlacementLog
+from .placer.calibrate import calibrate
 from .placer.op_level import place
 from .registry import get_backend
 
@@ -41,6 +42,7 @@ class BuildReport:
     failures: list = field(default_factory=list)
     epsilon: dict = field(default_factory=dict)
     switch: dict = field(default_factory=dict)  # (a, b) -> ms per change of runtime
+    calibration: list = field(default_factory=list)  # in-context rounds (placer.calibrate)
     placement_from_log: bool = False
     estimated_ms: float = math.nan
     ops_per_backend: dict = field(default_factory=dict)
@@ -120,12 +122,16 @@ def _placement_log(log, db) -> PlacementLog:
 def search(model, target="llvm", backends=("tvm", "dnnl"), db=None, placement_log=None,
            example_inputs=None, isolate: bool = True, progress: bool = True,
            compare: bool = False, graph_level: bool = False, budget: float = 300.0,
-           on_generation=None, switching: bool = True):
+           on_generation=None, switching: bool = True, calibrate_rounds: int = 4,
+           on_calibration=None):
     """Import, generate candidates, measure (or reuse) costs, place. Returns
     (graph, placement, backend_map, report, target).
 
     ``switching``: the op-level DP charges the measured cost of changing runtime between
     consecutive kernels (``Measurer.switch_costs``); False gives the paper's additive model.
+    ``calibrate_rounds``: rounds of in-context calibration of the op-level placement
+    (``placer.calibrate``: run it, re-cost its external groups as timed in place, re-run
+    the DP); 0 turns it off. ``on_calibration(entry)`` sees each round.
 
     ``graph_level``: after the op-level DP, run the evolutionary graph-level placer
     (``placer.graph_level``) for at most ``budget`` seconds over the registered graph
@@ -144,7 +150,8 @@ def search(model, target="llvm", backends=("tvm", "dnnl"), db=None, placement_lo
     key = placement_key(graph.func, target, backend_map)
     report.times["import"] = time.perf_counter() - t_start
 
-    variant = ("|switching" if switching else "") + ("|graph-level" if graph_level else "")
+    variant = (("|switching" if switching else "") + ("|graph-level" if graph_level else "")
+               + (f"|calibrated{calibrate_rounds}" if calibrate_rounds else ""))
     if variant:
         key = hashlib.sha256(f"{key}{variant}".encode()).hexdigest()[:32]
     logged = log.get(key)
@@ -175,6 +182,14 @@ def search(model, target="llvm", backends=("tvm", "dnnl"), db=None, placement_lo
         placement = place(graph.producers, candidates, costs, eps, switch=switch)
         report.times["search"] = time.perf_counter() - t0
         report.estimated_ms = placement.cost
+        if calibrate_rounds > 0 and any(backend_map[g.backend].is_external
+                                        for g in placement.groups):
+            t0 = time.perf_counter()
+            cal = calibrate(graph, candidates, costs, eps, switch, placement, backend_map,
+                            target, rounds=calibrate_rounds, on_round=on_calibration)
+            placement, report.calibration = cal.placement, cal.history
+            report.estimated_ms = placement.cost
+            report.times["calibrate"] = time.perf_counter() - t0
         op_level = placement
         if graph_level:
             placement = _graph_level(graph, placement, backend_map, target, report, budget,
@@ -193,11 +208,12 @@ def search(model, target="llvm", backends=("tvm", "dnnl"), db=None, placement_lo
 def optimize(model, target="llvm", backends=("tvm", "dnnl"), db=None, placement_log=None,
              example_inputs=None, isolate: bool = True, progress: bool = True,
              compare: bool = False, graph_level: bool = False, budget: float = 300.0,
-             on_generation=None, switching: bool = True) -> CollageResult:
-    """Search a placement for ``model`` and build it; see ``build`` for the arguments."""
+             on_generation=None, switching: bool = True, calibrate_rounds: int = 4,
+             on_calibration=None) -> CollageResult:
+    """Search a placement for ``model`` and build it; see ``search`` for the arguments."""
     graph, placement, backend_map, report, target = search(
         model, target, backends, db, placement_log, example_inputs, isolate, progress, compare,
-        graph_level, budget, on_generation, switching)
+        graph_level, budget, on_generation, switching, calibrate_rounds, on_calibration)
     t0 = time.perf_counter()
     executable, lowered = compile_placement(graph, placement.groups, backend_map, target)
     report.times["compile"] = time.perf_counter() - t0
@@ -211,8 +227,9 @@ def optimize_module(mod, target, backends, db, placement_log, progress, isolate)
     return lower_placement(graph, placement.groups, backend_map)
 
 
-def compile_placement(graph, groups, backend_map, target):
-    mod = lower_placement(graph, groups, backend_map)
+def compile_placement(graph, groups, backend_map, target, timings: dict | None = None):
+    """(executable, lowered module) of a placement; ``timings``: see ``lower_external``."""
+    mod = lower_placement(graph, groups, backend_map, timings)
     return tvm.compile(mod, target), mod
 
 

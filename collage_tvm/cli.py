@@ -25,9 +25,15 @@ def _optimize(args) -> int:
         def on_generation(e):
             print(f"  generation {e['gen']:>3}: best {e['best_ms']:.3f} ms "
                   f"({e['evaluated']} placements measured, {e['elapsed_s']:.0f} s)", flush=True)
+    def on_calibration(e):
+        print(f"  calibration round {e['round']}: {e['kernels']} kernels, estimate "
+              f"{e['estimate_ms']:.3f} ms, measured {e['measured_ms']:.3f} ms, "
+              f"{e['recalibrated']} group costs changed", flush=True)
+
     res = optimize(args.model, args.target, backends, db=args.db, isolate=not args.in_process,
                    compare=not args.no_compare, graph_level=args.graph_level, budget=args.budget,
-                   on_generation=on_generation, switching=not args.no_switching)
+                   on_generation=on_generation, switching=not args.no_switching,
+                   calibrate_rounds=args.calibrate, on_calibration=on_calibration)
     rep = res.report
     if rep.switch:
         print("switching cost between runtimes (ms per change): " + ", ".join(
@@ -154,6 +160,10 @@ def main(argv=None) -> int:
     o.add_argument("--graph-level", action="store_true",
                    help="after the op-level DP, run the evolutionary graph-level placer over the "
                         "graph libraries among --backends (onnxruntime, openvino)")
+    o.add_argument("--calibrate", type=int, default=4, metavar="ROUNDS",
+                   help="rounds of in-context calibration of the op-level placement: run it, "
+                        "re-cost each external group as timed in place, re-run the DP "
+                        "(default 4; 0 turns it off)")
     o.add_argument("--no-switching", action="store_true",
                    help="op-level DP with the paper's additive cost (no measured cost of "
                         "changing runtime between consecutive kernels)")

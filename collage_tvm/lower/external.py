@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import time
 
 import tvm
 from tvm_ffi.structural import structural_equal, structural_hash
@@ -41,8 +42,25 @@ def _lower_cached(backend, func):
     return fn
 
 
-def lower_external(mod: tvm.IRModule, backends: dict) -> tvm.IRModule:
-    """Lower every ``Codegen=collage_<backend>`` function of ``mod``; returns the new module."""
+def _timed(fn, log: list):
+    clock = time.perf_counter
+
+    def call(*args):
+        t0 = clock()
+        out = fn(*args)
+        log.append(clock() - t0)
+        return out
+
+    return call
+
+
+def lower_external(mod: tvm.IRModule, backends: dict, timings: dict | None = None) -> tvm.IRModule:
+    """Lower every ``Codegen=collage_<backend>`` function of ``mod``; returns the new module.
+
+    ``timings``: when given, each external call appends its wall time (s) to
+    ``timings[group index]`` (the ``collage.group`` attribute partition sets): the
+    in-context cost of each group in a whole run (``placer.calibrate``).
+    """
     symbols = {}
     for gv, func in list(mod.functions.items()):
         if not isinstance(func, relax.Function) or func.attrs is None:
@@ -54,6 +72,8 @@ def lower_external(mod: tvm.IRModule, backends: dict) -> tvm.IRModule:
         if name not in backends:
             raise KeyError(f"function {gv.name_hint} asks for backend {name!r}, which is not loaded")
         fn = _lower_cached(backends[name], func)
+        if timings is not None:
+            fn = _timed(fn, timings.setdefault(int(func.attrs["collage.group"]), []))
         symbol = f"{func.attrs['global_symbol']}.{next(_COUNTER)}"
         tvm.register_global_func(symbol, fn, override=True)
         _LIVE[symbol] = fn

@@ -44,7 +44,8 @@ def partition(graph: DataflowGraph, groups, backends: dict) -> tvm.IRModule:
                     sub = sub.with_attrs({"Codegen": CODEGEN_PREFIX + backend.name,
                                           "global_symbol": f"collage.{backend.name}.{key}_{k}",
                                           "collage.label": group.label,
-                                          "collage.sole_group": len(groups) == 1})
+                                          "collage.sole_group": len(groups) == 1,
+                                          "collage.group": k})
                     args = [vmap[v] for v in inputs]
                 else:
                     sub = sub.with_attrs({"Primitive": True, "collage.label": group.label})

@@ -47,6 +47,14 @@ log = logging.getLogger("collage_tvm")
 _PROGRESS_EVERY = 10_000
 
 
+def pair_cost(switch: dict | None, a: str, b: str) -> float:
+    """What ``place`` charges for a ``b`` kernel right after an ``a`` kernel."""
+    if not switch:
+        return 0.0
+    v = switch.get((a, b), switch.get((b, a), 0.0))
+    return float(v) if v > 0 and math.isfinite(v) else 0.0
+
+
 def place(
     producers: list[list[int]],
     candidates: list[Candidate],
@@ -106,11 +114,9 @@ def place(
     bnames = sorted({c.backend for c in candidates})
     bid = {b: i for i, b in enumerate(bnames)}
     swm = [[0.0] * len(bnames) for _ in range(len(bnames) + 1)]
-    for (a, b), v in (switch or {}).items():
-        if a in bid and b in bid and v > 0 and math.isfinite(v):
-            swm[bid[a]][bid[b]] = float(v)
-            if (b, a) not in switch:
-                swm[bid[b]][bid[a]] = float(v)
+    for a in bnames:
+        for b in bnames:
+            swm[bid[a]][bid[b]] = pair_cost(switch, a, b)
     sequence = any(v > 0 for row in swm for v in row)
 
     # Keep the cheapest finite candidate per node set (per node set and backend when
