@@ -65,16 +65,20 @@ def _feasible(producers, groups):
     return seen == len(groups)
 
 
-def _brute_force(producers, candidates, costs, epsilon):
+def _brute_force(producers, candidates, costs, epsilon, cover_cost=None):
+    """Cheapest feasible cover; ``cover_cost(groups)`` prices one (default: additive)."""
     n = len(producers)
     finite = [c for c in candidates if costs[c] + epsilon[c.backend] < INF]
     best = INF
+    if cover_cost is None:
+        def cover_cost(chosen):
+            return sum(costs[c] + epsilon[c.backend] for c in chosen)
 
     def rec(covered, chosen):
         nonlocal best
         if len(covered) == n:
             if _feasible(producers, chosen):
-                best = min(best, sum(costs[c] + epsilon[c.backend] for c in chosen))
+                best = min(best, cover_cost(chosen))
             return
         v = min(set(range(n)) - covered)  # every partition is enumerated exactly once
         for c in finite:
@@ -341,23 +345,8 @@ def _best_order_cost(producers, groups, costs, epsilon, switch):
 
 
 def _brute_force_sequence(producers, candidates, costs, epsilon, switch):
-    n = len(producers)
-    finite = [c for c in candidates if costs[c] + epsilon[c.backend] < INF]
-    best = INF
-
-    def rec(covered, chosen):
-        nonlocal best
-        if len(covered) == n:
-            if _feasible(producers, chosen):
-                best = min(best, _best_order_cost(producers, chosen, costs, epsilon, switch))
-            return
-        v = min(set(range(n)) - covered)
-        for c in finite:
-            if v in c.nodes and not (c.nodes & covered):
-                rec(covered | c.nodes, chosen + [c])
-
-    rec(frozenset(), [])
-    return best
+    return _brute_force(producers, candidates, costs, epsilon, lambda chosen: _best_order_cost(
+        producers, chosen, costs, epsilon, switch))
 
 
 @pytest.mark.parametrize("seed", range(120))
