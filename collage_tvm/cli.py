@@ -26,9 +26,10 @@ def _optimize(args) -> int:
             print(f"  generation {e['gen']:>3}: best {e['best_ms']:.3f} ms "
                   f"({e['evaluated']} placements measured, {e['elapsed_s']:.0f} s)", flush=True)
     def on_calibration(e):
+        extra = ", ".join(f"{b} +{v:.3f}" for b, v in sorted(e["extra_epsilon"].items()))
         print(f"  calibration round {e['round']}: {e['kernels']} kernels, estimate "
-              f"{e['estimate_ms']:.3f} ms, measured {e['measured_ms']:.3f} ms, "
-              f"{e['recalibrated']} group costs changed", flush=True)
+              f"{e['estimate_ms']:.3f} ms, measured {e['measured_ms']:.3f} ms; in-context "
+              f"ms per call: {extra}", flush=True)
 
     res = optimize(args.model, args.target, backends, db=args.db, isolate=not args.in_process,
                    compare=not args.no_compare, graph_level=args.graph_level, budget=args.budget,

@@ -153,3 +153,24 @@ def test_never_slower_compares_every_build_and_times_hopeless_ones_once(small_on
     # The switching costs between runtimes were measured and reported.
     if len(backends) > 1:
         assert ("dnnl", "tvm") in res.report.switch
+
+
+def test_cli_optimize_prints_the_search_and_writes_a_drawable_placement(small_onnx, tmp_path,
+                                                                        capsys):
+    import json
+
+    from collage_tvm.cli import main
+
+    backends = "tvm,dnnl" if _available("dnnl") else "tvm"
+    out = tmp_path / "placement.json"
+    rc = main(["optimize", small_onnx, "--backends", backends, "--db", str(tmp_path / "c.db"),
+               "--in-process", "-o", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "operators per backend" in text and "tvm-only" in text
+    if backends == "tvm,dnnl":
+        assert "switching cost between runtimes" in text and "dnnl<->tvm" in text
+        assert "calibration round 0" in text
+    record = json.loads(out.read_text())
+    assert len(record["graph"]["nodes"]) == sum(len(g["nodes"]) for g in record["groups"])
+    assert main(["show", str(out), "-o", str(tmp_path / "p.svg")]) == 0
