@@ -417,3 +417,18 @@ def test_speed_sanity_300_node_chain_like_graph_with_switching_costs():
     additive = place(producers, cands, costs, eps)
     assert p.cost <= _sequence_cost(additive.groups, costs, eps, switch) + 1e-9
     print(f"with switching costs: {seen[-1]} states expanded, cost {p.cost:.4f}")
+
+
+def test_switching_search_falls_back_to_the_pruned_search_on_a_small_budget(caplog):
+    rng = random.Random(7)
+    producers, cands, costs, epsilon = _random_case(rng)
+    switch = {("tvm", "cutlass"): 0.3, ("tvm", "dnnl"): 0.2, ("cutlass", "dnnl"): 0.1}
+    with caplog.at_level(logging.WARNING, logger="collage_tvm"):
+        p = place(producers, cands, costs, epsilon, switch=switch, max_states=10)
+    assert any("ready search passed" in r.message for r in caplog.records)
+    placed = set()
+    for grp in p.groups:
+        assert all(q in placed or q in grp.nodes for v in grp.nodes for q in producers[v])
+        placed |= grp.nodes
+    assert placed == set(range(len(producers)))
+    assert math.isclose(_sequence_cost(p.groups, costs, epsilon, switch), p.cost, rel_tol=1e-9)

@@ -73,7 +73,8 @@ def place(
     (a backend missing from the dict costs 0).
     ``progress``: called with the number of expanded states every ~10000 states
     and once at the end.
-    ``max_states``: if the exact search expands more states than this, it is
+    ``max_states``: if the exact search expands more states than this (a tenth of it
+    with switching costs, then the additive pruning up to ``max_states``), it is
     abandoned for a restricted search that only tries candidates containing the
     smallest unplaced node (not exact; a warning is logged).
     ``switch``: ``(a, b) -> ms`` extra cost of a ``b`` kernel right after an ``a`` kernel,
@@ -194,7 +195,10 @@ def place(
     start = len(bnames) if sequence else 0
     roots = sum(1 << v for v in range(n) if not prod_mask[v])
 
-    def search(restricted: bool, limit: int | None):
+    def search(mode: str, limit: int | None):
+        """``mode``: "ready" (every ready candidate: exact for switching costs), "pruned"
+        (candidates holding u or ready ancestors of its group: exact for the additive
+        cost), "restricted" (candidates holding u only)."""
         s0 = start
         g: dict[int, float] = {s0: 0.0}
         parent: dict[int, tuple[int, int] | None] = {s0: None}
@@ -225,22 +229,20 @@ def place(
                 if cmask[c] & s:
                     continue
                 reach_u |= cmask[c]
-                if cext[c] & free == 0 and not sequence:
+                if cext[c] & free == 0 and mode != "ready":
                     succ.append(c)
             if not reach_u:
                 if -negpop > stuck[0]:
                     stuck = (-negpop, u)
                 continue  # u can no longer be covered: dead state
-            if sequence and not restricted:
+            if mode == "ready":
                 # Every ready candidate: its smallest node is a ready node.
                 ready = ready_of[s]
                 while ready:
                     v = (ready & -ready).bit_length() - 1
                     ready &= ready - 1
                     succ.extend(c for c in by_min[v] if not cmask[c] & s and not cext[c] & free)
-            elif sequence:
-                succ = [c for c in by_node[u] if not cmask[c] & s and not cext[c] & free]
-            elif not restricted:
+            elif mode == "pruned":
                 # Exactness-preserving pruning: any execution order of a solution can be
                 # rewritten to place G_u (the group holding u) as soon as it is ready and
                 # otherwise a ready group-graph ancestor of G_u, so besides candidates
@@ -302,15 +304,21 @@ def place(
                     ready |= 1 << y
         return ready
 
-    found, g, parent, expanded, stuck = search(restricted=False, limit=max_states)
-    if found is None and expanded > max_states:
-        log.warning(
-            "op-level placer: exact search passed max_states=%d on %d nodes / %d "
-            "candidates; falling back to a restricted search over candidates "
-            "containing the smallest unplaced node (result may be suboptimal)",
-            max_states, n, len(cmask))
-        found, g, parent, more, stuck = search(restricted=True, limit=None)
+    # With switching costs the exact search tries every ready candidate, which on wide
+    # graphs (NASNet cells: 814 nodes) passes millions of states; then the additive
+    # pruning, still charging switches, and last the restricted search.
+    modes = ([("ready", max(1, max_states // 10))] if sequence else []) + [
+        ("pruned", max_states), ("restricted", None)]
+    expanded = 0
+    for i, (mode, limit) in enumerate(modes):
+        found, g, parent, more, stuck = search(mode, limit)
         expanded += more
+        if found is not None or limit is None or more <= limit:
+            break
+        log.warning(
+            "op-level placer: %s search passed %d states (max_states=%d) on %d nodes / %d "
+            "candidates; falling back to a %s search (result may be suboptimal)", mode, limit,
+            max_states, n, len(cmask), modes[i + 1][0])
     if progress is not None:
         progress(expanded)
     if found is None:
