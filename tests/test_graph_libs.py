@@ -87,7 +87,8 @@ def test_two_level_build_on_bert_small(bert_onnx, tmp_path):
     assert levels <= {"op-level", "graph-level"}
     # The placement log keeps the graph-level result: the next build searches nothing.
     again = collage_tvm.optimize(bert_onnx, "llvm", ["tvm", lib], db=str(tmp_path / "c.db"),
-                                 isolate=False, progress=False, graph_level=True, budget=20)
+                                 isolate=False, progress=False, graph_level=True, budget=20,
+                                 calibrate_rounds=0)
     assert again.report.placement_from_log
     assert {c.nodes for c in again.placement.groups} == {c.nodes for c in res.placement.groups}
 
