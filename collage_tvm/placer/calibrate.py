@@ -9,17 +9,18 @@ onnxruntime sessions with a thread pool each took 87 ms in context against 45 ms
 Pairwise switching costs (``Measurer.switch_costs``) catch part of this; the rest depends
 on what ran before, which a probe cannot know.
 
-So: build the placement, run it, and time every group in place (library calls as they
-are; TVM's groups compiled one by one and called the same way, since inside one VM they
-cannot be timed apart). What a backend's calls cost beyond their isolated time (less the
-switching cost the DP already charges) is its in-context per-call overhead: the median
-over its calls of all rounds so far becomes an addition to its epsilon. A group timed in
-place costs, in the next DP, what it cost there; every other candidate its isolated time
-plus its backend's addition. Re-costing only the timed groups (no per-backend term) left
-the DP chasing the optimistic isolated costs of the others (ResNet-50: 72 -> 90 -> 113 ms
-over three rounds). Repeat until the placement stops changing or ``rounds`` runs out.
-Each round's placement is timed end to end; the fastest, re-timed side by side, is kept,
-so the result is never slower, as measured, than the plain op-level placement.
+So: build the placement, run it, and time every external call in place. What a backend's
+calls cost beyond their isolated time (less the switching cost the DP already charges) is
+its in-context per-call overhead: the median over its calls of all rounds so far becomes
+an addition to its epsilon (TVM's calls run inside the VM and are not timed one by one:
+TVM gets the part of the whole run no external call accounts for, spread over its
+kernels). Run the DP again on the calibrated epsilons, and repeat until the placement
+stops changing or ``rounds`` runs out. A per-backend term, not a per-group cost: a group
+measured in place says little about the next group of that library, and re-costing only
+the measured groups left the DP chasing the optimistic isolated costs of the others
+(ResNet-50: 72 -> 90 -> 113 ms over three rounds). Each round's placement is timed end to
+end; the fastest, re-timed side by side, is kept, so the result is never slower, as
+measured, than the plain op-level placement.
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ class Calibration:
 def calibrate(graph, candidates, costs: dict, epsilon: dict, switch: dict, placement: Placement,
               backend_map: dict, target, rounds: int = 4, min_ms: float = 300.0,
               on_round=None) -> Calibration:
-    """Re-run the op-level DP on in-context costs, at most ``rounds`` times (module doc).
+    """Re-run the op-level DP with in-context epsilons, at most ``rounds`` times (module doc).
 
     ``costs``: candidate -> ms the DP uses (isolated time less epsilon). ``on_round(entry)``
     sees each round: {"round", "estimate_ms", "measured_ms", "kernels", "extra_epsilon"}.
