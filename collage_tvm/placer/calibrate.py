@@ -61,14 +61,8 @@ def calibrate(graph, candidates, costs: dict, epsilon: dict, switch: dict, place
 
     dev = target_device(target)
     arrays = random_inputs(graph.params)
-    # TVM's groups are compiled one by one and called like a library, so each can be timed
-    # in place (inside one VM they cannot); the kept placement is rebuilt normally later.
-    timed_map = {name: (b if b.is_external else _tvm_kernels(b, target))
-                 for name, b in backend_map.items()}
     samples: dict = {}  # backend -> [in-context ms beyond the DP's charge, per call]
-    seen_ctx: dict = {}  # group -> (in-context ms, backend of the kernel before it)
     extra: dict = {}
-    dp_costs = dict(costs)
     tried: dict = {}  # placement signature -> (placement, run)
     history: list = []
     current = placement
@@ -77,13 +71,7 @@ def calibrate(graph, candidates, costs: dict, epsilon: dict, switch: dict, place
         if sig in tried:
             break  # the DP came back to a placement already run: no new information
         timings: dict = {}
-        try:
-            ex = tvm.compile(lower_placement(graph, current.groups, timed_map, timings), target)
-        except Exception as err:  # noqa: BLE001 - fall back to untimed TVM kernels
-            logger.info("calibration: TVM groups not timed one by one (%s: %s)",
-                        type(err).__name__, err)
-            timed_map, timings = backend_map, {}
-            ex = tvm.compile(lower_placement(graph, current.groups, timed_map, timings), target)
+        ex = tvm.compile(lower_placement(graph, current.groups, backend_map, timings), target)
         vm = relax.VirtualMachine(ex, dev)
         args = [tvm.runtime.tensor(a, dev) for a in arrays]
         main = vm["main"]
@@ -92,18 +80,17 @@ def calibrate(graph, candidates, costs: dict, epsilon: dict, switch: dict, place
         accounted, internal = 0.0, []
         prev = None
         for k, g in enumerate(current.groups):
-            switch_in = pair_cost(switch, prev, g.backend) if prev is not None else 0.0
-            charged = costs.get(g, 0.0) + epsilon.get(g.backend, 0.0) + switch_in
+            charged = (costs.get(g, 0.0) + epsilon.get(g.backend, 0.0)
+                       + (pair_cost(switch, prev, g.backend) if prev is not None else 0.0))
             if timings.get(k):
                 ctx = statistics.median(timings[k]) * 1e3
                 samples.setdefault(g.backend, []).append(ctx - charged)
-                seen_ctx[g] = (ctx, prev)
                 accounted += ctx
             else:
                 internal.append(charged)
                 accounted += charged
             prev = g.backend
-        if internal:  # what no timed call accounts for, spread over the VM's own kernels
+        if internal:  # what no external call accounts for, spread over the VM's own kernels
             tvm_name = _internal_backend(current, timings)
             samples.setdefault(tvm_name, []).append((total - accounted) / len(internal))
         extra = {b: max(0.0, statistics.median(v)) for b, v in samples.items()}
@@ -116,12 +103,7 @@ def calibrate(graph, candidates, costs: dict, epsilon: dict, switch: dict, place
         if on_round is not None:
             on_round(entry)
         eps = {b: epsilon.get(b, 0.0) + extra.get(b, 0.0) for b in set(epsilon) | set(extra)}
-        # A group timed in place costs what it cost there; the others, their isolated time
-        # plus their backend's in-context addition (through eps).
-        for g, (ctx, before) in seen_ctx.items():
-            sw = pair_cost(switch, before, g.backend) if before is not None else 0.0
-            dp_costs[g] = max(0.0, ctx - eps.get(g.backend, 0.0) - sw)
-        current = place(graph.producers, candidates, dp_costs, eps, switch=switch)
+        current = place(graph.producers, candidates, costs, eps, switch=switch)
     if len(tried) > 1:  # side by side: the machine's drift hits every round's placement alike
         ms = interleaved({i: run for i, (_, run) in enumerate(tried.values())})
         best = min(ms, key=ms.get)
@@ -131,45 +113,6 @@ def calibrate(graph, candidates, costs: dict, epsilon: dict, switch: dict, place
     else:
         chosen = list(tried.values())[0][0]
     return Calibration(chosen, history, extra)
-
-
-class _TvmKernelLowering:
-    """Calibration only: one TVM group compiled on its own and called like a library."""
-
-    def __init__(self, target):
-        self.target = target
-
-    def available(self) -> tuple[bool, str]:
-        return True, ""
-
-    def version(self) -> str:
-        import tvm
-
-        return f"tvm-{tvm.__version__}-kernel"
-
-    def lower(self, func):
-        import tvm
-        from tvm import relax
-
-        from ..target import target_device
-
-        plain = relax.Function(func.params, func.body, func.ret_ty)
-        ex = tvm.compile(tvm.IRModule({"main": plain}), self.target)
-        run = relax.VirtualMachine(ex, target_device(self.target))["main"]
-        return lambda *args: _as_result(run(*args))
-
-
-def _as_result(out):
-    import tvm
-
-    return out if isinstance(out, tvm.runtime.Tensor) else tuple(out)
-
-
-def _tvm_kernels(backend, target):
-    from ..registry import Backend
-
-    return Backend(name=backend.name, kind=backend.kind, device=backend.device,
-                   lowering=_TvmKernelLowering(target))
 
 
 def _internal_backend(placement: Placement, timings: dict) -> str:
