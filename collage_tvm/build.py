@@ -347,15 +347,13 @@ def never_slower(graph, placement, backend_map, target, report, op_level=None) -
     for name, out in outputs.items():
         match, max_err = compare_outputs(out, outputs["tvm-only"])
         results[name].update(match=match, max_err=0.0 if name == "tvm-only" else max_err)
-    for name, r in results.items():
-        if "same_as" in r:
-            results[name] = dict(results[r["same_as"]], same_as=r["same_as"])
     # The contenders (correct, within 2x of the fastest) are timed again in alternating
     # rounds, so the machine's drifting load hits them alike: on a shared 2-core machine
     # one build timed after another differed by up to 40% from the same build re-timed.
-    fastest = min((r["ms"] for r in results.values() if r["match"]), default=math.inf)
-    contenders = {n: runs[n] for n, r in results.items()
-                  if n in runs and r["match"] and r["ms"] <= 2 * fastest and "same_as" not in r}
+    # (Builds that are the same placement as another have no run of their own.)
+    fastest = min((results[n]["ms"] for n in runs if results[n]["match"]), default=math.inf)
+    contenders = {n: runs[n] for n in runs
+                  if results[n]["match"] and results[n]["ms"] <= 2 * fastest}
     if len(contenders) > 1:
         for name, ms in interleaved(contenders).items():
             results[name]["first_ms"], results[name]["ms"] = results[name]["ms"], ms

@@ -11,20 +11,22 @@ def _torch():
     return torch, nn
 
 
-def resnet(layers=(3, 4, 6, 3), width: int = 64, num_classes: int = 1000):
-    """ResNet with bottleneck blocks; ``layers=(3, 4, 6, 3)`` is ResNet-50."""
+def resnet(layers=(3, 4, 6, 3), width: int = 64, num_classes: int = 1000, dims: int = 2):
+    """ResNet with bottleneck blocks; ``layers=(3, 4, 6, 3)`` is ResNet-50. ``dims=3``: the
+    video variant (Conv3d/BatchNorm3d, a 3x7x7 stem striding only in space, mean pool)."""
     torch, nn = _torch()
+    conv, norm = (nn.Conv2d, nn.BatchNorm2d) if dims == 2 else (nn.Conv3d, nn.BatchNorm3d)
 
     class Bottleneck(nn.Module):
         def __init__(self, cin, mid, stride):
             super().__init__()
-            self.c1, self.b1 = nn.Conv2d(cin, mid, 1, bias=False), nn.BatchNorm2d(mid)
-            self.c2, self.b2 = nn.Conv2d(mid, mid, 3, stride, 1, bias=False), nn.BatchNorm2d(mid)
-            self.c3, self.b3 = nn.Conv2d(mid, mid * 4, 1, bias=False), nn.BatchNorm2d(mid * 4)
+            self.c1, self.b1 = conv(cin, mid, 1, bias=False), norm(mid)
+            self.c2, self.b2 = conv(mid, mid, 3, stride, 1, bias=False), norm(mid)
+            self.c3, self.b3 = conv(mid, mid * 4, 1, bias=False), norm(mid * 4)
             self.down = None
             if stride != 1 or cin != mid * 4:
-                self.down = nn.Sequential(nn.Conv2d(cin, mid * 4, 1, stride, bias=False),
-                                          nn.BatchNorm2d(mid * 4))
+                self.down = nn.Sequential(conv(cin, mid * 4, 1, stride, bias=False),
+                                          norm(mid * 4))
 
         def forward(self, x):
             r = x if self.down is None else self.down(x)
@@ -35,8 +37,13 @@ def resnet(layers=(3, 4, 6, 3), width: int = 64, num_classes: int = 1000):
     class ResNet(nn.Module):
         def __init__(self):
             super().__init__()
-            self.stem = nn.Sequential(nn.Conv2d(3, width, 7, 2, 3, bias=False),
-                                      nn.BatchNorm2d(width), nn.ReLU(), nn.MaxPool2d(3, 2, 1))
+            if dims == 2:
+                self.stem = nn.Sequential(nn.Conv2d(3, width, 7, 2, 3, bias=False),
+                                          nn.BatchNorm2d(width), nn.ReLU(), nn.MaxPool2d(3, 2, 1))
+            else:
+                self.stem = nn.Sequential(
+                    nn.Conv3d(3, width, (3, 7, 7), (1, 2, 2), (1, 3, 3), bias=False),
+                    nn.BatchNorm3d(width), nn.ReLU(), nn.MaxPool3d(3, 2, 1))
             blocks, cin = [], width
             for i, n in enumerate(layers):
                 mid = width * 2 ** i
@@ -48,13 +55,15 @@ def resnet(layers=(3, 4, 6, 3), width: int = 64, num_classes: int = 1000):
 
         def forward(self, x):
             x = self.blocks(self.stem(x))
-            return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
+            if dims == 2:
+                return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
+            return self.fc(x.mean((2, 3, 4)))
 
     torch.manual_seed(0)
     model = ResNet().eval()
     with torch.no_grad():  # random but non-trivial BN statistics, so folding is exercised
         for m in model.modules():
-            if isinstance(m, nn.BatchNorm2d):
+            if isinstance(m, norm):
                 m.running_mean.uniform_(-0.1, 0.1)
                 m.running_var.uniform_(0.5, 1.5)
     return model

@@ -216,50 +216,14 @@ def resnet3d(size: str = "small"):
     paper: layers (3, 4, 6, 3), width 64, input ``(1, 3, 16, 112, 112)``;
     small: layers (1, 1, 1, 1), width 8, input ``(1, 3, 4, 32, 32)``.
     """
+    from .models import resnet
+
     _check_size(size)
-    torch, nn = _torch()
     if size == "paper":
         layers, width, shape, classes = (3, 4, 6, 3), 64, (1, 3, 16, 112, 112), 400
     else:
         layers, width, shape, classes = (1, 1, 1, 1), 8, (1, 3, 4, 32, 32), 10
-
-    class Bottleneck(nn.Module):
-        def __init__(self, cin, mid, stride):
-            super().__init__()
-            self.c1, self.b1 = nn.Conv3d(cin, mid, 1, bias=False), nn.BatchNorm3d(mid)
-            self.c2, self.b2 = nn.Conv3d(mid, mid, 3, stride, 1, bias=False), nn.BatchNorm3d(mid)
-            self.c3, self.b3 = nn.Conv3d(mid, mid * 4, 1, bias=False), nn.BatchNorm3d(mid * 4)
-            self.down = None
-            if stride != 1 or cin != mid * 4:
-                self.down = nn.Sequential(nn.Conv3d(cin, mid * 4, 1, stride, bias=False),
-                                          nn.BatchNorm3d(mid * 4))
-
-        def forward(self, x):
-            r = x if self.down is None else self.down(x)
-            y = torch.relu(self.b1(self.c1(x)))
-            y = torch.relu(self.b2(self.c2(y)))
-            return torch.relu(self.b3(self.c3(y)) + r)
-
-    class ResNet3D(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.stem = nn.Sequential(
-                nn.Conv3d(3, width, (3, 7, 7), (1, 2, 2), (1, 3, 3), bias=False),
-                nn.BatchNorm3d(width), nn.ReLU(), nn.MaxPool3d(3, 2, 1))
-            blocks, cin = [], width
-            for i, n in enumerate(layers):
-                mid = width * 2 ** i
-                for j in range(n):
-                    blocks.append(Bottleneck(cin, mid, 2 if (j == 0 and i > 0) else 1))
-                    cin = mid * 4
-            self.blocks = nn.Sequential(*blocks)
-            self.fc = nn.Linear(cin, classes)
-
-        def forward(self, x):
-            return self.fc(self.blocks(self.stem(x)).mean((2, 3, 4)))
-
-    torch.manual_seed(0)
-    return _finish(ResNet3D()), _image(shape)
+    return resnet(layers, width, classes, dims=3), _image(shape)
 
 
 # --------------------------------------------------------------------------- resnext50

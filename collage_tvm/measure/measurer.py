@@ -128,17 +128,22 @@ class Measurer:
             return math.inf, f"{type(err).__name__}: {str(err).strip()[:400]}", {}
 
     def _lookup_or_measure(self, backend, key, func, label, cutoff_ms=None) -> float:
-        version = backend.version()
-        rec = self.db.get(backend.name, version, key, self.device)
+        return self._cached(backend.name, backend.version(), key, label,
+                            lambda: self._measure(backend, func, cutoff_ms))
+
+    def _cached(self, name: str, version: str, key: str, label: str, measure) -> float:
+        """The DB's cost for (name, version, key, device), else ``measure()`` -> (cost,
+        reason, extra), stored; a failure (inf) is recorded with its reason."""
+        rec = self.db.get(name, version, key, self.device)
         if rec is not None:
             self.hits += 1
             return rec.cost_ms
-        cost, reason, extra = self._measure(backend, func, cutoff_ms)
+        cost, reason, extra = measure()
         self.measured += 1
         if math.isinf(cost):
-            self.failures.append((backend.name, label, reason))
-            logger.info("%s %s failed: %s", backend.name, label, reason)
-        self.db.put(backend.name, version, key, self.device, cost, reason,
+            self.failures.append((name, label, reason))
+            logger.info("%s %s failed: %s", name, label, reason)
+        self.db.put(name, version, key, self.device, cost, reason,
                     {"label": label, **{k: v for k, v in extra.items() if k != "traceback"}})
         return cost
 
@@ -170,21 +175,10 @@ class Measurer:
                     if a.kind != "graph":
                         continue
                     probe_b = switch_probe(a, variant=1)
-                key = f"{SWITCH_KEY}:{b.name}"
-                version = f"{a.version()}|{b.version()}"
-                rec = self.db.get(a.name, version, key, self.device)
-                if rec is not None:
-                    self.hits += 1
-                    cost = rec.cost_ms
-                else:
-                    cost, reason, extra = self._measure_switch(a, probes[a.name], b, probe_b)
-                    self.measured += 1
-                    if math.isinf(cost):
-                        logger.info("switching cost %s<->%s not measured: %s", a.name, b.name,
-                                    reason)
-                    self.db.put(a.name, version, key, self.device, cost, reason,
-                                {"label": f"switch {a.name}<->{b.name}",
-                                 **{k: v for k, v in extra.items() if k != "traceback"}})
+                cost = self._cached(
+                    a.name, f"{a.version()}|{b.version()}", f"{SWITCH_KEY}:{b.name}",
+                    f"switch {a.name}<->{b.name}",
+                    lambda a=a, b=b, pb=probe_b: self._measure_switch(a, probes[a.name], b, pb))
                 if math.isfinite(cost):
                     out[(a.name, b.name)] = cost
         return out
