@@ -28,3 +28,5 @@ class Placement:
     groups: list  # list[Candidate], in an order where producers come first
     cost: float   # estimated cost (ms) under the additive model, Eq. 2-4
     chosen_by: dict = field(default_factory=dict)  # Candidate -> "op-level" | "graph-level"
+    exact: bool = True  # False: the op-level DP fell back to its restricted search (too wide)
+    exact: bool = True  # False: the op-level DP placed windows of the graph (too wide)

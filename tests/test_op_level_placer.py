@@ -432,3 +432,52 @@ def test_switching_search_falls_back_to_the_pruned_search_on_a_small_budget(capl
         placed |= grp.nodes
     assert placed == set(range(len(producers)))
     assert math.isclose(_sequence_cost(p.groups, costs, epsilon, switch), p.cost, rel_tol=1e-9)
+
+
+def test_restricted_search_only_when_not_exact_and_flagged():
+    rng = random.Random(11)
+    producers, cands, costs, epsilon = _random_case(rng)
+    full = place(producers, cands, costs, epsilon)
+    assert full.exact
+    quick = place(producers, cands, costs, epsilon, exact=False)
+    assert not quick.exact
+    _check_placement(producers, quick, costs, epsilon)
+    assert quick.cost >= full.cost - 1e-9  # the exact search is the optimum
+    fallback = place(producers, cands, costs, epsilon, max_states=1)
+    assert not fallback.exact
+
+
+def test_wide_graph_with_switching_costs_falls_back_quickly_and_stays_valid():
+    """Parallel branches (NASNet-like cells) explode the exact switching search's states
+    (every interleaving of the branches); the fallback still returns a valid order."""
+    rng = random.Random(3)
+    producers, cands = [[]], []
+    backends = ["tvm", "dnnl", "onnxruntime"]
+    for cell in range(4):
+        root = len(producers) - 1
+        tails = []
+        for _ in range(5):
+            prev = root
+            for _ in range(4):
+                producers.append([prev])
+                prev = len(producers) - 1
+            tails.append(prev)
+        producers.append(sorted(tails))
+    n = len(producers)
+    for v in range(n):
+        for b in backends:
+            cands.append(Candidate(b, frozenset([v])))
+        if producers[v] and len(producers[v]) == 1:
+            cands.append(Candidate("dnnl", frozenset([producers[v][0], v])))
+    costs = {c: rng.uniform(0.1, 1.0) * len(c.nodes) for c in cands}
+    eps = {b: 0.01 for b in backends}
+    switch = {("tvm", "dnnl"): 0.05, ("dnnl", "onnxruntime"): 0.2, ("tvm", "onnxruntime"): 0.1,
+              ("onnxruntime", "onnxruntime"): 0.02}
+    p = place(producers, cands, costs, eps, switch=switch, max_states=2000)
+    assert not p.exact
+    placed = set()
+    for grp in p.groups:
+        assert all(q in placed or q in grp.nodes for v in grp.nodes for q in producers[v])
+        placed |= grp.nodes
+    assert placed == set(range(n))
+    assert math.isclose(_sequence_cost(p.groups, costs, eps, switch), p.cost, rel_tol=1e-9)

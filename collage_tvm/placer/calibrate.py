@@ -103,7 +103,9 @@ def calibrate(graph, candidates, costs: dict, epsilon: dict, switch: dict, place
         if on_round is not None:
             on_round(entry)
         eps = {b: epsilon.get(b, 0.0) + extra.get(b, 0.0) for b in set(epsilon) | set(extra)}
-        current = place(graph.producers, candidates, costs, eps, switch=switch)
+        # A graph too wide for the exact search (NASNet-A) stays on the restricted one.
+        current = place(graph.producers, candidates, costs, eps, switch=switch,
+                        exact=placement.exact)
     if len(tried) > 1:  # side by side: the machine's drift hits every round's placement alike
         ms = interleaved({i: run for i, (_, run) in enumerate(tried.values())})
         best = min(ms, key=ms.get)
