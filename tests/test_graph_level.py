@@ -170,3 +170,26 @@ def test_offloaded_groups_merge_with_op_level_library_groups():
     assert chosen[lib_groups[0]] == "graph-level"
     two = GraphLevelSearch(g, op_level, {"ort": _lib("ort"), "ov": _lib("ov")}, evaluate)
     assert len(two.eligible) == len(g)                          # several libraries: all groups
+
+
+def test_library_calls_merge_when_every_eligible_group_is_on_the_library_already():
+    """One graph library that the op level already gave every group it can run: no gene is
+    left, but its touching single calls still run merged when that measures faster."""
+    g = _diamond_chain()
+    on_ort = {1, 2, 3, 4}
+    groups = [Candidate("ort" if i in on_ort else "tvm", frozenset([i]),
+                        "ort.op" if i in on_ort else "tvm.op") for i in range(len(g))]
+    op_level = Placement(groups, 0.0, {c: "op-level" for c in groups})
+    lib = _lib("ort", invalid_ops=("relax.nn.conv2d", "relax.nn.softmax", "relax.multiply"))
+    evaluate, calls = _fake_latency(g, {"tvm": 0.0, "ort": 1.0})
+    search = GraphLevelSearch(g, op_level, {"ort": lib}, evaluate)
+    assert search.n_genes == 0
+    res = search.run(budget_s=5)
+    assert len(calls) == 2 and res.best_ms < res.seed_ms
+    ort = [c for c in res.placement.groups if c.backend == "ort"]
+    assert len(ort) == 1 and ort[0].nodes == frozenset(on_ort)
+    assert res.placement.chosen_by[ort[0]] == "graph-level"
+    # A per-call cost of 0 gains nothing from merging: the op-level placement stays.
+    evaluate, calls = _fake_latency(g, {"tvm": 0.0, "ort": 0.0})
+    res = GraphLevelSearch(g, op_level, {"ort": lib}, evaluate).run(budget_s=5)
+    assert res.placement.groups == op_level.groups
