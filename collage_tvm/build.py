@@ -42,6 +42,8 @@ class BuildReport:
     failures: list = field(default_factory=list)
     epsilon: dict = field(default_factory=dict)
     switch: dict = field(default_factory=dict)  # (a, b) -> ms per change of runtime
+    close_calls: int = 0   # alternative covers within 25% of the chosen one (Measurer.refine)
+    side_by_side: int = 0  # sets of candidates re-timed side by side in this build
     calibration: list = field(default_factory=list)  # in-context rounds (placer.calibrate)
     placement_from_log: bool = False
     estimated_ms: float = math.nan
@@ -54,9 +56,12 @@ class BuildReport:
     def summary(self) -> str:
         if self.placement_from_log:
             return "placement found in the placement log: measured nothing"
-        if self.distinct_measured == 0:
+        if self.distinct_measured == 0 and self.side_by_side == 0:
             return f"all {self.db_hits} costs found in the cost DB: measured nothing"
-        return f"measured {self.distinct_measured} candidates ({self.db_hits} from the cost DB)"
+        side = (f"; re-timed {self.side_by_side} close calls side by side"
+                if self.side_by_side else "")
+        return (f"measured {self.distinct_measured} candidates ({self.db_hits} from the cost "
+                f"DB){side}")
 
 
 @dataclass
@@ -123,12 +128,15 @@ def search(model, target="llvm", backends=("tvm", "dnnl"), db=None, placement_lo
            example_inputs=None, isolate: bool = True, progress: bool = True,
            compare: bool = False, graph_level: bool = False, budget: float = 300.0,
            on_generation=None, switching: bool = True, calibrate_rounds: int = 4,
-           on_calibration=None):
+           on_calibration=None, refine_rounds: int = 2):
     """Import, generate candidates, measure (or reuse) costs, place. Returns
     (graph, placement, backend_map, report, target).
 
     ``switching``: the op-level DP charges the measured cost of changing runtime between
     consecutive kernels (``Measurer.switch_costs``); False gives the paper's additive model.
+    ``refine_rounds``: times the placement's close calls (alternative covers within 25%
+    of the chosen one's measured cost) are re-timed side by side and the DP re-run
+    (``Measurer.refine``); 0 turns it off.
     ``calibrate_rounds``: rounds of in-context calibration of the op-level placement
     (``placer.calibrate``: run it, re-cost its external groups as timed in place, re-run
     the DP); 0 turns it off. ``on_calibration(entry)`` sees each round.
@@ -151,6 +159,7 @@ def search(model, target="llvm", backends=("tvm", "dnnl"), db=None, placement_lo
     report.times["import"] = time.perf_counter() - t_start
 
     variant = (("|switching" if switching else "") + ("|graph-level" if graph_level else "")
+               + (f"|refined{refine_rounds}" if refine_rounds else "")
                + (f"|calibrated{calibrate_rounds}" if calibrate_rounds else ""))
     if variant:
         key = hashlib.sha256(f"{key}{variant}".encode()).hexdigest()[:32]
@@ -167,20 +176,33 @@ def search(model, target="llvm", backends=("tvm", "dnnl"), db=None, placement_lo
         candidates = generate_candidates(graph, backend_map.values())
         report.candidates = len(candidates)
         measurer = Measurer(target, cost_db, isolate=isolate, progress=progress)
+        t_search = 0.0
         try:
             eps = measurer.epsilon(backend_map.values())
             switch = measurer.switch_costs(backend_map.values()) if switching else {}
             raw = measurer.costs(graph, candidates, backend_map)
+            for rnd in range(refine_rounds + 1):
+                # Measured times include one call's overhead; the DP adds it back as
+                # epsilon (Eq. 2).
+                costs = {c: max(0.0, v - eps[c.backend]) for c, v in raw.items()}
+                t1 = time.perf_counter()
+                placement = place(graph.producers, candidates, costs, eps, switch=switch,
+                                  exact=rnd == 0 or placement.exact)
+                t_search += time.perf_counter() - t1
+                if rnd == refine_rounds:
+                    break
+                refined, report.close_calls = measurer.refine(placement, candidates, raw, eps,
+                                                              backend_map)
+                if refined == raw:
+                    break  # no cost changed: the DP would answer the same
+                raw = refined
         finally:
             measurer.close()
-        report.times["measure"] = time.perf_counter() - t0
+        report.times["measure"] = time.perf_counter() - t0 - t_search
+        report.times["search"] = t_search
         report.distinct_measured, report.db_hits = measurer.measured, measurer.hits
+        report.side_by_side = measurer.side_by_side
         report.failures, report.epsilon, report.switch = measurer.failures, eps, switch
-        # Measured times include one call's overhead; the DP adds it back as epsilon (Eq. 2).
-        costs = {c: max(0.0, v - eps[c.backend]) for c, v in raw.items()}
-        t0 = time.perf_counter()
-        placement = place(graph.producers, candidates, costs, eps, switch=switch)
-        report.times["search"] = time.perf_counter() - t0
         report.estimated_ms = placement.cost
         if calibrate_rounds > 0 and any(backend_map[g.backend].is_external
                                         for g in placement.groups):
@@ -209,11 +231,12 @@ def optimize(model, target="llvm", backends=("tvm", "dnnl"), db=None, placement_
              example_inputs=None, isolate: bool = True, progress: bool = True,
              compare: bool = False, graph_level: bool = False, budget: float = 300.0,
              on_generation=None, switching: bool = True, calibrate_rounds: int = 4,
-             on_calibration=None) -> CollageResult:
+             on_calibration=None, refine_rounds: int = 2) -> CollageResult:
     """Search a placement for ``model`` and build it; see ``search`` for the arguments."""
     graph, placement, backend_map, report, target = search(
         model, target, backends, db, placement_log, example_inputs, isolate, progress, compare,
-        graph_level, budget, on_generation, switching, calibrate_rounds, on_calibration)
+        graph_level, budget, on_generation, switching, calibrate_rounds, on_calibration,
+        refine_rounds)
     t0 = time.perf_counter()
     executable, lowered = compile_placement(graph, placement.groups, backend_map, target)
     report.times["compile"] = time.perf_counter() - t0

@@ -34,8 +34,12 @@ def _optimize(args) -> int:
     res = optimize(args.model, args.target, backends, db=args.db, isolate=not args.in_process,
                    compare=not args.no_compare, graph_level=args.graph_level, budget=args.budget,
                    on_generation=on_generation, switching=not args.no_switching,
-                   calibrate_rounds=args.calibrate, on_calibration=on_calibration)
+                   calibrate_rounds=args.calibrate, on_calibration=on_calibration,
+                   refine_rounds=args.refine)
     rep = res.report
+    if rep.close_calls:
+        print(f"close calls of the op-level DP: {rep.close_calls} alternative covers within 25% "
+              f"({rep.side_by_side} sets re-timed side by side in this run)")
     if rep.switch:
         print("switching cost between runtimes (ms per change): " + ", ".join(
             f"{a}<->{b} {v:.3f}" for (a, b), v in sorted(rep.switch.items())))
@@ -165,6 +169,10 @@ def main(argv=None) -> int:
                    help="rounds of in-context calibration of the op-level placement: run it, "
                         "re-cost each external group as timed in place, re-run the DP "
                         "(default 4; 0 turns it off)")
+    o.add_argument("--refine", type=int, default=2, metavar="ROUNDS",
+                   help="rounds of side-by-side re-timing of the op-level placement's close "
+                        "calls (alternative covers within 25%% of the chosen one's measured "
+                        "cost), each followed by a DP re-run (default 2; 0 turns it off)")
     o.add_argument("--no-switching", action="store_true",
                    help="op-level DP with the paper's additive cost (no measured cost of "
                         "changing runtime between consecutive kernels)")

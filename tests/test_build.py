@@ -43,6 +43,7 @@ def test_collage_build_matches_tvm_only_and_reuses_db(small_onnx, tmp_path):
     third = collage_tvm.optimize(small_onnx, "llvm", backends, db=db, progress=False,
                                  isolate=False, placement_log=str(tmp_path / "other.json"))
     assert third.report.distinct_measured == 0 and third.report.db_hits > 0
+    assert third.report.side_by_side == 0  # close calls re-timed once, then from the DB
 
 
 def res_target():

@@ -12,13 +12,14 @@ from tvm import relax
 from ..graph.subgraph import extract_function, function_key
 from ..target import device_fingerprint
 from .db import CostDB
-from .runner import measure_function, measure_switch
+from .runner import measure_function, measure_side_by_side, measure_switch
 from .worker import Worker
 
 logger = logging.getLogger("collage_tvm")
 
 EPSILON_KEY = "__epsilon__"
 SWITCH_KEY = "__switch__"
+SIDE_KEY = "__side_by_side__"
 
 
 def probe_function(backend) -> relax.Function:
@@ -100,6 +101,8 @@ class Measurer:
         self.hits = 0
         self.failures: list = []  # (backend, label, reason)
         self._can_pickle: dict = {}
+        self._func_of: dict = {}  # candidate -> (DB key, standalone function), from costs()
+        self.side_by_side = 0  # sets of candidates re-timed side by side (refine)
 
     def close(self) -> None:
         if self._worker is not None:
@@ -213,15 +216,84 @@ class Measurer:
             cost = self._lookup_or_measure(backend, bk[1], func, cands[0].label, cutoff)
             for c in cands:
                 costs[c] = cost
+                self._func_of[c] = (bk[1], func)
                 best_for_nodes[c.nodes] = min(cost, best_for_nodes.get(c.nodes, math.inf))
             bar.set_postfix_str(f"measured {self.measured}, cached {self.hits}")
             bar.update(1)
         bar.close()
         return costs
 
+    def refine(self, placement, candidates, raw: dict, epsilon: dict, backends: dict,
+               threshold: float = 0.25, max_sets: int = 300) -> tuple[dict, int]:
+        """Re-time the placement's close calls side by side; returns (``raw`` with the
+        side-by-side times, how many close calls there were).
 
-def _progress(total: int, enabled: bool):
+        ``placer.alternatives.close_decisions`` lists the alternative covers whose measured
+        cost is within ``threshold`` of the chosen one; the candidates of each (both covers)
+        run in alternating rounds in one process, so drift between two measurements no
+        longer decides. A function's side-by-side time is kept in the cost DB (key
+        ``__side_by_side__:<key>``) and used from then on, also in the next build. Candidates
+        that ``costs`` did not measure, or whose re-timing fails, keep their first time; at
+        most ``max_sets`` close calls (the closest) are looked at.
+        """
+        from ..placer.alternatives import close_decisions, functions_of
+
+        dp_costs = {c: max(0.0, v - epsilon.get(c.backend, 0.0)) for c, v in raw.items()}
+        decisions = close_decisions(placement, candidates, dp_costs, epsilon, threshold)
+        fixed: dict = {}  # (backend, key) -> side-by-side ms
+        sets = functions_of(decisions)[:max_sets]
+        bar = _progress(len(sets), self.progress, "re-timing close calls side by side")
+        for members in sets:
+            bar.update(1)
+            if any(c not in self._func_of for c in members):
+                continue
+            entries = [(c.backend, *self._func_of[c]) for c in members]
+            for name, key, _ in entries:
+                rec = self.db.get(name, backends[name].version(), f"{SIDE_KEY}:{key}", self.device)
+                if rec is not None and (name, key) not in fixed:
+                    self.hits += 1
+                    fixed[(name, key)] = rec.cost_ms
+            todo = [e for e in entries if (e[0], e[1]) not in fixed]
+            if not todo:
+                continue
+            times, reason = self._measure_side_by_side(
+                [(backends[name], func) for name, _, func in entries])
+            self.side_by_side += 1
+            if times is None:
+                logger.info("side-by-side re-timing of %s failed: %s",
+                            ", ".join(c.label or c.backend for c in members), reason)
+                continue
+            for (name, key, _), ms in zip(entries, times):
+                if (name, key) not in fixed and math.isfinite(ms):
+                    fixed[(name, key)] = ms
+                    self.db.put(name, backends[name].version(), f"{SIDE_KEY}:{key}", self.device,
+                                ms, None, {"label": "side-by-side",
+                                           "with": [k for _, k, _ in entries if k != key]})
+        bar.close()
+        out = dict(raw)
+        for c in raw:
+            if c in self._func_of and (c.backend, self._func_of[c][0]) in fixed:
+                out[c] = fixed[(c.backend, self._func_of[c][0])]
+        return out, len(decisions)
+
+    def _measure_side_by_side(self, funcs: list) -> tuple:
+        """([ms, ...], None) of ``[(backend, func), ...]`` timed side by side, or (None, reason)."""
+        try:
+            if self._worker is not None and all(self._picklable(b) for b, _ in funcs):
+                save = lambda f: tvm.ir.save_json(tvm.IRModule({"main": f}))  # noqa: E731
+                times, reason, _ = self._worker.measure_side_by_side(
+                    [(b, save(f)) for b, f in funcs], self.target_json)
+            else:
+                times, reason, _ = measure_side_by_side([(f, b) for b, f in funcs], self.target)
+        except Exception as err:  # noqa: BLE001 - a failed re-timing keeps the first times
+            return None, f"{type(err).__name__}: {str(err).strip()[:400]}"
+        if not isinstance(times, list):
+            return None, reason
+        return times, None
+
+
+def _progress(total: int, enabled: bool, desc: str = "measuring candidates"):
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc="measuring candidates", unit="cand", disable=None if enabled else True,
+    return tqdm(total=total, desc=desc, unit="cand", disable=None if enabled else True,
                 leave=False, dynamic_ncols=True)

@@ -96,3 +96,34 @@ def measure_switch(func_a, backend_a, func_b, backend_b, target) -> tuple:
         fns += [vm["main"], [tvm.runtime.tensor(x, dev) for x in random_inputs(func.params)], vm]
     cost, extra = time_switch(fns[0], fns[1], fns[3], fns[4])
     return cost, None, extra
+
+
+def time_side_by_side(runs: list, rounds: int = 9, target_ms: float = 10.0) -> list:
+    """Median ms per call of each ``(fn, args)``, timed in alternating rounds (the same
+    drift hits each), after two warm-up calls each."""
+    def loop(fn, args, n):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn(*args)
+        return (time.perf_counter() - t0) * 1e3 / n
+
+    for fn, args in runs:
+        fn(*args)
+        fn(*args)
+    number = [max(1, int(target_ms / max(loop(fn, args, 1), 1e-3))) for fn, args in runs]
+    samples: list = [[] for _ in runs]
+    for _ in range(rounds):
+        for k, (fn, args) in enumerate(runs):
+            samples[k].append(loop(fn, args, number[k]))
+    return [statistics.median(s) for s in samples]
+
+
+def measure_side_by_side(funcs: list, target) -> tuple:
+    """(list of ms, None, extra) of ``[(func, backend), ...]`` timed side by side."""
+    dev = target_device(target)
+    runs, vms = [], []
+    for func, backend in funcs:
+        vm = build_candidate(func, backend, target)
+        vms.append(vm)
+        runs.append((vm["main"], [tvm.runtime.tensor(x, dev) for x in random_inputs(func.params)]))
+    return time_side_by_side(runs), None, {}

@@ -25,7 +25,7 @@ def _serve() -> None:
 
     import tvm
 
-    from .runner import measure_function, measure_switch
+    from .runner import measure_function, measure_side_by_side, measure_switch
 
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # library chatter goes to stderr, never into the reply stream
@@ -48,6 +48,15 @@ def _serve() -> None:
                         backends[name] = Backend(name=name, lowering=lowering)
                     args += [tvm.ir.load_json(func_json)["main"], backends[name]]
                 reply = ("ok",) + tuple(measure_switch(*args, target))
+            elif msg[0] == "__side_by_side__":  # (tag, [(name, lowering, func_json)], target_json)
+                _, entries, target_json = msg
+                target = tvm.target.Target(json.loads(target_json))
+                funcs = []
+                for name, lowering, func_json in entries:
+                    if name not in backends:
+                        backends[name] = Backend(name=name, lowering=lowering)
+                    funcs.append((tvm.ir.load_json(func_json)["main"], backends[name]))
+                reply = ("ok",) + tuple(measure_side_by_side(funcs, target))
             else:
                 name, lowering, func_json, target_json, cutoff_ms = msg
                 if name not in backends:
@@ -85,6 +94,12 @@ class Worker:
         """(switch_ms, reason, extra) between two backends' probe kernels (inf on failure)."""
         return self._ask(("__switch__", (backend_a.name, backend_a.lowering, json_a),
                           (backend_b.name, backend_b.lowering, json_b), target_json))
+
+    def measure_side_by_side(self, entries: list, target_json: str) -> tuple:
+        """([ms, ...], reason, extra) of ``[(backend, func_json), ...]`` timed in alternating
+        rounds (inf on failure)."""
+        return self._ask(("__side_by_side__", [(b.name, b.lowering, j) for b, j in entries],
+                          target_json))
 
     def _ask(self, msg) -> tuple:
         if self._proc is None or self._proc.poll() is not None:

@@ -1,0 +1,88 @@
+"""The close calls of an op-level placement: where a different cover of the same nodes was
+within the measurement noise.
+
+The DP picks the cheapest cover under measured costs, and with hundreds of candidates each
+timed once on a noisy machine it picks, among near-equal alternatives, the one measured
+luckiest (the winner's curse). On ResNet-50 (2 vCPUs) one oneDNN conv+bias+relu was
+measured at 1.85 ms and the same conv alone at 1.60 ms, though the fused ReLU costs nothing
+(re-timed side by side: 2.62 vs 2.60 ms); so the DP split eleven ReLUs and residual adds
+off their convolutions onto TVM kernels, and the placement ran 2% slower than the greedy
+oneDNN offload. ``close_decisions`` lists, for each group of a placement, the alternative
+covers of its nodes (one candidate merging several chosen groups, or a few candidates
+splitting one) whose cost is within ``threshold`` of the chosen cover's; the measurer
+re-times each such set side by side (``Measurer.refine``) and the DP runs again.
+"""
+from __future__ import annotations
+
+import math
+
+from ..candidate import Placement
+
+
+def close_decisions(placement: Placement, candidates: list, costs: dict, epsilon: dict,
+                    threshold: float = 0.25, max_parts: int = 3) -> list:
+    """``[(chosen, alternative)]``, closest first: two covers (lists of candidates) of the same node set, the
+    chosen one from ``placement``, whose costs (``costs[c] + epsilon[backend]``) differ by at
+    most ``threshold`` of the smaller. Alternatives: a candidate not chosen whose nodes are
+    exactly the union of two or more chosen groups; a cover of a chosen group's nodes by
+    2..``max_parts`` other candidates."""
+    def w(group) -> float:
+        return sum(costs.get(c, math.inf) + epsilon.get(c.backend, 0.0) for c in group)
+
+    def close(a, b) -> bool:
+        wa, wb = w(a), w(b)
+        return math.isfinite(wa) and math.isfinite(wb) and max(wa, wb) <= (1 + threshold) * min(wa, wb)
+
+    chosen = list(placement.groups)
+    owner = {v: k for k, g in enumerate(chosen) for v in g.nodes}
+    taken = {(g.backend, g.nodes) for g in chosen}
+    usable = [c for c in candidates if (c.backend, c.nodes) not in taken
+              and math.isfinite(costs.get(c, math.inf))]
+    by_min: dict = {}
+    for c in usable:
+        by_min.setdefault(min(c.nodes), []).append(c)
+    out: list = []
+    seen: set = set()
+
+    def add(a: list, b: list) -> None:
+        key = (frozenset((c.backend, c.nodes) for c in a), frozenset((c.backend, c.nodes) for c in b))
+        if key not in seen and close(a, b):
+            seen.add(key)
+            out.append((a, b))
+
+    for c in usable:  # merges: one candidate for several chosen groups
+        ks = {owner[v] for v in c.nodes}
+        if len(ks) >= 2 and frozenset().union(*(chosen[k].nodes for k in ks)) == c.nodes:
+            add([chosen[k] for k in sorted(ks)], [c])
+    for g in chosen:  # splits: a few candidates for one chosen group
+        if len(g.nodes) < 2:
+            continue
+        for cover in _covers(g.nodes, by_min, max_parts):
+            if len(cover) >= 2:
+                add([g], cover)
+    out.sort(key=lambda ab: max(w(ab[0]), w(ab[1])) / max(min(w(ab[0]), w(ab[1])), 1e-12))
+    return out
+
+
+def _covers(nodes: frozenset, by_min: dict, max_parts: int, prefix=()):
+    """Partitions of ``nodes`` into at most ``max_parts`` candidates (by smallest node)."""
+    if not nodes:
+        yield list(prefix)
+        return
+    if len(prefix) == max_parts:
+        return
+    for c in by_min.get(min(nodes), ()):
+        if c.nodes <= nodes:
+            yield from _covers(nodes - c.nodes, by_min, max_parts, prefix + (c,))
+
+
+def functions_of(decisions: list) -> list:
+    """The distinct candidates of each decision, both covers together, in a stable order."""
+    out = []
+    for a, b in decisions:
+        members: dict = {}
+        for c in list(a) + list(b):
+            members.setdefault((c.backend, c.nodes), c)
+        out.append(list(members.values()))
+    return out
+

@@ -1,0 +1,120 @@
+"""Close calls of the op-level DP (placer.alternatives) and their side-by-side re-timing
+(Measurer.refine)."""
+import math
+
+import pytest
+import tvm
+from tvm import relax
+
+from collage_tvm.candidate import Candidate, Placement
+from collage_tvm.graph import DataflowGraph
+from collage_tvm.measure.db import CostDB
+from collage_tvm.measure.measurer import SIDE_KEY, Measurer
+from collage_tvm.measure.runner import time_side_by_side
+from collage_tvm.patterns import generate_candidates
+from collage_tvm.placer.alternatives import close_decisions, functions_of
+from collage_tvm.placer.op_level import place
+from collage_tvm.registry import get_backend
+from collage_tvm.target import make_target
+
+
+def _c(backend, *nodes):
+    return Candidate(backend, frozenset(nodes), f"{backend}{list(nodes)}")
+
+
+def test_merge_and_split_alternatives_within_the_threshold():
+    # Chain 0 -> 1 -> 2: conv, bias, relu. The placement splits conv (dnnl) from bias+relu
+    # (tvm); dnnl's fused conv+bias+relu is 10% dearer as measured: a close call.
+    conv, fused, tail = _c("dnnl", 0), _c("dnnl", 0, 1, 2), _c("tvm", 1, 2)
+    singles = [_c("tvm", 1), _c("tvm", 2)]
+    far = _c("tvm", 0, 1, 2)  # 3x dearer: not close
+    costs = {conv: 1.0, tail: 0.1, fused: 1.2, singles[0]: 0.06, singles[1]: 0.06, far: 3.3}
+    eps = {"dnnl": 0.0, "tvm": 0.0}
+    p = Placement(groups=[conv, tail], cost=1.1)
+    found = close_decisions(p, list(costs), costs, eps, threshold=0.25)
+    pairs = {(tuple(sorted(x.label for x in a)), tuple(sorted(x.label for x in b)))
+             for a, b in found}
+    assert (("dnnl[0]", "tvm[1, 2]"), ("dnnl[0, 1, 2]",)) in pairs          # merge
+    assert (("tvm[1, 2]",), ("tvm[1]", "tvm[2]")) in pairs                 # split
+    assert not any("tvm[0, 1, 2]" in b for _, b in pairs)                  # 3x: not close
+    # A tighter threshold drops the 20% merge; epsilon counts per kernel.
+    tight = close_decisions(p, list(costs), costs, eps, threshold=0.05)
+    assert not any(b == [fused] for _, b in tight)
+    with_eps = close_decisions(p, list(costs), costs, {"dnnl": 0.0, "tvm": 0.1}, threshold=0.05)
+    assert any(b == [fused] for _, b in with_eps)  # 1.2 vs 1.0 + 0.1 + 0.1 + epsilon
+    members = functions_of([(p.groups, [fused])])[0]
+    assert {m.label for m in members} == {"dnnl[0]", "tvm[1, 2]", "dnnl[0, 1, 2]"}
+
+
+def test_only_exact_covers_count_and_infinite_costs_are_ignored():
+    a, b = _c("tvm", 0), _c("tvm", 1)
+    partial = _c("dnnl", 0, 1, 2)  # covers a node the chosen groups do not: not a merge
+    dead = _c("dnnl", 0, 1)        # failed to build: inf
+    costs = {a: 1.0, b: 1.0, partial: 2.0, dead: math.inf, _c("tvm", 2): 1.0}
+    p = Placement(groups=[a, b, _c("tvm", 2)], cost=3.0)
+    found = close_decisions(p, list(costs), costs, {}, threshold=0.5)
+    assert all(len(alt) == 1 and alt[0].nodes == frozenset({0, 1, 2}) for _, alt in found)
+    assert all(dead not in alt for _, alt in found)
+
+
+def test_time_side_by_side_orders_costs():
+    import time
+
+    def slow():
+        time.sleep(0.002)
+
+    def fast():
+        pass
+
+    a, b = time_side_by_side([(slow, []), (fast, [])], rounds=3, target_ms=5)
+    assert a >= 1.5 and b < 0.5
+
+
+def _conv_relu_graph():
+    x = relax.Var("x", relax.TensorType((1, 16, 16, 16), "float32"))
+    w = relax.const(tvm.runtime.tensor(__import__("numpy").random.default_rng(0)
+                                       .standard_normal((16, 16, 3, 3)).astype("float32")))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.nn.conv2d(x, w, padding=1))
+            y = bb.emit(relax.op.nn.relu(y))
+            out = bb.emit_output(relax.op.add(y, y))
+        bb.emit_func_output(out)
+    return DataflowGraph(bb.get()["main"])
+
+
+@pytest.mark.parametrize("isolate", [False, True])
+def test_refine_retimes_close_calls_once_and_the_db_keeps_them(tmp_path, isolate):
+    graph = _conv_relu_graph()
+    tvm_b = get_backend("tvm")
+    backends = {"tvm": tvm_b}
+    cands = generate_candidates(graph, [tvm_b])
+    target = make_target("llvm")
+    db = CostDB(str(tmp_path / "c.db"))
+    m = Measurer(target, db, isolate=isolate, progress=False)
+    try:
+        raw = m.costs(graph, cands, backends)
+        # A cost table where the fused kernel looks a little dearer than the split: every
+        # alternative cover is a close call (threshold 25%).
+        fake = {c: 0.1 * len(c.nodes) * (1.1 if len(c.nodes) == len(graph) else 1.0)
+                for c in cands}
+        p = place(graph.producers, cands, fake, {})
+        refined, close = m.refine(p, cands, fake, {}, backends)
+    finally:
+        m.close()
+    assert close > 0 and m.side_by_side > 0
+    changed = [c for c in cands if refined[c] != fake[c]]
+    assert changed and all(math.isfinite(refined[c]) and refined[c] > 0 for c in changed)
+    # Same magnitude as the isolated measurement (the fake table is far from either).
+    assert all(0.2 < refined[c] / raw[c] < 5 for c in changed)
+    assert any(r["key"].startswith(SIDE_KEY) for r in db.rows())
+    # Next build: every side-by-side time comes from the DB, none is re-timed.
+    m2 = Measurer(target, db, isolate=isolate, progress=False)
+    try:
+        m2.costs(graph, cands, backends)
+        again, _ = m2.refine(p, cands, fake, {}, backends)
+    finally:
+        m2.close()
+    assert m2.side_by_side == 0 and m2.measured == 0
+    assert again == refined
