@@ -193,3 +193,32 @@ def test_library_calls_merge_when_every_eligible_group_is_on_the_library_already
     evaluate, calls = _fake_latency(g, {"tvm": 0.0, "ort": 0.0})
     res = GraphLevelSearch(g, op_level, {"ort": lib}, evaluate).run(budget_s=5)
     assert res.placement.groups == op_level.groups
+
+
+def _crossing():
+    """0 a=relu(x); 1 c=tanh(x); 2 b=sigmoid(a); 3 d=add(a, c); 4 out=mul(b, d)."""
+    x = relax.Var("x", relax.TensorType((1, 8), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            a = bb.emit(relax.op.nn.relu(x))
+            c = bb.emit(relax.op.tanh(x))
+            b = bb.emit(relax.op.sigmoid(a))
+            d = bb.emit(relax.op.add(a, c))
+            out = bb.emit_output(relax.op.multiply(b, d))
+        bb.emit_func_output(out)
+    return DataflowGraph(bb.get()["main"])
+
+
+def test_merge_never_makes_groups_need_each_other():
+    """{0, 3} is convex on its own, but with the TVM group {1, 2} it would need {1, 2}'s
+    output (c) while {1, 2} needs its output (a): the merge is refused, the result orders."""
+    g = _crossing()
+    assert is_convex(g, {0, 3})
+    groups = [Candidate("ort", frozenset([0])), Candidate("tvm", frozenset([1, 2])),
+              Candidate("ort", frozenset([3])), Candidate("tvm", frozenset([4]))]
+    with pytest.raises(ValueError):
+        order_groups(g, [Candidate("ort", frozenset([0, 3])), groups[1], groups[3]])
+    merged = merge_offloaded(g, groups, {0, 2})
+    assert {c.nodes for c in merged if c.backend == "ort"} == {frozenset([0]), frozenset([3])}
+    assert len(order_groups(g, merged)) == 4

@@ -68,32 +68,70 @@ def is_convex(graph, nodes: set) -> bool:
     return True
 
 
+def _no_cycle_through(graph, nodes: set, part_of: dict, parts: dict) -> bool:
+    """No path leaves ``nodes`` and re-enters it when every other part runs as one call
+    (a part needs all of its inputs before any of its outputs exist)."""
+    todo = [part_of[u] for i in nodes for u in graph.nodes[i].users if u not in nodes]
+    seen = set(todo)
+    while todo:
+        for i in parts[todo.pop()]:
+            for u in graph.nodes[i].users:
+                if u in nodes:
+                    return False
+                p = part_of[u]
+                if p not in seen:
+                    seen.add(p)
+                    todo.append(p)
+    return True
+
+
 def merge_offloaded(graph, groups: list, offloaded: set) -> list:
-    """Merge touching groups of the same graph library (indices in ``offloaded``) while convex.
+    """Merge touching groups of the same graph library (indices in ``offloaded``) while the
+    merged group is convex and the groups still have an executable order.
 
     Returns the new list of candidates (unordered); merged groups are labelled
-    ``<lib>.graph``.
+    ``<lib>.graph``. Convexity of each merged group alone is not enough: two groups can each
+    be convex and still need each other's outputs; the cheap per-group check runs first and
+    the whole-partition check only when its result cannot be ordered.
     """
-    owner = {}
-    clusters: list = []  # [lib, set(nodes)] or None once absorbed
+    out = _merge(graph, groups, offloaded, strict=False)
+    try:
+        from ..baselines import order_groups
+        order_groups(graph, out)
+        return out
+    except ValueError:
+        return _merge(graph, groups, offloaded, strict=True)
+
+
+def _merge(graph, groups, offloaded, strict: bool) -> list:
+    parts = {k: set(g.nodes) for k, g in enumerate(groups)}
+    part_of = {i: k for k, g in enumerate(groups) for i in g.nodes}
+    lib_of = {k: groups[k].backend for k in offloaded}
+    done: set = set()
     for k in sorted(offloaded, key=lambda k: min(groups[k].nodes)):
-        lib, nodes = groups[k].backend, set(groups[k].nodes)
-        neighbours = {owner[j] for i in nodes
+        lib = lib_of[k]
+        neighbours = {part_of[j] for i in parts[k]
                       for j in list(graph.nodes[i].inputs) + list(graph.nodes[i].users)
-                      if j in owner and clusters[owner[j]] is not None
-                      and clusters[owner[j]][0] == lib}
-        for c in sorted(neighbours, key=lambda c: -len(clusters[c][1])):
-            union = nodes | clusters[c][1]
-            if is_convex(graph, union):
-                nodes = union
-                clusters[c] = None
-        clusters.append([lib, nodes])
-        for i in nodes:
-            owner[i] = len(clusters) - 1
+                      if j in part_of and part_of[j] in done and lib_of[part_of[j]] == lib}
+        for c in sorted(neighbours, key=lambda c: -len(parts[c])):
+            union = parts[k] | parts[c]
+            if not is_convex(graph, union):
+                continue
+            if strict:
+                trial = dict(part_of)
+                for i in parts[c]:
+                    trial[i] = k
+                if not _no_cycle_through(graph, union, trial,
+                                         {**{p: n for p, n in parts.items() if p != c}, k: union}):
+                    continue
+            for i in parts.pop(c):
+                part_of[i] = k
+            parts[k] = union
+            done.discard(c)
+        done.add(k)
     out = [g for k, g in enumerate(groups) if k not in offloaded]
-    for c in clusters:
-        if c is not None:
-            out.append(Candidate(c[0], frozenset(c[1]), f"{c[0]}.graph"))
+    for k in sorted(done, key=lambda k: min(parts[k])):
+        out.append(Candidate(lib_of[k], frozenset(parts[k]), f"{lib_of[k]}.graph"))
     return out
 
 
@@ -159,7 +197,14 @@ class GraphLevelSearch:
         return frozenset((g.backend, g.nodes) for g in groups)
 
     def fitness(self, genes) -> float:
-        return self.fitness_of(self.decode(genes)[0])
+        try:
+            groups = self.decode(genes)[0]
+        except ValueError as e:  # no executable order: an invalid individual, not a crash
+            key = frozenset(i for i, g in enumerate(genes) if g)
+            self.invalid.setdefault(("genes", key), str(e))
+            logger.warning("graph-level: placement invalid: %s", e)
+            return math.inf
+        return self.fitness_of(groups)
 
     def fitness_of(self, groups) -> float:
         """Measured latency of a placement (memoised; inf and a logged reason if invalid)."""
