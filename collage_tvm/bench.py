@@ -333,6 +333,9 @@ def markdown(results: dict) -> str:
              f"OpenVINO {results['machine'].get('openvino', '-')}, torch {results['machine']['torch']}",
              ""]
     for m in results["models"]:
+        if "error" in m:
+            lines += [f"### {m['model']}: FAILED", "", m["error"], ""]
+            continue
         for level in ("op-level", "two-level"):
             if level not in m:
                 continue
@@ -423,7 +426,7 @@ def plot(results: dict, path: str) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    per_model = [(m["model"], speedups(m)) for m in results["models"]]
+    per_model = [(m["model"], speedups(m)) for m in results["models"] if "error" not in m]
     labels = list(dict.fromkeys(label for _, sp in per_model for label in sp))
     width = 0.8 / max(len(labels), 1)
     fig, ax = plt.subplots(figsize=(max(8.0, 3.0 + len(per_model) * len(labels) * 0.45), 4.5))
@@ -500,8 +503,15 @@ def run(models, out_dir: str, backends, db=None, graph_level: bool = False,
     os.makedirs(out_dir, exist_ok=True)
     results = {"machine": machine(), "backends": list(backends), "models": []}
     for name in models:
-        results["models"].append(bench_model(name, out_dir, backends, db, graph_level, budget,
-                                             size=size, ablation=ablation))
+        try:
+            entry = bench_model(name, out_dir, backends, db, graph_level, budget, size=size,
+                                ablation=ablation)
+        except Exception as err:  # noqa: BLE001 - one model's failure must not lose the others
+            logger.exception("bench: %s failed", name)
+            entry = {"model": name, "size": size, "error": _why(err)}
+            print(f"\n== {name}: FAILED ({entry['error']}); going on with the next model",
+                  flush=True)
+        results["models"].append(entry)
         with open(os.path.join(out_dir, "results.json"), "w") as f:
             json.dump(results, f, indent=1, default=str)
     with open(os.path.join(out_dir, "results.md"), "w") as f:

@@ -97,3 +97,22 @@ def test_bench_rejects_unknown_models(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "alexnet"])
     assert "unknown model" in capsys.readouterr().err
+
+
+def test_a_failing_model_is_reported_and_the_others_still_run(tmp_path, monkeypatch, capsys):
+    from collage_tvm import bench
+
+    def fake(name, *a, **k):
+        if name == "bert":
+            raise ValueError("groups form a cycle; no executable order\nmore detail")
+        return {"model": name, "size": "small"}
+
+    monkeypatch.setattr(bench, "bench_model", fake)
+    monkeypatch.setattr(bench, "plot", lambda results, path: path)
+    res = bench.run(["bert", "dcgan"], str(tmp_path), ["tvm"], size="small")
+    assert [m["model"] for m in res["models"]] == ["bert", "dcgan"]
+    assert res["models"][0]["error"] == "ValueError: groups form a cycle; no executable order"
+    saved = json.load(open(tmp_path / "results.json"))
+    assert saved["models"][0]["error"].startswith("ValueError")
+    assert "### bert: FAILED" in open(tmp_path / "results.md").read()
+    assert "bert: FAILED" in capsys.readouterr().out
