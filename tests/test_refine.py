@@ -118,3 +118,16 @@ def test_refine_retimes_close_calls_once_and_the_db_keeps_them(tmp_path, isolate
         m2.close()
     assert m2.side_by_side == 0 and m2.measured == 0
     assert again == refined
+
+
+def test_fit_side_by_side_removes_each_sets_drift():
+    from collage_tvm.measure.measurer import fit_side_by_side
+
+    # True times: a 1.0, b 1.05, c 0.1. Set 1 ran 30% slow, set 2 10% fast: taken as
+    # measured, a (1.3) looks dearer than b (0.945); c, timed in both, gives the drift away.
+    fit = fit_side_by_side([{"a": 1.3, "c": 0.13}, {"b": 1.05 * 0.9, "c": 0.09}])
+    assert fit["b"] / fit["a"] == pytest.approx(1.05, rel=1e-6)
+    # Contradicting sets: least squares in between. A set alone keeps its own times.
+    fit = fit_side_by_side([{"a": 1.0, "b": 2.0}, {"a": 1.0, "b": 3.0}, {"z": 4.0}])
+    assert 2.0 < fit["b"] / fit["a"] < 3.0 and fit["z"] == pytest.approx(4.0)
+    assert fit_side_by_side([]) == {}

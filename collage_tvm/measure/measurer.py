@@ -1,6 +1,7 @@
 """Cost of every distinct candidate: cost DB first, then measurement (paper §4.1)."""
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -226,54 +227,61 @@ class Measurer:
     def refine(self, placement, candidates, raw: dict, epsilon: dict, backends: dict,
                threshold: float = 0.25, max_sets: int = 300) -> tuple[dict, int]:
         """Re-time the placement's close calls side by side; returns (``raw`` with the
-        side-by-side times, how many close calls there were).
+        side-by-side estimates, how many close calls there were).
 
         ``placer.alternatives.close_decisions`` lists the alternative covers whose measured
         cost is within ``threshold`` of the chosen one; the candidates of each (both covers)
         run in alternating rounds in one process, so drift between two measurements no
-        longer decides. A function's side-by-side time is kept in the cost DB (key
-        ``__side_by_side__:<key>``) and used from then on, also in the next build. Candidates
-        that ``costs`` did not measure, or whose re-timing fails, keep their first time; at
-        most ``max_sets`` close calls (the closest) are looked at.
+        longer decides. One function often sits in several sets, each timed in its own
+        machine state: ``fit_side_by_side`` estimates each function's time and each set's
+        drift together, so the ratios inside a set are what the DP sees. Each set's times are
+        kept in the cost DB (key ``__side_by_side__:<hash of its members>``) and reused by
+        the next build. Candidates that ``costs`` did not measure, or whose re-timing fails,
+        keep their first time; at most ``max_sets`` close calls (the closest) are looked at.
         """
         from ..placer.alternatives import close_decisions, functions_of
 
         dp_costs = {c: max(0.0, v - epsilon.get(c.backend, 0.0)) for c, v in raw.items()}
         decisions = close_decisions(placement, candidates, dp_costs, epsilon, threshold)
-        fixed: dict = {}  # (backend, key) -> side-by-side ms
-        sets = functions_of(decisions)[:max_sets]
+        sets = [m for m in functions_of(decisions)[:max_sets]
+                if all(c in self._func_of for c in m)]
+        timed: list = []  # per set: {(backend, key): ms}
         bar = _progress(len(sets), self.progress, "re-timing close calls side by side")
         for members in sets:
             bar.update(1)
-            if any(c not in self._func_of for c in members):
-                continue
-            entries = [(c.backend, *self._func_of[c]) for c in members]
-            for name, key, _ in entries:
-                rec = self.db.get(name, backends[name].version(), f"{SIDE_KEY}:{key}", self.device)
-                if rec is not None and (name, key) not in fixed:
-                    self.hits += 1
-                    fixed[(name, key)] = rec.cost_ms
-            todo = [e for e in entries if (e[0], e[1]) not in fixed]
-            if not todo:
-                continue
-            times, reason = self._measure_side_by_side(
-                [(backends[name], func) for name, _, func in entries])
-            self.side_by_side += 1
-            if times is None:
-                logger.info("side-by-side re-timing of %s failed: %s",
-                            ", ".join(c.label or c.backend for c in members), reason)
-                continue
-            for (name, key, _), ms in zip(entries, times):
-                if (name, key) not in fixed and math.isfinite(ms):
-                    fixed[(name, key)] = ms
-                    self.db.put(name, backends[name].version(), f"{SIDE_KEY}:{key}", self.device,
-                                ms, None, {"label": "side-by-side",
-                                           "with": [k for _, k, _ in entries if k != key]})
+            entries = sorted({(c.backend, *self._func_of[c][:1]): (c.backend, *self._func_of[c])
+                              for c in members}.values(), key=lambda e: (e[0], e[1]))
+            names = sorted({name for name, _, _ in entries})
+            backend = "+".join(names)
+            version = "+".join(backends[n].version() for n in names)
+            key = f"{SIDE_KEY}:" + hashlib.sha1("|".join(
+                f"{name}:{k}" for name, k, _ in entries).encode()).hexdigest()
+            rec = self.db.get(backend, version, key, self.device)
+            if rec is not None and len(rec.extra.get("times", [])) == len(entries):
+                self.hits += 1
+                times = rec.extra["times"]
+            else:
+                times, reason = self._measure_side_by_side(
+                    [(backends[name], func) for name, _, func in entries])
+                self.side_by_side += 1
+                if times is None:
+                    logger.info("side-by-side re-timing of %s failed: %s",
+                                ", ".join(c.label or c.backend for c in members), reason)
+                    continue
+                times = [float(t) for t in times]
+                if not all(math.isfinite(t) and t > 0 for t in times):
+                    continue
+                self.db.put(backend, version, key, self.device, sum(times), None,
+                            {"label": "side-by-side", "times": times,
+                             "members": [[name, k] for name, k, _ in entries]})
+            timed.append({(name, k): t for (name, k, _), t in zip(entries, times)})
         bar.close()
+        fitted = fit_side_by_side(timed)
         out = dict(raw)
         for c in raw:
-            if c in self._func_of and (c.backend, self._func_of[c][0]) in fixed:
-                out[c] = fixed[(c.backend, self._func_of[c][0])]
+            ident = (c.backend, self._func_of[c][0]) if c in self._func_of else None
+            if ident in fitted:
+                out[c] = fitted[ident]
         return out, len(decisions)
 
     def _measure_side_by_side(self, funcs: list) -> tuple:
@@ -297,3 +305,51 @@ def _progress(total: int, enabled: bool, desc: str = "measuring candidates"):
 
     return tqdm(total=total, desc=desc, unit="cand", disable=None if enabled else True,
                 leave=False, dynamic_ncols=True)
+
+
+def fit_side_by_side(sets: list) -> dict:
+    """Each function's time from several side-by-side sets: ``t[s][f] = x[f] * d[s]`` with
+    ``d[s]`` the machine's drift while set ``s`` ran, solved by least squares on the logs.
+    Sets linked through shared functions share one scale, fixed by their drifts averaging 1;
+    within one set the fitted times keep the measured ratios unless another set contradicts
+    them."""
+    import numpy as np
+
+    logs = [{f: math.log(t) for f, t in s.items()} for s in sets if s]
+    funcs = sorted({f for s in logs for f in s})
+    if not funcs:
+        return {}
+    col = {f: i for i, f in enumerate(funcs)}
+    n_f, n_s = len(funcs), len(logs)
+    parent = list(range(n_s))  # sets linked through shared functions
+
+    def root(k):
+        while parent[k] != k:
+            parent[k] = parent[parent[k]]
+            k = parent[k]
+        return k
+
+    first: dict = {}
+    for k, s in enumerate(logs):
+        for f in s:
+            if f in first:
+                parent[root(k)] = root(first[f])
+            else:
+                first[f] = k
+    comps = sorted({root(k) for k in range(n_s)})
+    rows, rhs = [], []
+    for k, s in enumerate(logs):
+        for f, v in s.items():
+            r = np.zeros(n_f + n_s)
+            r[col[f]], r[n_f + k] = 1.0, 1.0
+            rows.append(r)
+            rhs.append(v)
+    for c in comps:  # gauge: the drifts of one linked family average 1
+        r = np.zeros(n_f + n_s)
+        for k in range(n_s):
+            if root(k) == c:
+                r[n_f + k] = 1.0
+        rows.append(r)
+        rhs.append(0.0)
+    sol = np.linalg.lstsq(np.array(rows), np.array(rhs), rcond=None)[0]
+    return {f: math.exp(sol[col[f]]) for f in funcs}
