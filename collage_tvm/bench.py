@@ -293,6 +293,7 @@ def bench_model(name: str, out_dir: str, backends, db, graph_level: bool, budget
                         "from_log": rep.placement_from_log,
                         "ops_per_backend": rep.ops_per_backend,
                         "calibration": rep.calibration,
+                        "close_calls": rep.close_calls, "side_by_side": rep.side_by_side,
                         "switch": {f"{a}|{b}": v for (a, b), v in rep.switch.items()},
                         "graph_level": {k: v for k, v in rep.graph_level.items() if k != "history"}}
         _print_comparison(rep.comparison, rep.shipped)
