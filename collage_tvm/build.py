@@ -15,7 +15,7 @@ from .candidate import Candidate, Placement
 from .frontend import load_model, normalize_for_collage
 from .graph import DataflowGraph
 from .graph.subgraph import function_key
-from .lower import lower_placement
+from .lower import lower_placement, release_with
 from .measure.db import CostDB
 from .measure.measurer import Measurer
 from .patterns import generate_candidates
@@ -238,7 +238,8 @@ def optimize(model, target="llvm", backends=("tvm", "dnnl"), db=None, placement_
         graph_level, budget, on_generation, switching, calibrate_rounds, on_calibration,
         refine_rounds)
     t0 = time.perf_counter()
-    executable, lowered = compile_placement(graph, placement.groups, backend_map, target)
+    executable, lowered = compile_placement(graph, placement.groups, backend_map, target,
+                                            keep=True)
     report.times["compile"] = time.perf_counter() - t0
     return CollageResult(executable, lowered, placement, graph, report)
 
@@ -250,10 +251,17 @@ def optimize_module(mod, target, backends, db, placement_log, progress, isolate)
     return lower_placement(graph, placement.groups, backend_map)
 
 
-def compile_placement(graph, groups, backend_map, target, timings: dict | None = None):
-    """(executable, lowered module) of a placement; ``timings``: see ``lower_external``."""
+def compile_placement(graph, groups, backend_map, target, timings: dict | None = None,
+                      keep: bool = False):
+    """(executable, lowered module) of a placement; ``timings``: see ``lower_external``.
+
+    The external callables (and the weights they hold) are freed with the executable unless
+    ``keep`` (the build handed to the user, who may make VMs from a jitted module later)."""
     mod = lower_placement(graph, groups, backend_map, timings)
-    return tvm.compile(mod, target), mod
+    executable = tvm.compile(mod, target)
+    if not keep:
+        release_with(executable, mod)
+    return executable, mod
 
 
 def build(model, target="llvm", backends=("tvm", "dnnl"), db=None, **kwargs):

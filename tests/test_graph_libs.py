@@ -148,3 +148,57 @@ def test_glue_check_matches_plain_onnxruntime(tmp_path):
     assert "error" not in r, r
     assert r["match"] and r["plain_onnxruntime_ms"] > 0 and r["collage_onnxruntime_ms"] > 0
 
+
+
+def test_a_search_build_frees_its_library_callables_with_the_executable(monkeypatch):
+    """Search builds are thrown away by the hundred: their registered callables (each holding
+    a library's copy of the weights) must go with them, while a VM made earlier keeps running;
+    the build handed to the user keeps its registrations. The lowering cache is bounded by
+    weight bytes."""
+    import gc
+
+    import tvm_ffi
+
+    from collage_tvm.lower import external
+
+    lib = GRAPH_LIBS[0]
+    g = DataflowGraph(_two_output_func())
+    target = make_target("llvm")
+    backends = {"tvm": get_backend("tvm"), lib: get_backend(lib)}
+    groups = [Candidate(lib, frozenset([0, 1, 2])), Candidate("tvm", frozenset([3])),
+              Candidate("tvm", frozenset([4]))]
+    ref = evaluate(tvm.compile(tvm.IRModule({"main": g.func}), target), g, target)
+    ex, mod = compile_placement(g, groups, backends, target)
+    symbols = external.registered_symbols(mod)
+    assert len(symbols) == 1 and tvm_ffi.get_global_func(symbols[0], allow_missing=True)
+    vm = relax.VirtualMachine(ex, tvm.cpu())
+    del ex
+    gc.collect()
+    assert symbols[0] not in external._LIVE
+    assert tvm_ffi.get_global_func(symbols[0], allow_missing=True) is None
+    from collage_tvm.baselines import compare_outputs, run_outputs
+    from collage_tvm.graph.subgraph import random_inputs
+
+    # The VM resolved its callables when it was made: it still runs, and right.
+    args = [tvm.runtime.tensor(a) for a in random_inputs(g.params, 0)]
+    assert compare_outputs(run_outputs(vm, args), ref["outputs"])[0]
+    kept, kmod = compile_placement(g, groups, backends, target, keep=True)
+    del kept
+    gc.collect()
+    assert external.registered_symbols(kmod)[0] in external._LIVE
+
+    # 4x4x3x3 float32 weights = 576 bytes per lowered group: a 1 KB budget keeps one.
+    assert external.weight_bytes(g.func) == 576
+    monkeypatch.setenv("COLLAGE_LOWER_CACHE_MB", str(1000 / 2**20))
+    external._CACHE.clear()
+    for k in range(3):
+        w = relax.const(np.full((4, 4, 3, 3), k, "float32"))
+        x = relax.Var("x", relax.TensorType((1, 4, 8, 8), "float32"))
+        bb = relax.BlockBuilder()
+        with bb.function("main", [x]):
+            with bb.dataflow():
+                out = bb.emit_output(relax.op.nn.conv2d(x, w, padding=[1, 1, 1, 1]))
+            bb.emit_func_output(out)
+        gk = DataflowGraph(bb.get()["main"])
+        compile_placement(gk, [Candidate(lib, frozenset([0]))], backends, target)
+    assert len(external._CACHE) == 1

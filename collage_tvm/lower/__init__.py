@@ -1,6 +1,6 @@
 """Lowering of external groups and the final build."""
 from ..partition import partition
-from .external import lower_external
+from .external import lower_external, release_with
 
 
 def lower_placement(graph, groups, backends: dict, timings: dict | None = None):
@@ -9,4 +9,4 @@ def lower_placement(graph, groups, backends: dict, timings: dict | None = None):
     return lower_external(partition(graph, groups, backends), backends, timings)
 
 
-__all__ = ["lower_external", "lower_placement"]
+__all__ = ["lower_external", "lower_placement", "release_with"]

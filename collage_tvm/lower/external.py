@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import collections
 import itertools
+import os
 import time
+import weakref
 
 import tvm
 from tvm_ffi.structural import structural_equal, structural_hash
@@ -17,14 +19,50 @@ from tvm import relax
 
 from ..partition import CODEGEN_PREFIX
 
-# Registered callables stay alive for the life of the process (the VM looks them up by name).
+# Registered callables by symbol. The VM resolves a packed function when it is created, so
+# a registration must live as long as an executable that may still make a VM: see
+# ``release_with``; those nobody releases live for the life of the process.
 _LIVE: dict = {}
 _COUNTER = itertools.count()
 # Lowered callables by (backend, whole-model flag, structural hash incl. weights): the
 # graph-level search rebuilds placements that share most groups, and a graph library's
-# compile (an ONNX Runtime session, an OpenVINO model) is the slow part of a build.
+# compile (an ONNX Runtime session, an OpenVINO model) is the slow part of a build. Each
+# lowered callable holds the backend's own copy of the group's weights, so the cache is
+# bounded by weight bytes (``COLLAGE_LOWER_CACHE_MB``, default 15% of the machine's memory),
+# not only by count: at paper size one whole-model session is hundreds of MB.
 _CACHE: "collections.OrderedDict" = collections.OrderedDict()
 _CACHE_SIZE = 256
+
+
+def _cache_budget_bytes() -> int:
+    env = os.environ.get("COLLAGE_LOWER_CACHE_MB")
+    if env:
+        return int(float(env) * 2**20)
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = 8 * 2**30
+    return int(0.15 * total)
+
+
+def weight_bytes(func) -> int:
+    """Bytes of the constants (weights) bound in ``func``."""
+    from ..graph.subgraph import Constant
+
+    seen, total = set(), 0
+
+    def visit(e):
+        nonlocal total
+        if isinstance(e, Constant) and e not in seen:
+            seen.add(e)
+            value = e.value
+            n = 1
+            for d in value.shape:
+                n *= int(d)
+            total += n * tvm.runtime.DataType(str(value.dtype)).bits // 8
+
+    relax.analysis.post_order_visit(func.body, visit)
+    return total
 
 
 def _lower_cached(backend, func):
@@ -36,10 +74,40 @@ def _lower_cached(backend, func):
         _CACHE.move_to_end(key)
         return hit[1]
     fn = backend.get_lowering().lower(func)
-    _CACHE[key] = (plain, fn)
-    while len(_CACHE) > _CACHE_SIZE:
+    _CACHE[key] = (plain, fn, weight_bytes(plain))
+    budget = _cache_budget_bytes()
+    while len(_CACHE) > 1 and (len(_CACHE) > _CACHE_SIZE
+                               or sum(v[2] for v in _CACHE.values()) > budget):
         _CACHE.popitem(last=False)
     return fn
+
+
+def _release(symbols) -> None:
+    import tvm_ffi
+
+    for symbol in symbols:
+        if _LIVE.pop(symbol, None) is not None:
+            try:
+                tvm_ffi.remove_global_func(symbol)
+            except Exception:  # noqa: BLE001 - already gone: nothing to free
+                pass
+
+
+def registered_symbols(mod: tvm.IRModule) -> list:
+    """The packed-function symbols ``lower_external`` registered for ``mod``."""
+    attrs = mod.attrs
+    if attrs is None or "collage.symbols" not in attrs:
+        return []
+    return [str(s) for s in attrs["collage.symbols"]]
+
+
+def release_with(executable, mod: tvm.IRModule) -> None:
+    """Unregister ``mod``'s external callables (and free their weights) once ``executable`` is
+    garbage: a VM made from it keeps the functions it resolved, so running VMs are unaffected.
+    For the many executables a search builds and throws away."""
+    symbols = registered_symbols(mod)
+    if symbols:
+        weakref.finalize(executable, _release, symbols)
 
 
 def _timed(fn, log: list):
@@ -97,4 +165,5 @@ def lower_external(mod: tvm.IRModule, backends: dict, timings: dict | None = Non
         if isinstance(func, relax.Function):
             func = _Rewrite().visit_expr(func)
         new_mod[gv] = func
+    new_mod = new_mod.with_attr("collage.symbols", [s for s, _ in symbols.values()])
     return new_mod

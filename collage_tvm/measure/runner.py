@@ -10,7 +10,7 @@ from tvm import relax
 from ..candidate import Candidate
 from ..graph import DataflowGraph
 from ..graph.subgraph import random_inputs
-from ..lower import lower_placement
+from ..lower import lower_placement, release_with
 from ..target import target_device
 
 
@@ -18,7 +18,9 @@ def build_candidate(func: relax.Function, backend, target):
     """A VM running ``func`` exactly as the final build would run that group."""
     graph = DataflowGraph(func)
     group = Candidate(backend.name, frozenset(range(len(graph))), "measure")
-    ex = tvm.compile(lower_placement(graph, [group], {backend.name: backend}), target)
+    lowered = lower_placement(graph, [group], {backend.name: backend})
+    ex = tvm.compile(lowered, target)
+    release_with(ex, lowered)
     return relax.VirtualMachine(ex, target_device(target))
 
 

@@ -56,7 +56,7 @@ def calibrate(graph, candidates, costs: dict, epsilon: dict, switch: dict, place
 
     from ..baselines import interleaved
     from ..graph.subgraph import random_inputs
-    from ..lower import lower_placement
+    from ..lower import lower_placement, release_with
     from ..target import target_device
 
     dev = target_device(target)
@@ -71,7 +71,9 @@ def calibrate(graph, candidates, costs: dict, epsilon: dict, switch: dict, place
         if sig in tried:
             break  # the DP came back to a placement already run: no new information
         timings: dict = {}
-        ex = tvm.compile(lower_placement(graph, current.groups, backend_map, timings), target)
+        lowered = lower_placement(graph, current.groups, backend_map, timings)
+        ex = tvm.compile(lowered, target)
+        release_with(ex, lowered)
         vm = relax.VirtualMachine(ex, dev)
         args = [tvm.runtime.tensor(a, dev) for a in arrays]
         main = vm["main"]
