@@ -17,14 +17,9 @@ import os
 import tempfile
 import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
-try:
-    import fcntl
-except ImportError:  # pragma: no cover - non-POSIX: no cross-process lock
-    fcntl = None  # type: ignore[assignment]
+from ._files import aside_name, file_lock
 
 logger = logging.getLogger("collage_tvm")
 
@@ -33,16 +28,6 @@ LOG_VERSION = 1
 
 class _Damaged(Exception):
     """Internal: the file exists but is not a readable placement log."""
-
-
-def _aside_name(path: Path) -> Path:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    candidate = path.with_name(f"{path.name}.corrupt-{stamp}")
-    n = 1
-    while candidate.exists():
-        candidate = path.with_name(f"{path.name}.corrupt-{stamp}-{n}")
-        n += 1
-    return candidate
 
 
 class PlacementLog:
@@ -63,20 +48,8 @@ class PlacementLog:
             self._refresh()
 
     # ------------------------------------------------------------------ file I/O
-    @contextmanager
-    def _file_lock(self) -> Iterator[None]:
-        if fcntl is None:  # pragma: no cover
-            yield
-            return
-        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_UN)
-            finally:
-                os.close(fd)
+    def _file_lock(self):
+        return file_lock(self._lock_path)
 
     def _signature(self):
         try:
@@ -115,7 +88,7 @@ class PlacementLog:
         try:
             placements = self._read()
         except _Damaged as damage:
-            aside = _aside_name(self.path)
+            aside = aside_name(self.path)
             os.replace(self.path, aside)
             self.recovered_from = str(aside)
             logger.warning(

@@ -33,10 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-try:  # POSIX only; elsewhere the open/recover step is simply not serialised
-    import fcntl
-except ImportError:  # pragma: no cover
-    fcntl = None  # type: ignore[assignment]
+from .._files import aside_name, file_lock
 
 logger = logging.getLogger("collage_tvm")
 
@@ -163,34 +160,6 @@ def _cost_from_json(value, where: str) -> float:
     return cost
 
 
-def _aside_name(path: Path) -> Path:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    candidate = path.with_name(f"{path.name}.corrupt-{stamp}")
-    n = 1
-    while candidate.exists():
-        candidate = path.with_name(f"{path.name}.corrupt-{stamp}-{n}")
-        n += 1
-    return candidate
-
-
-@contextmanager
-def _file_lock(lock_path: Path) -> Iterator[None]:
-    """Exclusive advisory lock on a side file (never on the DB file itself: closing
-    any descriptor of the DB would drop SQLite's own POSIX locks)."""
-    if fcntl is None:  # pragma: no cover
-        yield
-        return
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        finally:
-            os.close(fd)
-
-
 class CostDB:
     """Persistent cache of measured kernel costs (see module docstring)."""
 
@@ -224,7 +193,7 @@ class CostDB:
         lock_path = self._file.with_name(self._file.name + ".lock")
         # Serialise validate-and-maybe-recover across processes, so two processes
         # opening the same damaged file do not both move things aside.
-        with _file_lock(lock_path):
+        with file_lock(lock_path):
             try:
                 return self._open_checked()
             except _DamagedDB as damage:
@@ -291,7 +260,7 @@ class CostDB:
 
     def _move_aside(self) -> Path:
         assert self._file is not None
-        aside = _aside_name(self._file)
+        aside = aside_name(self._file)
         os.replace(self._file, aside)
         # A stale WAL must not be replayed into the fresh database: keep it next
         # to the moved-aside file (so SQLite would pair them if it is opened).
