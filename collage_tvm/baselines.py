@@ -119,7 +119,12 @@ def graph_lib_groups(graph, backend) -> list:
 
 
 def interleaved(fns: dict, rounds: int = 7, min_ms: float = 200.0) -> dict:
-    """Median ms per call of each function, timed in alternating rounds (noise hits all alike)."""
+    """Median ms per call of each function, timed in alternating rounds (noise hits all alike).
+
+    Each batch starts with one untimed call: whatever the function before it left behind (a
+    library's thread pool still spinning, the cache full of other weights) would otherwise
+    slow down whichever function always comes next. Each round starts one function further
+    along, so that slow drift of the machine does not favour the first or the last."""
     for fn in fns.values():  # warm-up
         fn()
         fn()
@@ -129,8 +134,11 @@ def interleaved(fns: dict, rounds: int = 7, min_ms: float = 200.0) -> dict:
         fn()
         number[name] = max(1, int(min_ms / max((time.perf_counter() - t0) * 1e3, 1e-3)))
     samples: dict = {n: [] for n in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
+    names = list(fns)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            fn = fns[name]
+            fn()  # lead-in, untimed
             t0 = time.perf_counter()
             for _ in range(number[name]):
                 fn()
