@@ -3,9 +3,9 @@
 For each model of ``collage_tvm.models``: export it to ONNX, run the Collage search
 (op-level, and two-level with ``--graph-level``) with the never-slower comparison, time
 the shipped build interleaved with the frameworks (PyTorch eager, torch.compile, ONNX
-Runtime, OpenVINO), and check our glue: the model placed wholly on ONNX Runtime through
-collage-tvm against plain ONNX Runtime on the same ONNX file, timed interleaved in one
-process. With ``ablation``, also Collage with the backends added one at a time (paper
+Runtime, OpenVINO), and check our glue: the model placed wholly on ONNX Runtime (and on
+OpenVINO) through collage-tvm against the plain library on the same ONNX file, timed
+interleaved in one process. With ``ablation``, also Collage with the backends added one at a time (paper
 Fig. 11). Writes ``results.json``, ``results.md`` and ``results.png`` (paper Fig. 7;
 ``results_ablation.png`` for the ablation) into the output folder.
 """
@@ -22,8 +22,13 @@ import time
 logger = logging.getLogger("collage_tvm")
 
 
-def ort_glue_overhead(onnx_path: str, target="llvm") -> dict:
-    """Plain onnxruntime on ``onnx_path`` vs the same model wholly on onnxruntime via collage-tvm."""
+GLUE_LIBRARIES = ("onnxruntime", "openvino")  # graph libraries the glue check can run plainly
+
+
+def glue_overhead(onnx_path: str, library: str = "onnxruntime", target="llvm") -> dict:
+    """The model wholly on a graph library (``onnxruntime`` or ``openvino``) through
+    collage-tvm (our ONNX export of the Relax graph, called from the Relax VM) against the
+    library run directly on ``onnx_path`` as its own documentation says, timed interleaved."""
     import tvm
     from tvm import relax
 
@@ -35,29 +40,44 @@ def ort_glue_overhead(onnx_path: str, target="llvm") -> dict:
     from .registry import get_backend
     from .target import make_target, target_device
 
+    if library not in GLUE_LIBRARIES:
+        raise ValueError(f"glue check: no plain runner for {library!r} "
+                         f"(one of {', '.join(GLUE_LIBRARIES)})")
     target = make_target(target)
-    backend = get_backend("onnxruntime")
+    backend = get_backend(library)
     ok, why = backend.available()
     if not ok:
-        return {"error": f"onnxruntime unavailable: {why}"}
+        return {"error": f"{library} unavailable: {why}"}
     graph = DataflowGraph(normalize_for_collage(load_model(onnx_path))["main"])
     groups = graph_lib_groups(graph, backend)
-    if any(g.backend != "onnxruntime" for g in groups):
-        return {"error": "onnxruntime cannot run every operator of the model: "
+    if any(g.backend != library for g in groups):
+        return {"error": f"{library} cannot run every operator of the model: "
                          + ", ".join(sorted({graph.nodes[i].op_name for g in groups
-                                             if g.backend != "onnxruntime" for i in g.nodes}))}
-    ex, _ = compile_placement(graph, groups, {"tvm": get_backend("tvm"),
-                                              "onnxruntime": backend}, target)
+                                             if g.backend != library for i in g.nodes}))}
+    ex, _ = compile_placement(graph, groups, {"tvm": get_backend("tvm"), library: backend},
+                              target)
     dev = target_device(target)
     vm = relax.VirtualMachine(ex, dev)
     arrays = random_inputs(graph.params)
     args = [tvm.runtime.tensor(a, dev) for a in arrays]
-    sess = backend.get_lowering().session(open(onnx_path, "rb").read())
-    feeds = {i.name: a for i, a in zip(sess.get_inputs(), arrays)}
-    match, max_err = compare_outputs(run_outputs(vm, args), sess.run(None, feeds))
-    ms = interleaved({"plain": lambda: sess.run(None, feeds), "collage": lambda: vm["main"](*args)})
-    return {"plain_onnxruntime_ms": ms["plain"], "collage_onnxruntime_ms": ms["collage"],
+    plain, plain_outputs = _plain_runner(library, backend, open(onnx_path, "rb").read(), arrays)
+    match, max_err = compare_outputs(run_outputs(vm, args), plain_outputs)
+    ms = interleaved({"plain": plain, "collage": lambda: vm["main"](*args)})
+    return {"library": library, "plain_ms": ms["plain"], "collage_ms": ms["collage"],
             "overhead": ms["collage"] / ms["plain"] - 1.0, "max_err": max_err, "match": match}
+
+
+def _plain_runner(library: str, backend, model_bytes: bytes, arrays: list) -> tuple:
+    """(a call of the library on the original ONNX file, its outputs), as ``frameworks`` calls it."""
+    lowering = backend.get_lowering()
+    if library == "onnxruntime":
+        sess = lowering.session(model_bytes)
+        feeds = {i.name: a for i, a in zip(sess.get_inputs(), arrays)}
+        return (lambda: sess.run(None, feeds)), sess.run(None, feeds)
+    compiled = lowering.compile_bytes(model_bytes)
+    req = compiled.create_infer_request()
+    outputs = [req.infer(arrays)[o] for o in compiled.outputs]
+    return (lambda: req.infer(arrays, share_inputs=True, share_outputs=True)), outputs
 
 
 def machine() -> dict:
@@ -302,10 +322,14 @@ def bench_model(name: str, out_dir: str, backends, db, graph_level: bool, budget
         for fw, r in entry["frameworks"].items():
             print(f"  {fw:<14} {r['ms']:>10.3f} ms  match={r['match']}"
                   + (f"  ({r['error']})" if r.get("error") else ""), flush=True)
-    if glue and "onnxruntime" in backends:
-        print(f"\n== {name}: glue overhead, wholly on onnxruntime vs plain onnxruntime", flush=True)
-        entry["glue"] = ort_glue_overhead(path)
-        print(json.dumps(entry["glue"], indent=1))
+    for lib in [b for b in GLUE_LIBRARIES if b in backends] if glue else []:
+        print(f"\n== {name}: glue overhead, wholly on {lib} through collage-tvm vs plain {lib}",
+              flush=True)
+        entry.setdefault("glue", {})[lib] = g = glue_overhead(path, lib)
+        print(f"  {lib}: " + (g["error"] if "error" in g else
+                              f"plain {g['plain_ms']:.3f} ms, through collage-tvm "
+                              f"{g['collage_ms']:.3f} ms ({g['overhead'] * 100:+.1f}%), "
+                              f"match={g['match']}"), flush=True)
     if ablation:
         print(f"\n== {name}: ablation, Collage with the backends added one at a time", flush=True)
         entry["ablation"] = ablation_steps(path, backends, db, graph_level, budget)
@@ -371,11 +395,11 @@ def markdown(results: dict) -> str:
                 compile_s = fw["torch.compile"]["compile_s"]
                 lines += ["", f"torch.compile compiled in {compile_s:.1f} s."]
             lines.append("")
-        if "glue" in m and "overhead" in m["glue"]:
-            g = m["glue"]
-            lines += [f"Glue: plain onnxruntime {g['plain_onnxruntime_ms']:.3f} ms, through "
-                      f"collage-tvm {g['collage_onnxruntime_ms']:.3f} ms "
-                      f"({g['overhead'] * 100:+.1f}%)", ""]
+        for lib, g in m.get("glue", {}).items():
+            if "overhead" in g:
+                lines += [f"Glue: plain {lib} {g['plain_ms']:.3f} ms, the model wholly on {lib} "
+                          f"through collage-tvm {g['collage_ms']:.3f} ms "
+                          f"({g['overhead'] * 100:+.1f}%)", ""]
         if "ablation" in m:
             steps = m["ablation"]
             lines += ["Ablation (paper Fig. 11): Collage with the backends added one at a time, "

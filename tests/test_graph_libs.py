@@ -138,15 +138,19 @@ def test_graph_library_failure_marks_the_individual_invalid_and_search_goes_on(t
     assert got["match"]
 
 
-def test_glue_check_matches_plain_onnxruntime(tmp_path):
-    if "onnxruntime" not in GRAPH_LIBS:
-        pytest.skip("onnxruntime unavailable")
-    from collage_tvm.bench import ort_glue_overhead
+@pytest.mark.parametrize("library", ["onnxruntime", "openvino"])
+def test_glue_check_matches_the_plain_library(tmp_path, library):
+    if library not in GRAPH_LIBS:
+        pytest.skip(f"{library} unavailable")
+    from collage_tvm.bench import glue_overhead
 
     path = export_onnx("resnet_small", str(tmp_path / "r.onnx"))
-    r = ort_glue_overhead(path)
+    r = glue_overhead(path, library)
     assert "error" not in r, r
-    assert r["match"] and r["plain_onnxruntime_ms"] > 0 and r["collage_onnxruntime_ms"] > 0
+    assert r["library"] == library
+    assert r["match"] and r["plain_ms"] > 0 and r["collage_ms"] > 0
+    with pytest.raises(ValueError, match="no plain runner for 'dnnl'"):
+        glue_overhead(path, "dnnl")
 
 
 
