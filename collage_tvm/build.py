@@ -42,7 +42,7 @@ class BuildReport:
     failures: list = field(default_factory=list)
     epsilon: dict = field(default_factory=dict)
     switch: dict = field(default_factory=dict)  # (a, b) -> ms per change of runtime
-    close_calls: int = 0   # alternative covers within 25% of the chosen one (Measurer.refine)
+    close_calls: int = 0   # alternative covers within 75% of the chosen one (Measurer.refine)
     side_by_side: int = 0  # sets of candidates re-timed side by side in this build
     calibration: list = field(default_factory=list)  # in-context rounds (placer.calibrate)
     placement_from_log: bool = False
@@ -134,9 +134,10 @@ def search(model, target="llvm", backends=("tvm", "dnnl"), db=None, placement_lo
 
     ``switching``: the op-level DP charges the measured cost of changing runtime between
     consecutive kernels (``Measurer.switch_costs``); False gives the paper's additive model.
-    ``refine_rounds``: times the placement's close calls (alternative covers within 25%
+    ``refine_rounds``: times the placement's close calls (alternative covers within 75%
     of the chosen one's measured cost) are re-timed side by side and the DP re-run
-    (``Measurer.refine``); 0 turns it off.
+    (``Measurer.refine``; each round re-times for at most half the measuring time, 30 s at
+    least, the largest stakes first); 0 turns it off.
     ``calibrate_rounds``: rounds of in-context calibration of the op-level placement
     (``placer.calibrate``: run it, re-cost its external groups as timed in place, re-run
     the DP); 0 turns it off. ``on_calibration(entry)`` sees each round.
@@ -180,7 +181,10 @@ def search(model, target="llvm", backends=("tvm", "dnnl"), db=None, placement_lo
         try:
             eps = measurer.epsilon(backend_map.values())
             switch = measurer.switch_costs(backend_map.values()) if switching else {}
+            t1 = time.perf_counter()
             raw = measurer.costs(graph, candidates, backend_map)
+            # Re-timing close calls may take half as long again as measuring did, each round.
+            refine_budget = max(30.0, 0.5 * (time.perf_counter() - t1))
             for rnd in range(refine_rounds + 1):
                 # Measured times include one call's overhead; the DP adds it back as
                 # epsilon (Eq. 2).
@@ -192,7 +196,7 @@ def search(model, target="llvm", backends=("tvm", "dnnl"), db=None, placement_lo
                 if rnd == refine_rounds:
                     break
                 refined, report.close_calls = measurer.refine(placement, candidates, raw, eps,
-                                                              backend_map)
+                                                              backend_map, budget_s=refine_budget)
                 if refined == raw:
                     break  # no cost changed: the DP would answer the same
                 raw = refined

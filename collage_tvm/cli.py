@@ -38,7 +38,7 @@ def _optimize(args) -> int:
                    refine_rounds=args.refine)
     rep = res.report
     if rep.close_calls:
-        print(f"close calls of the op-level DP: {rep.close_calls} alternative covers within 25% "
+        print(f"close calls of the op-level DP: {rep.close_calls} alternative covers within 75% "
               f"({rep.side_by_side} sets re-timed side by side in this run)")
     if rep.switch:
         print("switching cost between runtimes (ms per change): " + ", ".join(
@@ -171,7 +171,7 @@ def main(argv=None) -> int:
                         "(default 4; 0 turns it off)")
     o.add_argument("--refine", type=int, default=2, metavar="ROUNDS",
                    help="rounds of side-by-side re-timing of the op-level placement's close "
-                        "calls (alternative covers within 25%% of the chosen one's measured "
+                        "calls (alternative covers within 75%% of the chosen one's measured "
                         "cost), each followed by a DP re-run (default 2; 0 turns it off)")
     o.add_argument("--no-switching", action="store_true",
                    help="op-level DP with the paper's additive cost (no measured cost of "

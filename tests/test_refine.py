@@ -179,3 +179,40 @@ def test_library_candidates_are_timed_in_graph_order_and_twice(tmp_path):
     m2 = Measurer(make_target("llvm"), db, isolate=False, progress=False)
     m2._measure = scripted
     assert m2.costs(graph, cands, backends) == costs and not seen
+
+
+def test_refine_takes_the_largest_stakes_first_and_keeps_to_its_budget(tmp_path):
+    graph = _conv_relu_graph()
+    tvm_b = get_backend("tvm")
+    backends = {"tvm": tvm_b}
+    cands = generate_candidates(graph, [tvm_b])
+    db = CostDB(str(tmp_path / "c.db"))
+    m = Measurer(make_target("llvm"), db, isolate=False, progress=False)
+    conv = next(i for i, n in enumerate(graph.nodes) if n.op_name == "relax.nn.conv2d")
+    try:
+        m.costs(graph, cands, backends)
+        # The conv costs 100x the elementwise ops: decisions that hold it are the stakes.
+        fake = {c: sum(10.0 if v == conv else 0.1 for v in c.nodes)
+                * (1.1 if len(c.nodes) > 1 else 1.0) for c in cands}
+        p = place(graph.producers, cands, fake, {})
+        seen = []
+        real = m._measure_side_by_side
+
+        def record(funcs):
+            seen.append(len(funcs))
+            return real(funcs)
+
+        m._measure_side_by_side = record
+        none, close = m.refine(p, cands, fake, {}, backends, budget_s=0.0)
+        assert close > 0 and seen == [] and none == fake  # no time: first times kept
+        m.side_by_side = 0
+        refined, _ = m.refine(p, cands, fake, {}, backends)
+        assert m.side_by_side == len(seen) > 0
+        stakes = m.last_refine_stakes
+        assert stakes == sorted(stakes, reverse=True)
+        assert stakes[0] > 5.0 > stakes[-1]  # the conv decisions first, the ReLU+add ones last
+        # What was timed once is used whatever the budget.
+        again, _ = m.refine(p, cands, fake, {}, backends, budget_s=0.0)
+        assert again == refined
+    finally:
+        m.close()

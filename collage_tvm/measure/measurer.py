@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import pickle
+import time
 
 import tvm
 from tvm import relax
@@ -104,6 +105,7 @@ class Measurer:
         self._can_pickle: dict = {}
         self._func_of: dict = {}  # candidate -> (DB key, standalone function), from costs()
         self.side_by_side = 0  # sets of candidates re-timed side by side (refine)
+        self.last_refine_stakes: list = []  # ms at stake per close call, as refine took them
         self.second_pass = second_pass
 
     def close(self) -> None:
@@ -264,7 +266,8 @@ class Measurer:
         return out
 
     def refine(self, placement, candidates, raw: dict, epsilon: dict, backends: dict,
-               threshold: float = 0.75, max_sets: int = 300) -> tuple[dict, int]:
+               threshold: float = 0.75, max_sets: int = 300,
+               budget_s: float | None = None) -> tuple[dict, int]:
         """Re-time the placement's close calls side by side; returns (``raw`` with the
         side-by-side estimates, how many close calls there were).
 
@@ -278,15 +281,30 @@ class Measurer:
         drift together, so the ratios inside a set are what the DP sees. Each set's times are
         kept in the cost DB (key ``__side_by_side__:<hash of its members>``) and reused by
         the next build. Candidates that ``costs`` did not measure, or whose re-timing fails,
-        keep their first time; at most ``max_sets`` close calls (the closest) are looked at.
+        keep their first time. The close calls are taken by what is at stake (the smaller
+        cover's time, weighted by how close the two are), at most ``max_sets`` of them, and
+        once ``budget_s`` seconds have gone on re-timing only sets the DB already holds are
+        used: on a small model with many overlapping graph-library candidates the close calls
+        run to hundreds of sets of tiny kernels that can move the end-to-end time little.
         """
         from ..placer.alternatives import close_decisions, functions_of
 
         dp_costs = {c: max(0.0, v - epsilon.get(c.backend, 0.0)) for c, v in raw.items()}
         decisions = close_decisions(placement, candidates, dp_costs, epsilon, threshold)
-        sets = [m for m in functions_of(decisions)[:max_sets]
-                if all(c in self._func_of for c in m)]
+
+        def stake(decision) -> float:
+            wa, wb = (sum(dp_costs[c] + epsilon.get(c.backend, 0.0) for c in cover)
+                      for cover in decision)
+            low = min(wa, wb)
+            return low * max(0.0, 1.0 - (max(wa, wb) / max(low, 1e-12) - 1.0) / (threshold * 1.01))
+
+        ranked = sorted(((stake(d), m) for d, m in zip(decisions, functions_of(decisions))),
+                        key=lambda sm: -sm[0])[:max_sets]
+        ranked = [(st, m) for st, m in ranked if all(c in self._func_of for c in m)]
+        self.last_refine_stakes = [st for st, _ in ranked]
+        sets = [m for _, m in ranked]
         timed: list = []  # per set: {(backend, key): ms}
+        t_start, skipped = time.perf_counter(), 0
         bar = _progress(len(sets), self.progress, "re-timing close calls side by side")
         for members in sets:
             bar.update(1)
@@ -301,6 +319,9 @@ class Measurer:
             if rec is not None and len(rec.extra.get("times", [])) == len(entries):
                 self.hits += 1
                 times = rec.extra["times"]
+            elif budget_s is not None and time.perf_counter() - t_start > budget_s:
+                skipped += 1
+                continue
             else:
                 times, reason = self._measure_side_by_side(
                     [(backends[name], func) for name, _, func in entries])
@@ -317,6 +338,10 @@ class Measurer:
                              "members": [[name, k] for name, k, _ in entries]})
             timed.append({(name, k): t for (name, k, _), t in zip(entries, times)})
         bar.close()
+        if skipped:
+            logger.info("side-by-side re-timing: %d of %d close calls left on their first "
+                        "times (the %.0f s budget went on the larger ones)", skipped, len(sets),
+                        budget_s)
         fitted = fit_side_by_side(timed)
         out = dict(raw)
         for c in raw:
