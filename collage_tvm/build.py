@@ -137,7 +137,8 @@ def search(model, target="llvm", backends=("tvm", "dnnl"), db=None, placement_lo
     ``refine_rounds``: times the placement's close calls (alternative covers within 75%
     of the chosen one's measured cost) are re-timed side by side and the DP re-run
     (``Measurer.refine``; each round re-times for at most half the measuring time, 30 s at
-    least, the largest stakes first); 0 turns it off.
+    least, the largest stakes first, and nothing new when the DB answered every candidate);
+    0 turns it off.
     ``calibrate_rounds``: rounds of in-context calibration of the op-level placement
     (``placer.calibrate``: run it, re-cost its external groups as timed in place, re-run
     the DP); 0 turns it off. ``on_calibration(entry)`` sees each round.
@@ -183,8 +184,10 @@ def search(model, target="llvm", backends=("tvm", "dnnl"), db=None, placement_lo
             switch = measurer.switch_costs(backend_map.values()) if switching else {}
             t1 = time.perf_counter()
             raw = measurer.costs(graph, candidates, backend_map)
-            # Re-timing close calls may take half as long again as measuring did, each round.
-            refine_budget = max(30.0, 0.5 * (time.perf_counter() - t1))
+            # Re-timing close calls may take half as long again as measuring did, each round;
+            # when the DB answered every candidate it times nothing new either.
+            refine_budget = (max(30.0, 0.5 * (time.perf_counter() - t1))
+                             if measurer.measured else 0.0)
             for rnd in range(refine_rounds + 1):
                 # Measured times include one call's overhead; the DP adds it back as
                 # epsilon (Eq. 2).
