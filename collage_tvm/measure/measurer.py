@@ -388,8 +388,12 @@ def _progress(total: int, enabled: bool, desc: str = "measuring candidates"):
     from tqdm.auto import tqdm
 
     if enabled and not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty()):
-        return tqdm(total=total, desc=desc, unit="cand", file=_LineStream(sys.stderr),
-                    mininterval=30.0, ascii=True, ncols=100, leave=False)
+        bar = tqdm(total=total, desc=desc, unit="cand", file=_LineStream(sys.stderr),
+                   mininterval=30.0, ascii=True, ncols=100, leave=False)
+        # A postfix redraws at once by default, which would write a line per candidate.
+        set_postfix_str = bar.set_postfix_str
+        bar.set_postfix_str = lambda s="", refresh=False: set_postfix_str(s, refresh=False)
+        return bar
     return tqdm(total=total, desc=desc, unit="cand", disable=None if enabled else True,
                 leave=False, dynamic_ncols=True)
 
