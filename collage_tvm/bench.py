@@ -5,8 +5,8 @@ For each model of ``collage_tvm.models``: export it to ONNX, run the Collage sea
 the shipped build interleaved with the frameworks (PyTorch eager, torch.compile, ONNX
 Runtime, OpenVINO), and check our glue: the model placed wholly on ONNX Runtime (and on
 OpenVINO) through collage-tvm against the plain library on the same ONNX file, timed
-interleaved in one process. With ``ablation``, also Collage with the backends added one at a time (paper
-Fig. 11). Writes ``results.json``, ``results.md`` and ``results.png`` (paper Fig. 7;
+interleaved in one process. With ``ablation``, also Collage with the backends added one
+at a time (paper Fig. 11). Writes ``results.json``, ``results.md`` and ``results.png`` (paper Fig. 7;
 ``results_ablation.png`` for the ablation) into the output folder.
 """
 from __future__ import annotations
@@ -68,7 +68,11 @@ def glue_overhead(onnx_path: str, library: str = "onnxruntime", target="llvm") -
 
 
 def _plain_runner(library: str, backend, model_bytes: bytes, arrays: list) -> tuple:
-    """(a call of the library on the original ONNX file, its outputs), as ``frameworks`` calls it."""
+    """(a call of the library on the original ONNX file, its outputs): the framework
+    baseline of ``frameworks`` and the plain side of the glue check. ONNX Runtime with all
+    graph optimizations, in a session made as the onnxruntime backend makes them; OpenVINO
+    compiled with the openvino backend's config (latency hint, f32, one thread per core)
+    and called the documented low-overhead way (no copy of the inputs or the outputs)."""
     lowering = backend.get_lowering()
     if library == "onnxruntime":
         sess = lowering.session(model_bytes)
@@ -175,25 +179,12 @@ def frameworks(name: str, size: str, onnx_path: str, collage_executable) -> dict
     except Exception as err:  # noqa: BLE001 - a failed compile is reported, not fatal
         outs["torch.compile"] = _why(err)
     x_np = x.numpy()
-    try:
-        sess = get_backend("onnxruntime").get_lowering().session(open(onnx_path, "rb").read())
-        feed = {sess.get_inputs()[0].name: x_np}
-        runs["onnxruntime"] = lambda: sess.run(None, feed)
-        outs["onnxruntime"] = sess.run(None, feed)
-    except Exception as err:  # noqa: BLE001 - a missing framework is reported, not fatal
-        outs["onnxruntime"] = _why(err)
-    try:
-        import openvino as ov
-
-        compiled_ov = ov.Core().compile_model(onnx_path, "CPU", {
-            "PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": host_cores(),
-            "INFERENCE_PRECISION_HINT": "f32"})
-        req = compiled_ov.create_infer_request()
-        # OpenVINO's documented low-overhead call: no copy of the input or the outputs.
-        runs["openvino"] = lambda: req.infer([x_np], share_inputs=True, share_outputs=True)
-        outs["openvino"] = [req.infer([x_np])[o] for o in compiled_ov.outputs]
-    except Exception as err:  # noqa: BLE001
-        outs["openvino"] = _why(err)
+    model_bytes = open(onnx_path, "rb").read()
+    for lib in GLUE_LIBRARIES:
+        try:
+            runs[lib], outs[lib] = _plain_runner(lib, get_backend(lib), model_bytes, [x_np])
+        except Exception as err:  # noqa: BLE001 - a missing framework is reported, not fatal
+            outs[lib] = _why(err)
     dev = tvm.cpu()
     vm = relax.VirtualMachine(collage_executable, dev)
     args = [tvm.runtime.tensor(x_np, dev)]

@@ -235,7 +235,9 @@ class Measurer:
                 costs[c] = cost
                 self._func_of[c] = (bk[1], func)
                 best_for_nodes[c.nodes] = min(cost, best_for_nodes.get(c.nodes, math.inf))
-            bar.set_postfix_str(f"measured {self.measured}, cached {self.hits}")
+            # No redraw of its own (the update below redraws when due): off a terminal a
+            # redraw is a line, one per candidate.
+            bar.set_postfix_str(f"measured {self.measured}, cached {self.hits}", refresh=False)
             bar.update(1)
         bar.close()
         if len(fresh) > 1:
@@ -388,12 +390,8 @@ def _progress(total: int, enabled: bool, desc: str = "measuring candidates"):
     from tqdm.auto import tqdm
 
     if enabled and not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty()):
-        bar = tqdm(total=total, desc=desc, unit="cand", file=_LineStream(sys.stderr),
-                   mininterval=30.0, ascii=True, ncols=100, leave=False)
-        # A postfix redraws at once by default, which would write a line per candidate.
-        set_postfix_str = bar.set_postfix_str
-        bar.set_postfix_str = lambda s="", refresh=False: set_postfix_str(s, refresh=False)
-        return bar
+        return tqdm(total=total, desc=desc, unit="cand", file=_LineStream(sys.stderr),
+                    mininterval=30.0, ascii=True, ncols=100, leave=False)
     return tqdm(total=total, desc=desc, unit="cand", disable=None if enabled else True,
                 leave=False, dynamic_ncols=True)
 
