@@ -1,4 +1,10 @@
-"""``collage_tvm.build``: the whole data flow of DESIGN.md for one model."""
+"""``collage_tvm.build``: the whole data flow of DESIGN.md for one model.
+
+import -> candidates -> measure -> op-level placement (refined, calibrated) -> graph-level
+placement -> final check -> partition and lower -> ``tvm.compile``. This module wires the
+stages together; each stage lives in its own package and knows nothing of the later ones
+(a stage that must run a later one's work gets it as a callback from here).
+"""
 from __future__ import annotations
 
 import hashlib
@@ -11,24 +17,26 @@ from dataclasses import dataclass, field
 import tvm
 from tvm import relax
 
-from .candidate import Candidate, Placement
+from .check import latency_evaluator, never_slower
 from .frontend import load_model, normalize_for_collage
 from .graph import DataflowGraph
 from .graph.subgraph import function_key
-from .lower import lower_placement, release_with
+from .lower import candidate_vm, compile_placement, lower_placement, placement_runner
 from .measure.db import CostDB
 from .measure.measurer import Measurer
+from .options import SearchOptions
 from .patterns import generate_candidates
+from .placement import Placement, placement_from_record, placement_record
 from .placement_log import PlacementLog
+from .placer.alternatives import refine
 from .placer.calibrate import calibrate
+from .placer.graph_level import GraphLevelSearch
 from .placer.op_level import place
 from .registry import get_backend
+from .target import make_target
 
 logger = logging.getLogger("collage_tvm")
 
-# never_slower times a build once when its first run is this many times slower than the
-# Collage placement's (it cannot win; an untuned TVM build of a big model takes minutes).
-SLOW_BUILD_FACTOR = 10.0
 DEFAULT_DB = os.path.join(os.path.expanduser("~"), ".cache", "collage-tvm", "costs.db")
 
 
@@ -42,7 +50,7 @@ class BuildReport:
     failures: list = field(default_factory=list)
     epsilon: dict = field(default_factory=dict)
     switch: dict = field(default_factory=dict)  # (a, b) -> ms per change of runtime
-    close_calls: int = 0   # alternative covers within 75% of the chosen one (Measurer.refine)
+    close_calls: int = 0   # alternative covers within 75% of the chosen one (refine)
     side_by_side: int = 0  # sets of candidates re-timed side by side in this build
     calibration: list = field(default_factory=list)  # in-context rounds (placer.calibrate)
     placement_from_log: bool = False
@@ -62,6 +70,15 @@ class BuildReport:
                 if self.side_by_side else "")
         return (f"measured {self.distinct_measured} candidates ({self.db_hits} from the cost "
                 f"DB){side}")
+
+
+@dataclass
+class SearchResult:
+    graph: DataflowGraph
+    placement: Placement
+    backends: dict              # name -> Backend, the ones available
+    report: BuildReport
+    target: tvm.target.Target
 
 
 @dataclass
@@ -99,12 +116,19 @@ def resolve_backends(names, target) -> tuple[dict, dict]:
     return backends, skipped
 
 
-def placement_key(main: relax.Function, target, backends: dict) -> str:
+def placement_key(main: relax.Function, target, backends: dict,
+                  options: SearchOptions | None = None) -> str:
+    """The placement-log key: the model, the target, each backend's library version and
+    every option that changes the search (``SearchOptions.key_variant``)."""
     parts = [function_key(main), str(target)] + sorted(f"{n}={b.version()}" for n, b in backends.items())
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
+    key = hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
+    variant = (options or SearchOptions()).key_variant()
+    return hashlib.sha256(f"{key}{variant}".encode()).hexdigest()[:32] if variant else key
 
 
-def _db(db) -> CostDB:
+def open_db(db) -> CostDB:
+    """A ``CostDB`` from a path (None: ``DEFAULT_DB``) or the DB itself; a damaged file is
+    reported, moved aside and rebuilt."""
     if isinstance(db, CostDB):
         return db
     path = DEFAULT_DB if db is None else db
@@ -115,7 +139,9 @@ def _db(db) -> CostDB:
     return cost_db
 
 
-def _placement_log(log, db) -> PlacementLog:
+def open_placement_log(log, db: CostDB) -> PlacementLog:
+    """A ``PlacementLog`` from a path or the log itself; None: next to the cost DB file
+    (``<db>.placements.json``), in memory for an in-memory DB."""
     if isinstance(log, PlacementLog):
         return log
     if log is None:
@@ -124,49 +150,27 @@ def _placement_log(log, db) -> PlacementLog:
     return PlacementLog(log)
 
 
-def search(model, target="llvm", backends=("tvm", "dnnl"), db=None, placement_log=None,
-           example_inputs=None, isolate: bool = True, progress: bool = True,
-           compare: bool = False, graph_level: bool = False, budget: float = 300.0,
-           on_generation=None, switching: bool = True, calibrate_rounds: int = 4,
-           on_calibration=None, refine_rounds: int = 2):
-    """Import, generate candidates, measure (or reuse) costs, place. Returns
-    (graph, placement, backend_map, report, target).
+def search(model, target="llvm", options: SearchOptions | None = None, db=None,
+           placement_log=None, example_inputs=None) -> SearchResult:
+    """Import, generate candidates, measure (or reuse) costs, place; see ``SearchOptions``.
 
-    ``switching``: the op-level DP charges the measured cost of changing runtime between
-    consecutive kernels (``Measurer.switch_costs``); False gives the paper's additive model.
-    ``refine_rounds``: times the placement's close calls (alternative covers within 75%
-    of the chosen one's measured cost) are re-timed side by side and the DP re-run
-    (``Measurer.refine``; each round re-times for at most half the measuring time, 30 s at
-    least, the largest stakes first, and nothing new when the DB answered every candidate);
-    0 turns it off.
-    ``calibrate_rounds``: rounds of in-context calibration of the op-level placement
-    (``placer.calibrate``: run it, re-cost its external groups as timed in place, re-run
-    the DP); 0 turns it off. ``on_calibration(entry)`` sees each round.
-
-    ``graph_level``: after the op-level DP, run the evolutionary graph-level placer
-    (``placer.graph_level``) for at most ``budget`` seconds over the registered graph
-    libraries; ``on_generation(entry)`` sees its progress.
+    A placement found in the placement log (same model, target, backend versions and
+    search options) is used as it is: nothing is measured.
     """
-    from .target import make_target
-
+    options = options or SearchOptions()
     t_start = time.perf_counter()
     target = make_target(target)
     mod = normalize_for_collage(load_model(model, example_inputs))
     graph = DataflowGraph(mod["main"])
-    backend_map, skipped = resolve_backends(backends, target)
-    report = BuildReport(backends=list(backend_map), skipped=skipped)
-    cost_db = _db(db)
-    log = _placement_log(placement_log, cost_db)
-    key = placement_key(graph.func, target, backend_map)
+    backends, skipped = resolve_backends(options.backends, target)
+    report = BuildReport(backends=list(backends), skipped=skipped)
+    cost_db = open_db(db)
+    log = open_placement_log(placement_log, cost_db)
+    key = placement_key(graph.func, target, backends, options)
     report.times["import"] = time.perf_counter() - t_start
 
-    variant = (("|switching" if switching else "") + ("|graph-level" if graph_level else "")
-               + (f"|refined{refine_rounds}" if refine_rounds else "")
-               + (f"|calibrated{calibrate_rounds}" if calibrate_rounds else ""))
-    if variant:
-        key = hashlib.sha256(f"{key}{variant}".encode()).hexdigest()[:32]
     logged = log.get(key)
-    placement = _placement_from_log(logged, graph, backend_map)
+    placement = placement_from_record(logged, graph, backends)
     if placement is not None:
         report.placement_from_log = True
         report.estimated_ms = placement.cost
@@ -174,150 +178,94 @@ def search(model, target="llvm", backends=("tvm", "dnnl"), db=None, placement_lo
         report.shipped = logged.get("shipped", "collage")
         report.graph_level = logged.get("graph_level", {})
     else:
-        t0 = time.perf_counter()
-        candidates = generate_candidates(graph, backend_map.values())
-        report.candidates = len(candidates)
-        measurer = Measurer(target, cost_db, isolate=isolate, progress=progress)
-        t_search = 0.0
-        try:
-            eps = measurer.epsilon(backend_map.values())
-            switch = measurer.switch_costs(backend_map.values()) if switching else {}
-            t1 = time.perf_counter()
-            raw = measurer.costs(graph, candidates, backend_map)
-            # Re-timing close calls may take half as long again as measuring did, each round;
-            # when the DB answered every candidate it times nothing new either.
-            refine_budget = (max(30.0, 0.5 * (time.perf_counter() - t1))
-                             if measurer.measured else 0.0)
-            for rnd in range(refine_rounds + 1):
-                # Measured times include one call's overhead; the DP adds it back as
-                # epsilon (Eq. 2).
-                costs = {c: max(0.0, v - eps[c.backend]) for c, v in raw.items()}
-                t1 = time.perf_counter()
-                placement = place(graph.producers, candidates, costs, eps, switch=switch,
-                                  exact=rnd == 0 or placement.exact)
-                t_search += time.perf_counter() - t1
-                if rnd == refine_rounds:
-                    break
-                refined, report.close_calls = measurer.refine(placement, candidates, raw, eps,
-                                                              backend_map, budget_s=refine_budget)
-                if refined == raw:
-                    break  # no cost changed: the DP would answer the same
-                raw = refined
-        finally:
-            measurer.close()
-        report.times["measure"] = time.perf_counter() - t0 - t_search
-        report.times["search"] = t_search
-        report.distinct_measured, report.db_hits = measurer.measured, measurer.hits
-        report.side_by_side = measurer.side_by_side
-        report.failures, report.epsilon, report.switch = measurer.failures, eps, switch
-        report.estimated_ms = placement.cost
-        if calibrate_rounds > 0 and any(backend_map[g.backend].is_external
-                                        for g in placement.groups):
-            t0 = time.perf_counter()
-            cal = calibrate(graph, candidates, costs, eps, switch, placement, backend_map,
-                            target, rounds=calibrate_rounds, on_round=on_calibration)
-            placement, report.calibration = cal.placement, cal.history
-            report.estimated_ms = placement.cost
-            report.times["calibrate"] = time.perf_counter() - t0
-        op_level = placement
-        if graph_level:
-            placement = _graph_level(graph, placement, backend_map, target, report, budget,
-                                     on_generation)
-        if compare:
-            placement = never_slower(graph, placement, backend_map, target, report,
-                                     op_level if placement is not op_level else None)
+        placement = _search(graph, backends, target, cost_db, options, report)
         log.put(key, placement_record(placement, graph, target, report.comparison,
                                       report.shipped, report.graph_level))
     for g in placement.groups:
         report.ops_per_backend[g.backend] = report.ops_per_backend.get(g.backend, 0) + len(g.nodes)
     logger.info("collage: %s", report.summary())
-    return graph, placement, backend_map, report, target
+    return SearchResult(graph, placement, backends, report, target)
 
 
-def optimize(model, target="llvm", backends=("tvm", "dnnl"), db=None, placement_log=None,
-             example_inputs=None, isolate: bool = True, progress: bool = True,
-             compare: bool = False, graph_level: bool = False, budget: float = 300.0,
-             on_generation=None, switching: bool = True, calibrate_rounds: int = 4,
-             on_calibration=None, refine_rounds: int = 2) -> CollageResult:
-    """Search a placement for ``model`` and build it; see ``search`` for the arguments."""
-    graph, placement, backend_map, report, target = search(
-        model, target, backends, db, placement_log, example_inputs, isolate, progress, compare,
-        graph_level, budget, on_generation, switching, calibrate_rounds, on_calibration,
-        refine_rounds)
+def _search(graph, backends, target, cost_db, options: SearchOptions, report) -> Placement:
+    """Both levels of the search and the final check, for a placement not in the log."""
+    placement, candidates, costs, eps, switch = _op_level(graph, backends, target, cost_db,
+                                                          options, report)
+    if options.calibrate_rounds > 0 and any(backends[g.backend].is_external
+                                            for g in placement.groups):
+        t0 = time.perf_counter()
+        cal = calibrate(graph, candidates, costs, eps, switch, placement,
+                        placement_runner(graph, backends, target),
+                        rounds=options.calibrate_rounds, on_round=options.on_calibration)
+        placement, report.calibration = cal.placement, cal.history
+        report.estimated_ms = placement.cost
+        report.times["calibrate"] = time.perf_counter() - t0
+    op_level = placement
+    if options.graph_level:
+        placement = _graph_level(graph, placement, backends, target, report, options)
+    if options.compare:
+        verdict = never_slower(graph, placement, backends, target,
+                               op_level if placement is not op_level else None)
+        placement, report.shipped, report.comparison = (verdict.placement, verdict.shipped,
+                                                        verdict.comparison)
+        report.times["compare"] = verdict.seconds
+    return placement
+
+
+def _op_level(graph, backends, target, cost_db, options: SearchOptions, report) -> tuple:
+    """Candidates, their measured costs, the op-level DP and its refinement rounds.
+    Returns (placement, candidates, DP costs, epsilon, switching costs)."""
     t0 = time.perf_counter()
-    executable, lowered = compile_placement(graph, placement.groups, backend_map, target,
-                                            keep=True)
-    report.times["compile"] = time.perf_counter() - t0
-    return CollageResult(executable, lowered, placement, graph, report)
+    candidates = generate_candidates(graph, backends.values())
+    report.candidates = len(candidates)
+    measurer = Measurer(target, cost_db, candidate_vm, isolate=options.isolate,
+                        progress=options.progress)
+    t_search = 0.0
+    try:
+        eps = measurer.epsilon(backends.values())
+        switch = measurer.switch_costs(backends.values()) if options.switching else {}
+        t1 = time.perf_counter()
+        raw = measurer.costs(graph, candidates, backends)
+        # Re-timing close calls may take half as long again as measuring did, each round;
+        # when the DB answered every candidate it times nothing new either.
+        refine_budget = (max(30.0, 0.5 * (time.perf_counter() - t1))
+                         if measurer.measured else 0.0)
+        for rnd in range(options.refine_rounds + 1):
+            # Measured times include one call's overhead; the DP adds it back as epsilon (Eq. 2).
+            costs = {c: max(0.0, v - eps[c.backend]) for c, v in raw.items()}
+            t1 = time.perf_counter()
+            placement = place(graph.producers, candidates, costs, eps, switch=switch,
+                              exact=rnd == 0 or placement.exact)
+            t_search += time.perf_counter() - t1
+            if rnd == options.refine_rounds:
+                break
+            refined = refine(measurer, placement, candidates, raw, eps, backends,
+                             budget_s=refine_budget)
+            report.close_calls = refined.close_calls
+            if refined.raw == raw:
+                break  # no cost changed: the DP would answer the same
+            raw = refined.raw
+    finally:
+        measurer.close()
+    report.times["measure"] = time.perf_counter() - t0 - t_search
+    report.times["search"] = t_search
+    report.distinct_measured, report.db_hits = measurer.measured, measurer.hits
+    report.side_by_side = measurer.side_by_side
+    report.failures, report.epsilon, report.switch = measurer.failures, eps, switch
+    report.estimated_ms = placement.cost
+    return placement, candidates, costs, eps, switch
 
 
-def optimize_module(mod, target, backends, db, placement_log, progress, isolate):
-    """The partitioned module with external groups lowered (for ``collage_tvm.pipeline``)."""
-    graph, placement, backend_map, _, _ = search(mod, target, backends, db, placement_log,
-                                                 None, isolate, progress)
-    return lower_placement(graph, placement.groups, backend_map)
-
-
-def compile_placement(graph, groups, backend_map, target, timings: dict | None = None,
-                      keep: bool = False):
-    """(executable, lowered module) of a placement; ``timings``: see ``lower_external``.
-
-    The external callables (and the weights they hold) are freed with the executable unless
-    ``keep`` (the build handed to the user, who may make VMs from a jitted module later)."""
-    mod = lower_placement(graph, groups, backend_map, timings)
-    executable = tvm.compile(mod, target)
-    if not keep:
-        release_with(executable, mod)
-    return executable, mod
-
-
-def build(model, target="llvm", backends=("tvm", "dnnl"), db=None, **kwargs):
-    """Build ``model`` with Collage: the returned executable runs in ``relax.VirtualMachine``.
-
-    ``model``: ONNX path/ModelProto, torch.nn.Module (with ``example_inputs``) or IRModule.
-    ``db``: cost DB path (default ``~/.cache/collage-tvm/costs.db``) or a ``CostDB``.
-    """
-    return optimize(model, target, backends, db, **kwargs).executable
-
-
-def _latency_evaluator(graph, backend_map, target):
-    """``evaluate(groups) -> (ms, reason)`` for the graph-level search: build, run, time.
-
-    The first placement evaluated (the op-level one, the search's seed) gives the reference
-    outputs; a later placement whose outputs differ, or whose build fails (a graph library
-    that cannot load its subgraph), is invalid: infinite latency and the reason.
-    """
-    from .baselines import evaluate
-
-    reference: list = []
-
-    def evaluate_groups(groups):
-        try:
-            executable, _ = compile_placement(graph, groups, backend_map, target)
-            r = evaluate(executable, graph, target, reference[0] if reference else None)
-        except Exception as err:  # noqa: BLE001 - an invalid individual, not a failed search
-            return math.inf, f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-        if not reference:
-            reference.append(r["outputs"])
-        elif not r["match"]:
-            return math.inf, f"outputs differ from the op-level placement's (max err {r['max_err']:.3g})"
-        return r["ms"], None
-
-    return evaluate_groups
-
-
-def _graph_level(graph, placement, backend_map, target, report, budget, on_generation):
-    from .placer.graph_level import GraphLevelSearch
-
-    libs = {n: b for n, b in backend_map.items() if b.kind == "graph"}
+def _graph_level(graph, placement, backends, target, report, options: SearchOptions):
+    libs = {n: b for n, b in backends.items() if b.kind == "graph"}
     if not libs:
         logger.warning("--graph-level: no graph library among the backends (%s); skipped",
-                       ", ".join(backend_map))
+                       ", ".join(backends))
         report.graph_level = {"skipped": "no graph library among the backends"}
         return placement
     t0 = time.perf_counter()
-    gl = GraphLevelSearch(graph, placement, libs, _latency_evaluator(graph, backend_map, target))
-    res = gl.run(budget_s=budget, on_generation=on_generation)
+    gl = GraphLevelSearch(graph, placement, libs, latency_evaluator(graph, backends, target))
+    res = gl.run(budget_s=options.budget, on_generation=options.on_generation)
     report.times["graph-level"] = time.perf_counter() - t0
     report.graph_level = {"libraries": sorted(libs), "genes": gl.n_genes,
                           "eligible_groups": len(gl.eligible), "seed_ms": res.seed_ms,
@@ -330,131 +278,32 @@ def _graph_level(graph, placement, backend_map, target, report, budget, on_gener
     return res.placement
 
 
-def never_slower(graph, placement, backend_map, target, report, op_level=None) -> Placement:
-    """Time the placement end to end beside every single-backend build; ship the fastest.
+def optimize(model, target="llvm", backends=None, db=None, *, options: SearchOptions | None = None,
+             placement_log=None, example_inputs=None, **option_fields) -> CollageResult:
+    """Search a placement for ``model`` and build it.
 
-    Builds: "tvm-only" (TVM's own fusion); "<lib>+tvm" for each external op library (its
-    patterns offloaded greedily, TVM for the rest); "<lib>" for each graph library that
-    can run the whole model ("<lib>+tvm" when some operators stay on TVM); and the
-    op-level placement when the graph-level search changed it. Outputs are checked
-    against tvm-only.
+    ``model``: ONNX path/ModelProto, torch.nn.Module (with ``example_inputs``) or IRModule.
+    ``db``: cost DB path (default ``~/.cache/collage-tvm/costs.db``) or a ``CostDB``.
+    ``placement_log``: path or ``PlacementLog`` (default: next to the DB).
+    Search options (``SearchOptions``): ``options=`` and/or its fields by name
+    (``backends``, ``graph_level=True``, ``budget=120``, ``compare=True``, ...).
     """
-    from .baselines import byoc_groups, compare_outputs, evaluate, graph_lib_groups, interleaved
-
+    options = SearchOptions.of(options, backends=backends, **option_fields)
+    found = search(model, target, options, db, placement_log, example_inputs)
     t0 = time.perf_counter()
-    builds = {"collage": placement.groups,
-              "tvm-only": [Candidate("tvm", frozenset([i]), "tvm.op") for i in range(len(graph))]}
-    if op_level is not None:
-        builds["collage-op-level"] = op_level.groups
-    for name, b in backend_map.items():
-        if b.is_external and b.kind == "op":
-            builds[f"{name}+tvm"] = byoc_groups(graph, b)
-        elif b.kind == "graph":
-            groups = graph_lib_groups(graph, b)
-            builds[name if all(g.backend == name for g in groups) else f"{name}+tvm"] = groups
-    # Collage first: its time sets the cutoff beyond which a build is timed once only (an
-    # untuned TVM build of a big model can take minutes per run). Outputs are compared with
-    # tvm-only's at the end.
-    results, outputs, runs, seen = {}, {}, {}, {}
-    cutoff = None
-    for name in ["collage", "tvm-only"] + [n for n in builds if n not in ("collage", "tvm-only")]:
-        same = seen.setdefault(frozenset((g.backend, g.nodes) for g in builds[name]), name)
-        if same != name:  # e.g. the two-level search chose the whole model on one library
-            results[name] = {"same_as": same}
-            logger.info("end to end: %s is the same placement as %s", name, same)
-            continue
-        try:
-            executable, _ = compile_placement(graph, builds[name], backend_map, target)
-            r = evaluate(executable, graph, target, cutoff_ms=cutoff)
-        except Exception as err:  # noqa: BLE001 - a failing baseline is reported, not fatal
-            if name in ("tvm-only", "collage"):
-                raise
-            reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-            logger.warning("end to end: %s failed to build or run: %s", name, reason)
-            results[name] = {"ms": math.inf, "match": False, "max_err": math.nan, "error": reason}
-            continue
-        if cutoff is None:
-            cutoff = SLOW_BUILD_FACTOR * r["ms"]
-        outputs[name] = r["outputs"]
-        results[name] = {"ms": r["ms"]}
-        if r["timed_once"]:
-            results[name]["timed_once"] = True
-        runs[name] = r["run"]
-        logger.info("end to end: %s %.3f ms%s", name, r["ms"],
-                    " (timed once: hopeless)" if r["timed_once"] else "")
-    for name, out in outputs.items():
-        match, max_err = compare_outputs(out, outputs["tvm-only"])
-        results[name].update(match=match, max_err=0.0 if name == "tvm-only" else max_err)
-    # The contenders (correct, within 2x of the fastest) are timed again in alternating
-    # rounds, so the machine's drifting load hits them alike: on a shared 2-core machine
-    # one build timed after another differed by up to 40% from the same build re-timed.
-    # (Builds that are the same placement as another have no run of their own.)
-    fastest = min((results[n]["ms"] for n in runs if results[n]["match"]), default=math.inf)
-    contenders = {n: runs[n] for n in runs
-                  if results[n]["match"] and results[n]["ms"] <= 2 * fastest}
-    if len(contenders) > 1:
-        for name, ms in interleaved(contenders).items():
-            results[name]["first_ms"], results[name]["ms"] = results[name]["ms"], ms
-    results = {n: (dict(results[results[n]["same_as"]], same_as=results[n]["same_as"])
-                   if "same_as" in results[n] else results[n])
-               for n in ["tvm-only", *builds] if n in results}
-    report.comparison = results
-    report.times["compare"] = time.perf_counter() - t0
-    ok = {n: r for n, r in results.items() if r["match"]}
-    best = min(ok, key=lambda n: ok[n]["ms"])
-    if best == "collage" or ok[best]["ms"] >= ok.get("collage", {"ms": math.inf})["ms"]:
-        return placement
-    report.shipped = best
-    logger.warning("%s (%.3f ms) beat the collage placement (%.3f ms): shipping %s", best,
-                   ok[best]["ms"], results["collage"]["ms"], best)
-    if best == "collage-op-level":
-        return op_level
-    groups = builds[best]
-    return Placement(groups, math.nan, {g: f"baseline:{best}" for g in groups})
+    executable, lowered = compile_placement(found.graph, found.placement.groups,
+                                            found.backends, found.target, keep=True)
+    found.report.times["compile"] = time.perf_counter() - t0
+    return CollageResult(executable, lowered, found.placement, found.graph, found.report)
 
 
-def placement_record(placement: Placement, graph: DataflowGraph, target,
-                     comparison: dict | None = None, shipped: str = "collage",
-                     graph_level: dict | None = None) -> dict:
-    return {
-        "target": str(target),
-        "shipped": shipped,
-        "comparison": comparison or {},
-        "graph_level": graph_level or {},
-        "estimated_ms": placement.cost,
-        "groups": [{"backend": g.backend, "nodes": sorted(g.nodes), "label": g.label,
-                    "ops": [graph.nodes[i].op_name for i in sorted(g.nodes)],
-                    "level": placement.chosen_by.get(g, "op-level")}
-                   for g in placement.groups],
-        # The dataflow graph itself, so `collage-tvm show` can draw the placement.
-        "graph": {"nodes": [{"op": n.op_name, "inputs": list(n.inputs), "shape": _shape_of(n)}
-                            for n in graph.nodes],
-                  "outputs": list(graph.outputs)},
-    }
+def optimize_module(mod, target, options: SearchOptions, db=None, placement_log=None):
+    """The partitioned module with external groups lowered (for ``collage_tvm.pipeline``)."""
+    found = search(mod, target, options, db, placement_log)
+    return lower_placement(found.graph, found.placement.groups, found.backends)
 
 
-def _shape_of(node) -> list | None:
-    """The static output shape of ``node`` (None for tuples or symbolic shapes)."""
-    ty = getattr(node.var, "ty", None)
-    shape = getattr(ty, "shape", None)
-    try:
-        return [int(d) for d in shape.values]
-    except (AttributeError, TypeError):
-        return None
-
-
-def _placement_from_log(record, graph, backend_map):
-    if not record:
-        return None
-    try:
-        groups = [Candidate(g["backend"], frozenset(g["nodes"]), g.get("label", ""))
-                  for g in record["groups"]]
-    except (KeyError, TypeError):
-        logger.warning("placement log entry is malformed; searching again")
-        return None
-    if any(g.backend not in backend_map for g in groups) or \
-            sorted(i for g in groups for i in g.nodes) != list(range(len(graph))):
-        logger.warning("placement log entry does not fit this model; searching again")
-        return None
-    return Placement(groups, record.get("estimated_ms", math.nan),
-                     {g: rg.get("level", "op-level") for g, rg in zip(groups, record["groups"])})
+def build(model, target="llvm", backends=None, db=None, **kwargs):
+    """Build ``model`` with Collage: the returned executable runs in ``relax.VirtualMachine``.
+    Arguments as ``optimize``."""
+    return optimize(model, target, backends, db, **kwargs).executable

@@ -10,7 +10,8 @@ import time
 
 
 def _optimize(args) -> int:
-    from .build import optimize, placement_record
+    from .build import optimize
+    from .placement import placement_record
     from .registry import load_pattern_file
 
     for path in args.patterns or []:
@@ -31,11 +32,8 @@ def _optimize(args) -> int:
               f"{e['estimate_ms']:.3f} ms, measured {e['measured_ms']:.3f} ms; in-context "
               f"ms per call: {extra}", flush=True)
 
-    res = optimize(args.model, args.target, backends, db=args.db, isolate=not args.in_process,
-                   compare=not args.no_compare, graph_level=args.graph_level, budget=args.budget,
-                   on_generation=on_generation, switching=not args.no_switching,
-                   calibrate_rounds=args.calibrate, on_calibration=on_calibration,
-                   refine_rounds=args.refine)
+    res = optimize(args.model, args.target, db=args.db, options=_options(args, backends),
+                   on_generation=on_generation, on_calibration=on_calibration)
     rep = res.report
     if rep.close_calls:
         print(f"close calls of the op-level DP: {rep.close_calls} alternative covers within 75% "
@@ -80,6 +78,16 @@ def _optimize(args) -> int:
         return 0 if all(r["match"] for n, r in rep.comparison.items()
                         if n in ("collage", rep.shipped)) else 1
     return 0
+
+
+def _options(args, backends):
+    """The ``SearchOptions`` of the search flags ``optimize`` and ``bench`` share."""
+    from .options import SearchOptions
+
+    return SearchOptions(backends=tuple(backends), isolate=not args.in_process,
+                         compare=not args.no_compare, graph_level=args.graph_level,
+                         budget=args.budget, switching=not args.no_switching,
+                         calibrate_rounds=args.calibrate, refine_rounds=args.refine)
 
 
 def _print_ops(res) -> None:

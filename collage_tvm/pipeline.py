@@ -4,19 +4,22 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
+from .build import optimize_module
+from .options import SearchOptions
 
-def pipeline(backends=("tvm", "dnnl"), db=None, placement_log=None, progress: bool = True,
-             isolate: bool = True):
-    """A module pass: Collage partition + external lowering, then TVM's default pipeline."""
+
+def pipeline(backends=None, db=None, placement_log=None, *, options: SearchOptions | None = None,
+             **option_fields):
+    """A module pass: Collage partition + external lowering, then TVM's default pipeline.
+    Arguments as ``collage_tvm.optimize``."""
+    options = SearchOptions.of(options, backends=backends, **option_fields)
 
     @tvm.transform.module_pass(opt_level=0, name="CollagePipeline")
     def _collage(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        from .build import optimize_module
-
         target = tvm.target.Target.current()
         if target is None:
             raise ValueError("collage_tvm.pipeline needs a target (tvm.compile passes it)")
-        lowered = optimize_module(mod, target, backends, db, placement_log, progress, isolate)
+        lowered = optimize_module(mod, target, options, db, placement_log)
         return relax.get_default_pipeline(target)(lowered)
 
     return _collage

@@ -1,7 +1,7 @@
-"""collage_tvm.baselines.interleaved: the timing every comparison of whole builds goes through."""
+"""collage_tvm.measure.timing.interleaved: the timing every comparison of whole builds goes through."""
 import time
 
-from collage_tvm.baselines import interleaved
+from collage_tvm.measure.timing import interleaved
 
 
 def test_interleaved_does_not_charge_a_function_for_what_the_one_before_left_behind():

@@ -5,7 +5,7 @@ import tvm
 from tvm import relax
 
 import collage_tvm
-from collage_tvm.baselines import evaluate
+from collage_tvm.check import evaluate
 from collage_tvm.models import export_onnx
 
 
@@ -136,12 +136,12 @@ def test_never_slower_compares_every_build_and_times_hopeless_ones_once(small_on
                                                                         monkeypatch):
     import importlib
 
-    build = importlib.import_module("collage_tvm.build")
+    check = importlib.import_module("collage_tvm.check.never_slower")
 
     backends = ["tvm", "dnnl"] if _available("dnnl") else ["tvm"]
     db = str(tmp_path / "c.db")
     # Every build after the Collage placement counts as hopeless: timed once.
-    monkeypatch.setattr(build, "SLOW_BUILD_FACTOR", 1e-9)
+    monkeypatch.setattr(check, "SLOW_BUILD_FACTOR", 1e-9)
     res = collage_tvm.optimize(small_onnx, "llvm", backends, db=db, isolate=False,
                                progress=False, compare=True)
     comp = res.report.comparison

@@ -7,8 +7,9 @@ import pytest
 import tvm
 from tvm import relax
 
-from collage_tvm.candidate import Candidate
+from collage_tvm.placement import Candidate
 from collage_tvm.graph import DataflowGraph
+from collage_tvm.lower import placement_runner
 from collage_tvm.placer.calibrate import calibrate
 from collage_tvm.placer.op_level import place
 from collage_tvm.registry import Backend, get_backend
@@ -90,8 +91,8 @@ def test_calibration_learns_the_in_context_cost_and_moves_groups_back(setup):
     first = place(graph.producers, cands, costs, eps)
     assert any(g.backend == "slowlib" for g in first.groups)
     seen = []
-    cal = calibrate(graph, cands, costs, eps, {}, first, backends, make_target("llvm"),
-                    rounds=3, min_ms=50.0, on_round=seen.append)
+    cal = calibrate(graph, cands, costs, eps, {}, first,
+                    placement_runner(graph, backends, make_target("llvm")), rounds=3, min_ms=50.0, on_round=seen.append)
     # Round 0 timed slowlib's calls at >= 4 ms each: that became its in-context epsilon ...
     assert seen[0]["extra_epsilon"]["slowlib"] >= SLEEP_S * 1e3 * 0.9
     assert seen[0]["measured_ms"] >= 3 * SLEEP_S * 1e3

@@ -332,9 +332,9 @@ def test_every_accepted_pattern_lowers(dnnl_backend):
 
 def test_conv3d_bias_shaped_like_a_1x1x1_output_is_a_bias_not_a_second_residual():
     """resnet3d (zoo, small): conv3d on a 1x1x1 map + a [1,C,1,1,1] bias + a residual."""
-    from collage_tvm.baselines import evaluate
-    from collage_tvm.build import compile_placement
-    from collage_tvm.candidate import Candidate
+    from collage_tvm.check import evaluate
+    from collage_tvm.lower import compile_placement
+    from collage_tvm.placement import Candidate
     from collage_tvm.graph import DataflowGraph
     from collage_tvm.registry import get_backend
     from collage_tvm.target import make_target

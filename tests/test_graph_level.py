@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 from tvm import relax
 
-from collage_tvm.baselines import order_groups
-from collage_tvm.candidate import Candidate, Placement
+from collage_tvm.placement import order_groups
+from collage_tvm.placement import Candidate, Placement
 from collage_tvm.graph import DataflowGraph
-from collage_tvm.placer.graph_level import GraphLevelSearch, is_convex, merge_offloaded
+from collage_tvm.placer.graph_level import GraphLevelSearch
+from collage_tvm.placement import is_convex, merge_offloaded
 from collage_tvm.registry import Backend, PatternRule
 
 

@@ -5,9 +5,9 @@ import tvm
 from tvm import relax
 
 import collage_tvm
-from collage_tvm.baselines import evaluate, graph_lib_groups
-from collage_tvm.build import compile_placement
-from collage_tvm.candidate import Candidate
+from collage_tvm.check import evaluate, graph_lib_groups
+from collage_tvm.lower import compile_placement
+from collage_tvm.placement import Candidate
 from collage_tvm.graph import DataflowGraph
 from collage_tvm.models import export_onnx
 from collage_tvm.registry import get_backend, register_backend
@@ -180,7 +180,7 @@ def test_a_search_build_frees_its_library_callables_with_the_executable(monkeypa
     gc.collect()
     assert symbols[0] not in external._LIVE
     assert tvm_ffi.get_global_func(symbols[0], allow_missing=True) is None
-    from collage_tvm.baselines import compare_outputs, run_outputs
+    from collage_tvm.check import compare_outputs, run_outputs
     from collage_tvm.graph.subgraph import random_inputs
 
     # The VM resolved its callables when it was made: it still runs, and right.

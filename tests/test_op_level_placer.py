@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # repo root, no install needed
 
-from collage_tvm.candidate import Candidate  # noqa: E402
+from collage_tvm.placement import Candidate  # noqa: E402
 from collage_tvm.placer.op_level import place  # noqa: E402
 
 INF = math.inf

@@ -6,14 +6,15 @@ import pytest
 import tvm
 from tvm import relax
 
-from collage_tvm.candidate import Candidate, Placement
+from collage_tvm.placement import Candidate, Placement
 from collage_tvm.graph import DataflowGraph
 from collage_tvm.graph.subgraph import function_key
 from collage_tvm.measure.db import CostDB
 from collage_tvm.measure.measurer import SIDE_KEY, Measurer
-from collage_tvm.measure.runner import time_side_by_side
+from collage_tvm.measure.timing import time_side_by_side
 from collage_tvm.patterns import generate_candidates
-from collage_tvm.placer.alternatives import close_decisions, functions_of
+from collage_tvm.lower import candidate_vm
+from collage_tvm.placer.alternatives import close_decisions, functions_of, refine
 from collage_tvm.placer.op_level import place
 from collage_tvm.registry import get_backend
 from collage_tvm.target import make_target
@@ -85,6 +86,12 @@ def _conv_relu_graph():
     return DataflowGraph(bb.get()["main"])
 
 
+def _refine(measurer, *args, **kwargs) -> tuple:
+    """``refine`` as (costs, number of close calls)."""
+    result = refine(measurer, *args, **kwargs)
+    return result.raw, result.close_calls
+
+
 @pytest.mark.parametrize("isolate", [False, True])
 def test_refine_retimes_close_calls_once_and_the_db_keeps_them(tmp_path, isolate):
     graph = _conv_relu_graph()
@@ -93,7 +100,7 @@ def test_refine_retimes_close_calls_once_and_the_db_keeps_them(tmp_path, isolate
     cands = generate_candidates(graph, [tvm_b])
     target = make_target("llvm")
     db = CostDB(str(tmp_path / "c.db"))
-    m = Measurer(target, db, isolate=isolate, progress=False)
+    m = Measurer(target, db, candidate_vm, isolate=isolate, progress=False)
     try:
         raw = m.costs(graph, cands, backends)
         # A cost table where the fused kernel looks a little dearer than the split: every
@@ -101,7 +108,7 @@ def test_refine_retimes_close_calls_once_and_the_db_keeps_them(tmp_path, isolate
         fake = {c: 0.1 * len(c.nodes) * (1.1 if len(c.nodes) == len(graph) else 1.0)
                 for c in cands}
         p = place(graph.producers, cands, fake, {})
-        refined, close = m.refine(p, cands, fake, {}, backends)
+        refined, close = _refine(m, p, cands, fake, {}, backends)
     finally:
         m.close()
     assert close > 0 and m.side_by_side > 0
@@ -111,10 +118,10 @@ def test_refine_retimes_close_calls_once_and_the_db_keeps_them(tmp_path, isolate
     assert all(0.2 < refined[c] / raw[c] < 5 for c in changed)
     assert any(r["key"].startswith(SIDE_KEY) for r in db.rows())
     # Next build: every side-by-side time comes from the DB, none is re-timed.
-    m2 = Measurer(target, db, isolate=isolate, progress=False)
+    m2 = Measurer(target, db, candidate_vm, isolate=isolate, progress=False)
     try:
         m2.costs(graph, cands, backends)
-        again, _ = m2.refine(p, cands, fake, {}, backends)
+        again, _ = _refine(m2, p, cands, fake, {}, backends)
     finally:
         m2.close()
     assert m2.side_by_side == 0 and m2.measured == 0
@@ -142,7 +149,7 @@ def test_library_candidates_are_timed_in_graph_order_and_twice(tmp_path):
     backends = {"tvm": get_backend("tvm"), "dnnl": get_backend("dnnl")}
     cands = generate_candidates(graph, list(backends.values()))
     db = CostDB(str(tmp_path / "c.db"))
-    m = Measurer(make_target("llvm"), db, isolate=False, progress=False)
+    m = Measurer(make_target("llvm"), db, candidate_vm, isolate=False, progress=False)
     seen: list = []
     first_of: dict = {}
 
@@ -176,7 +183,7 @@ def test_library_candidates_are_timed_in_graph_order_and_twice(tmp_path):
     assert 0 in first.nodes
     # a warm DB: nothing is timed again
     seen.clear()
-    m2 = Measurer(make_target("llvm"), db, isolate=False, progress=False)
+    m2 = Measurer(make_target("llvm"), db, candidate_vm, isolate=False, progress=False)
     m2._measure = scripted
     assert m2.costs(graph, cands, backends) == costs and not seen
 
@@ -187,7 +194,7 @@ def test_refine_takes_the_largest_stakes_first_and_keeps_to_its_budget(tmp_path)
     backends = {"tvm": tvm_b}
     cands = generate_candidates(graph, [tvm_b])
     db = CostDB(str(tmp_path / "c.db"))
-    m = Measurer(make_target("llvm"), db, isolate=False, progress=False)
+    m = Measurer(make_target("llvm"), db, candidate_vm, isolate=False, progress=False)
     conv = next(i for i, n in enumerate(graph.nodes) if n.op_name == "relax.nn.conv2d")
     try:
         m.costs(graph, cands, backends)
@@ -203,16 +210,17 @@ def test_refine_takes_the_largest_stakes_first_and_keeps_to_its_budget(tmp_path)
             return real(funcs)
 
         m._measure_side_by_side = record
-        none, close = m.refine(p, cands, fake, {}, backends, budget_s=0.0)
+        none, close = _refine(m, p, cands, fake, {}, backends, budget_s=0.0)
         assert close > 0 and seen == [] and none == fake  # no time: first times kept
         m.side_by_side = 0
-        refined, _ = m.refine(p, cands, fake, {}, backends)
+        result = refine(m, p, cands, fake, {}, backends)
+        refined = result.raw
         assert m.side_by_side == len(seen) > 0
-        stakes = m.last_refine_stakes
+        stakes = result.stakes
         assert stakes == sorted(stakes, reverse=True)
         assert stakes[0] > 5.0 > stakes[-1]  # the conv decisions first, the ReLU+add ones last
         # What was timed once is used whatever the budget.
-        again, _ = m.refine(p, cands, fake, {}, backends, budget_s=0.0)
+        again, _ = _refine(m, p, cands, fake, {}, backends, budget_s=0.0)
         assert again == refined
     finally:
         m.close()

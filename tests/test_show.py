@@ -8,9 +8,9 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from collage_tvm import show
-from collage_tvm.baselines import byoc_groups
-from collage_tvm.build import placement_record
-from collage_tvm.candidate import Candidate, Placement
+from collage_tvm.check import byoc_groups
+from collage_tvm.placement import placement_record
+from collage_tvm.placement import Candidate, Placement
 from collage_tvm.cli import main
 from collage_tvm.frontend import load_model, normalize_for_collage
 from collage_tvm.graph import DataflowGraph

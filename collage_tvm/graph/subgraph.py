@@ -42,7 +42,7 @@ def extract_function(graph: DataflowGraph, group, lift_constants: bool = False):
     bindings = []
     for i in sorted(group):
         node = graph.nodes[i]
-        value = _substitute(node.value, vmap)
+        value = substitute(node.value, vmap)
         if lift_constants:
             value = _lift_constants(value, consts, const_params)
         # Escaping values are bound to non-dataflow vars: they are the block's outputs.
@@ -58,10 +58,22 @@ def extract_function(graph: DataflowGraph, group, lift_constants: bool = False):
     return func, inputs, outputs, consts
 
 
+def one_op_function(shape, make, dtype: str = "float32") -> relax.Function:
+    """``main(x) = make(x)`` for one input of ``shape``: a probe kernel, a test case."""
+    x = relax.Var("x", relax.TensorType(shape, dtype))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit_output(make(x))
+        bb.emit_func_output(y)
+    return bb.get()["main"]
+
+
 _SUBST = None
 
 
-def _substitute(expr, vmap: dict):
+def substitute(expr, vmap: dict):
+    """``expr`` with its variables replaced by ``vmap`` (the others kept)."""
     global _SUBST
     if _SUBST is None:
         _SUBST = _make_subst()

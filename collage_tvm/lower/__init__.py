@@ -1,5 +1,14 @@
-"""Lowering of external groups and the final build."""
+"""Lowering of external groups and the build of a placement (or of one candidate)."""
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+
+from ..graph import DataflowGraph
+from ..graph.subgraph import random_inputs
 from ..partition import partition
+from ..placement import Candidate
+from ..target import target_device
 from .external import lower_external, release_with
 
 
@@ -9,4 +18,42 @@ def lower_placement(graph, groups, backends: dict, timings: dict | None = None):
     return lower_external(partition(graph, groups, backends), backends, timings)
 
 
-__all__ = ["lower_external", "lower_placement", "release_with"]
+def compile_placement(graph, groups, backends: dict, target, timings: dict | None = None,
+                      keep: bool = False):
+    """(executable, lowered module) of a placement; ``timings``: see ``lower_external``.
+
+    The external callables (and the weights they hold) are freed with the executable unless
+    ``keep`` (the build handed to the user, who may make VMs from a jitted module later)."""
+    mod = lower_placement(graph, groups, backends, timings)
+    executable = tvm.compile(mod, target)
+    if not keep:
+        release_with(executable, mod)
+    return executable, mod
+
+
+def candidate_vm(func: relax.Function, backend, target) -> relax.VirtualMachine:
+    """A VM running ``func`` as one group on ``backend``, exactly as the final build would
+    run that group (the measurer's ``build_vm``)."""
+    graph = DataflowGraph(func)
+    group = Candidate(backend.name, frozenset(range(len(graph))), "measure")
+    executable, _ = compile_placement(graph, [group], {backend.name: backend}, target)
+    return relax.VirtualMachine(executable, target_device(target))
+
+
+def placement_runner(graph, backends: dict, target, seed: int = 0):
+    """``make_run(groups, timings) -> run`` for in-context calibration: ``run()`` runs the
+    placement once on fixed random inputs; external calls log their times in ``timings``."""
+    dev = target_device(target)
+    arrays = random_inputs(graph.params, seed)
+
+    def make_run(groups, timings: dict):
+        executable, _ = compile_placement(graph, groups, backends, target, timings)
+        vm = relax.VirtualMachine(executable, dev)
+        main, args = vm["main"], [tvm.runtime.tensor(a, dev) for a in arrays]
+        return lambda vm=vm: main(*args)
+
+    return make_run
+
+
+__all__ = ["candidate_vm", "compile_placement", "lower_external", "lower_placement",
+           "placement_runner", "release_with"]

@@ -11,10 +11,12 @@ import time
 import tvm
 from tvm import relax
 
-from ..graph.subgraph import extract_function, function_key
+from ..graph import DataflowGraph
+from ..graph.subgraph import extract_function, function_key, one_op_function
+from ..patterns import generate_candidates
 from ..target import device_fingerprint
+from . import runner
 from .db import CostDB
-from .runner import measure_function, measure_side_by_side, measure_switch
 from .worker import Worker
 
 logger = logging.getLogger("collage_tvm")
@@ -25,21 +27,11 @@ SIDE_KEY = "__side_by_side__"
 
 
 def probe_function(backend) -> relax.Function:
-    """A tiny kernel whose time is the backend's per-call overhead (switching cost epsilon)."""
+    """A tiny kernel whose time is the backend's per-call overhead (switching cost epsilon):
+    the lowering's own ``probe()`` when it has one, else a 1-element ``add``."""
     low = backend.get_lowering()
-    if low is not None and hasattr(low, "probe"):
-        return low.probe()
-    return add_probe()
-
-
-def _one_op_function(shape, make) -> relax.Function:
-    x = relax.Var("x", relax.TensorType(shape, "float32"))
-    bb = relax.BlockBuilder()
-    with bb.function("main", [x]):
-        with bb.dataflow():
-            y = bb.emit_output(make(x))
-        bb.emit_func_output(y)
-    return bb.get()["main"]
+    func = low.probe() if low is not None and hasattr(low, "probe") else None
+    return func if func is not None else add_probe()
 
 
 def switch_probes(variant: int = 0) -> list:
@@ -55,18 +47,15 @@ def switch_probes(variant: int = 0) -> list:
         return relax.const(rng.standard_normal(shape).astype("float32"))
 
     return [
-        _one_op_function((1, 64, 56, 56 + v), relax.op.nn.relu),
-        _one_op_function((1, 32, 28, 28 + v),
-                         lambda x: relax.op.nn.conv2d(x, const(32, 32, 3, 3), padding=1)),
-        _one_op_function((64 + v, 256), lambda x: relax.op.matmul(x, const(256, 256))),
+        one_op_function((1, 64, 56, 56 + v), relax.op.nn.relu),
+        one_op_function((1, 32, 28, 28 + v),
+                        lambda x: relax.op.nn.conv2d(x, const(32, 32, 3, 3), padding=1)),
+        one_op_function((64 + v, 256), lambda x: relax.op.matmul(x, const(256, 256))),
     ]
 
 
 def switch_probe(backend, variant: int = 0) -> relax.Function | None:
     """The first of ``switch_probes(variant)`` that ``backend``'s patterns run as one kernel."""
-    from ..graph import DataflowGraph
-    from ..patterns.generate import generate_candidates
-
     for func in switch_probes(variant):
         graph = DataflowGraph(func)
         whole = frozenset(range(len(graph)))
@@ -77,21 +66,23 @@ def switch_probe(backend, variant: int = 0) -> relax.Function | None:
 
 def add_probe() -> relax.Function:
     """The default probe: a 1-element ``add``."""
-    x = relax.Var("x", relax.TensorType((1,), "float32"))
-    bb = relax.BlockBuilder()
-    with bb.function("main", [x]):
-        with bb.dataflow():
-            y = bb.emit_output(relax.op.add(x, x))
-        bb.emit_func_output(y)
-    return bb.get()["main"]
+    return one_op_function((1,), lambda x: relax.op.add(x, x))
+
+
+def _reason(err: BaseException) -> str:
+    return f"{type(err).__name__}: {str(err).strip()[:400]}"
 
 
 class Measurer:
     """Looks costs up in ``db`` and measures the misses (in a child process when ``isolate``)."""
 
-    def __init__(self, target, db: CostDB, isolate: bool = True, progress: bool = True,
-                 cutoff_factor: float = 4.0, second_pass: bool = True):
+    def __init__(self, target, db: CostDB, build_vm, isolate: bool = True,
+                 progress: bool = True, cutoff_factor: float = 4.0, second_pass: bool = True):
+        """``build_vm(func, backend, target) -> VirtualMachine`` builds a candidate exactly
+        as the final build runs it (``collage_tvm.lower.candidate_vm``); a top-level
+        function, so the measurement worker receives it by pickle."""
         self.target = target
+        self.build_vm = build_vm
         self.db = db
         self.isolate = isolate
         self.progress = progress
@@ -104,8 +95,7 @@ class Measurer:
         self.failures: list = []  # (backend, label, reason)
         self._can_pickle: dict = {}
         self._func_of: dict = {}  # candidate -> (DB key, standalone function), from costs()
-        self.side_by_side = 0  # sets of candidates re-timed side by side (refine)
-        self.last_refine_stakes: list = []  # ms at stake per close call, as refine took them
+        self.side_by_side = 0  # sets of candidates re-timed side by side (retime)
         self.second_pass = second_pass
 
     def close(self) -> None:
@@ -124,15 +114,21 @@ class Measurer:
                 self._can_pickle[backend.name] = False
         return self._can_pickle[backend.name]
 
-    def _measure(self, backend, func, cutoff_ms) -> tuple:
-        if self._worker is not None:
-            if self._picklable(backend):
-                mod_json = tvm.ir.save_json(tvm.IRModule({"main": func}))
-                return self._worker.measure(backend, mod_json, self.target_json, cutoff_ms)
+    def _run(self, what: str, items: list, *extra) -> tuple:
+        """``runner.<what>`` on ``[(backend, func), ...]``: in the worker when every
+        backend's lowering pickles, else here; any exception is an infinite cost with its
+        reason, never a failed search."""
+        if self._worker is not None and all(self._picklable(b) for b, _ in items):
+            entries = [(b, tvm.ir.save_json(tvm.IRModule({"main": f}))) for b, f in items]
+            return self._worker.call(what, entries, self.target_json, self.build_vm, *extra)
         try:
-            return measure_function(func, backend, self.target, cutoff_ms)
-        except Exception as err:
-            return math.inf, f"{type(err).__name__}: {str(err).strip()[:400]}", {}
+            return getattr(runner, what)([(f, b) for b, f in items], self.target,
+                                         self.build_vm, *extra)
+        except Exception as err:  # noqa: BLE001 - a failure is a cost of inf with a reason
+            return math.inf, _reason(err), {}
+
+    def _measure(self, backend, func, cutoff_ms) -> tuple:
+        return self._run("measure_function", [(backend, func)], cutoff_ms)
 
     def _lookup_or_measure(self, backend, key, func, label, cutoff_ms=None) -> float:
         return self._cached(backend.name, backend.version(), key, label,
@@ -190,15 +186,11 @@ class Measurer:
                     out[(a.name, b.name)] = cost
         return out
 
+    def _measure_side_by_side(self, items: list) -> tuple:
+        return self._run("measure_side_by_side", items)
+
     def _measure_switch(self, a, func_a, b, func_b) -> tuple:
-        if self._worker is not None and self._picklable(a) and self._picklable(b):
-            save = lambda f: tvm.ir.save_json(tvm.IRModule({"main": f}))  # noqa: E731
-            return self._worker.measure_switch(a, save(func_a), b, save(func_b),
-                                               self.target_json)
-        try:
-            return measure_switch(func_a, a, func_b, b, self.target)
-        except Exception as err:
-            return math.inf, f"{type(err).__name__}: {str(err).strip()[:400]}", {}
+        return self._run("measure_switch", [(a, func_a), (b, func_b)])
 
     def costs(self, graph, candidates, backends: dict) -> dict:
         """Measured cost (ms, inf when failed) of every candidate.
@@ -267,45 +259,22 @@ class Measurer:
         bar.close()
         return out
 
-    def refine(self, placement, candidates, raw: dict, epsilon: dict, backends: dict,
-               threshold: float = 0.75, max_sets: int = 300,
-               budget_s: float | None = None) -> tuple[dict, int]:
-        """Re-time the placement's close calls side by side; returns (``raw`` with the
-        side-by-side estimates, how many close calls there were).
+    def identity(self, cand) -> tuple | None:
+        """(backend, DB key) of a candidate ``costs`` measured, else None."""
+        found = self._func_of.get(cand)
+        return (cand.backend, found[0]) if found is not None else None
 
-        ``placer.alternatives.close_decisions`` lists the alternative covers whose measured
-        cost is within ``threshold`` of the chosen one (0.75: a burst of machine noise
-        during one measurement has made a fused oneDNN kernel look 60% slower than the same
-        kernel without its ReLU); the candidates of each (both covers)
-        run in alternating rounds in one process, so drift between two measurements no
-        longer decides. One function often sits in several sets, each timed in its own
-        machine state: ``fit_side_by_side`` estimates each function's time and each set's
-        drift together, so the ratios inside a set are what the DP sees. Each set's times are
-        kept in the cost DB (key ``__side_by_side__:<hash of its members>``) and reused by
-        the next build. Candidates that ``costs`` did not measure, or whose re-timing fails,
-        keep their first time. The close calls are taken by what is at stake (the smaller
-        cover's time, weighted by how close the two are), at most ``max_sets`` of them, and
-        once ``budget_s`` seconds have gone on re-timing only sets the DB already holds are
-        used: on a small model with many overlapping graph-library candidates the close calls
-        run to hundreds of sets of tiny kernels that can move the end-to-end time little.
-        """
-        from ..placer.alternatives import close_decisions, functions_of
+    def retime_side_by_side(self, sets: list, backends: dict,
+                            budget_s: float | None = None) -> list:
+        """Time each set of candidates (all measured by ``costs``) side by side in one
+        process, in alternating rounds, so drift between two measurements no longer decides.
+        Returns one ``{identity: ms}`` per set timed (see ``fit_side_by_side``).
 
-        dp_costs = {c: max(0.0, v - epsilon.get(c.backend, 0.0)) for c, v in raw.items()}
-        decisions = close_decisions(placement, candidates, dp_costs, epsilon, threshold)
-
-        def stake(decision) -> float:
-            wa, wb = (sum(dp_costs[c] + epsilon.get(c.backend, 0.0) for c in cover)
-                      for cover in decision)
-            low = min(wa, wb)
-            return low * max(0.0, 1.0 - (max(wa, wb) / max(low, 1e-12) - 1.0) / (threshold * 1.01))
-
-        ranked = sorted(((stake(d), m) for d, m in zip(decisions, functions_of(decisions))),
-                        key=lambda sm: -sm[0])[:max_sets]
-        ranked = [(st, m) for st, m in ranked if all(c in self._func_of for c in m)]
-        self.last_refine_stakes = [st for st, _ in ranked]
-        sets = [m for _, m in ranked]
-        timed: list = []  # per set: {(backend, key): ms}
+        Each set's times are kept in the cost DB (key ``__side_by_side__:<hash of its
+        members>``) and reused by the next build. Once ``budget_s`` seconds have gone on
+        re-timing, only sets the DB already holds are used; a set whose re-timing fails is
+        left out (its candidates keep their first times)."""
+        timed: list = []
         t_start, skipped = time.perf_counter(), 0
         bar = _progress(len(sets), self.progress, "re-timing close calls side by side")
         for members in sets:
@@ -325,10 +294,10 @@ class Measurer:
                 skipped += 1
                 continue
             else:
-                times, reason = self._measure_side_by_side(
+                times, reason, _ = self._measure_side_by_side(
                     [(backends[name], func) for name, _, func in entries])
                 self.side_by_side += 1
-                if times is None:
+                if not isinstance(times, list):
                     logger.info("side-by-side re-timing of %s failed: %s",
                                 ", ".join(c.label or c.backend for c in members), reason)
                     continue
@@ -344,28 +313,7 @@ class Measurer:
             logger.info("side-by-side re-timing: %d of %d close calls left on their first "
                         "times (the %.0f s budget went on the larger ones)", skipped, len(sets),
                         budget_s)
-        fitted = fit_side_by_side(timed)
-        out = dict(raw)
-        for c in raw:
-            ident = (c.backend, self._func_of[c][0]) if c in self._func_of else None
-            if ident in fitted:
-                out[c] = fitted[ident]
-        return out, len(decisions)
-
-    def _measure_side_by_side(self, funcs: list) -> tuple:
-        """([ms, ...], None) of ``[(backend, func), ...]`` timed side by side, or (None, reason)."""
-        try:
-            if self._worker is not None and all(self._picklable(b) for b, _ in funcs):
-                save = lambda f: tvm.ir.save_json(tvm.IRModule({"main": f}))  # noqa: E731
-                times, reason, _ = self._worker.measure_side_by_side(
-                    [(b, save(f)) for b, f in funcs], self.target_json)
-            else:
-                times, reason, _ = measure_side_by_side([(f, b) for b, f in funcs], self.target)
-        except Exception as err:  # noqa: BLE001 - a failed re-timing keeps the first times
-            return None, f"{type(err).__name__}: {str(err).strip()[:400]}"
-        if not isinstance(times, list):
-            return None, reason
-        return times, None
+        return timed
 
 
 class _LineStream:

@@ -1,7 +1,8 @@
 """Measure candidates in a child process, so a backend that crashes cannot kill the search.
 
-The parent sends (backend name, lowering spec, function JSON, target JSON, cutoff); the child
-builds and times, and answers (cost_ms, reason, extra). A dead child is an infinite cost with
+The parent sends which measurement to run (``runner.ENTRY_POINTS``), the candidates as
+(backend name, lowering spec, function JSON), the target JSON and the ``build_vm`` callback;
+the child builds and times, and answers (cost_ms, reason, extra). A dead child is an infinite cost with
 its exit status as the reason, and a fresh child takes over.
 """
 from __future__ import annotations
@@ -20,12 +21,15 @@ _TIMEOUT_S = 300.0
 
 
 def _serve() -> None:
-    """Child main loop: pickled requests on stdin, pickled replies on the saved stdout."""
+    """Child main loop: pickled requests on stdin, pickled replies on the saved stdout.
+
+    A request is ``(entry point, [(backend name, lowering, function JSON), ...], target
+    JSON, build_vm, extra args)``; the entry point is one of ``runner.ENTRY_POINTS``."""
     import json
 
     import tvm
 
-    from .runner import measure_function, measure_side_by_side, measure_switch
+    from . import runner
 
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # library chatter goes to stderr, never into the reply stream
@@ -39,31 +43,16 @@ def _serve() -> None:
         if msg is None:
             return
         try:
-            if msg[0] == "__switch__":  # ("__switch__", (name, lowering, func_json) x 2, target_json)
-                _, *pair, target_json = msg
-                target = tvm.target.Target(json.loads(target_json))
-                args = []
-                for name, lowering, func_json in pair:
-                    if name not in backends:
-                        backends[name] = Backend(name=name, lowering=lowering)
-                    args += [tvm.ir.load_json(func_json)["main"], backends[name]]
-                reply = ("ok",) + tuple(measure_switch(*args, target))
-            elif msg[0] == "__side_by_side__":  # (tag, [(name, lowering, func_json)], target_json)
-                _, entries, target_json = msg
-                target = tvm.target.Target(json.loads(target_json))
-                funcs = []
-                for name, lowering, func_json in entries:
-                    if name not in backends:
-                        backends[name] = Backend(name=name, lowering=lowering)
-                    funcs.append((tvm.ir.load_json(func_json)["main"], backends[name]))
-                reply = ("ok",) + tuple(measure_side_by_side(funcs, target))
-            else:
-                name, lowering, func_json, target_json, cutoff_ms = msg
+            what, entries, target_json, build_vm, extra = msg
+            if what not in runner.ENTRY_POINTS:
+                raise ValueError(f"unknown measurement {what!r}")
+            target = tvm.target.Target(json.loads(target_json))
+            funcs = []
+            for name, lowering, func_json in entries:
                 if name not in backends:
                     backends[name] = Backend(name=name, lowering=lowering)
-                func = tvm.ir.load_json(func_json)["main"]
-                target = tvm.target.Target(json.loads(target_json))
-                reply = ("ok",) + tuple(measure_function(func, backends[name], target, cutoff_ms))
+                funcs.append((tvm.ir.load_json(func_json)["main"], backends[name]))
+            reply = ("ok",) + tuple(getattr(runner, what)(funcs, target, build_vm, *extra))
         except BaseException as err:  # any failure is a cost of inf with a reason
             tb = traceback.format_exc(limit=3)
             reply = ("err", f"{type(err).__name__}: {str(err).strip()[:400]}", tb[-800:])
@@ -85,21 +74,11 @@ class Worker:
             env={**os.environ, "PYTHONPATH": os.pathsep.join(
                 p for p in [_package_root(), os.environ.get("PYTHONPATH", "")] if p)})
 
-    def measure(self, backend, func_json: str, target_json: str, cutoff_ms) -> tuple:
-        """(cost_ms, reason, extra); cost is inf when the build or the child failed."""
-        return self._ask((backend.name, backend.lowering, func_json, target_json, cutoff_ms))
-
-    def measure_switch(self, backend_a, json_a: str, backend_b, json_b: str,
-                       target_json: str) -> tuple:
-        """(switch_ms, reason, extra) between two backends' probe kernels (inf on failure)."""
-        return self._ask(("__switch__", (backend_a.name, backend_a.lowering, json_a),
-                          (backend_b.name, backend_b.lowering, json_b), target_json))
-
-    def measure_side_by_side(self, entries: list, target_json: str) -> tuple:
-        """([ms, ...], reason, extra) of ``[(backend, func_json), ...]`` timed in alternating
-        rounds (inf on failure)."""
-        return self._ask(("__side_by_side__", [(b.name, b.lowering, j) for b, j in entries],
-                          target_json))
+    def call(self, what: str, entries: list, target_json: str, build_vm, *extra) -> tuple:
+        """(cost, reason, extra) of ``runner.<what>`` on ``[(backend, func_json), ...]`` in
+        the child; cost is inf when the build or the child failed."""
+        return self._ask((what, [(b.name, b.lowering, j) for b, j in entries], target_json,
+                          build_vm, extra))
 
     def _ask(self, msg) -> tuple:
         if self._proc is None or self._proc.poll() is not None:

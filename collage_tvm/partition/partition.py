@@ -12,7 +12,7 @@ import tvm
 from tvm import relax
 
 from ..graph import DataflowGraph
-from ..graph.subgraph import _substitute, extract_function, function_key
+from ..graph.subgraph import substitute, extract_function, function_key
 
 CODEGEN_PREFIX = "collage_"
 
@@ -35,7 +35,7 @@ def partition(graph: DataflowGraph, groups, backends: dict) -> tvm.IRModule:
                 nodes = [graph.nodes[i] for i in sorted(group.nodes)]
                 if not backend.is_external and (len(nodes) == 1 or all(n.call is None for n in nodes)):
                     for n in nodes:  # a single TVM op stays inline; TVM compiles it as usual
-                        vmap[n.var] = bb.emit(_substitute(n.value, vmap), name_hint=n.var.name)
+                        vmap[n.var] = bb.emit(substitute(n.value, vmap), name_hint=n.var.name)
                     continue
                 sub, inputs, outputs, consts = extract_function(
                     graph, group.nodes, lift_constants=not backend.is_external)
@@ -57,6 +57,6 @@ def partition(graph: DataflowGraph, groups, backends: dict) -> tvm.IRModule:
                 else:
                     for j, i in enumerate(outputs):
                         vmap[graph.nodes[i].var] = bb.emit(relax.TupleGetItem(call, j))
-            out = bb.emit_output(_substitute(func.body.body, vmap))
+            out = bb.emit_output(substitute(func.body.body, vmap))
         bb.emit_func_output(out)
     return bb.get()

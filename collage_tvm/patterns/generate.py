@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from ..candidate import Candidate
+from ..placement import Candidate
 from ..graph import DataflowGraph
 
 logger = logging.getLogger("collage_tvm")

@@ -9,14 +9,15 @@ measured at 1.85 ms and the same conv alone at 1.60 ms, though the fused ReLU co
 off their convolutions onto TVM kernels, and the placement ran 2% slower than the greedy
 oneDNN offload. ``close_decisions`` lists, for each group of a placement, the alternative
 covers of its nodes (one candidate merging several chosen groups, or a few candidates
-splitting one) whose cost is within ``threshold`` of the chosen cover's; the measurer
-re-times each such set side by side (``Measurer.refine``) and the DP runs again.
+splitting one) whose cost is within ``threshold`` of the chosen cover's; ``refine`` has
+each such set re-timed side by side and the DP runs again.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
-from ..candidate import Placement
+from ..placement import Placement
 
 
 def close_decisions(placement: Placement, candidates: list, costs: dict, epsilon: dict,
@@ -86,3 +87,52 @@ def functions_of(decisions: list) -> list:
         out.append(list(members.values()))
     return out
 
+
+
+@dataclass
+class Refined:
+    raw: dict           # candidate -> ms, with the side-by-side estimates
+    close_calls: int    # alternative covers within the threshold
+    stakes: list        # ms at stake per close call re-timed, largest first
+
+
+def refine(measurer, placement: Placement, candidates: list, raw: dict, epsilon: dict,
+           backends: dict, threshold: float = 0.75, max_sets: int = 300,
+           budget_s: float | None = None) -> Refined:
+    """Re-time the placement's close calls side by side (``Measurer.retime_side_by_side``).
+
+    ``close_decisions`` lists the alternative covers whose measured cost is within
+    ``threshold`` of the chosen one (0.75: a burst of machine noise during one measurement
+    has made a fused oneDNN kernel look 60% slower than the same kernel without its ReLU);
+    the candidates of each (both covers) run in alternating rounds in one process. One
+    function often sits in several sets, each timed in its own machine state:
+    ``fit_side_by_side`` estimates each function's time and each set's drift together, so
+    the ratios inside a set are what the DP sees. Candidates the measurer did not measure,
+    or whose re-timing fails, keep their first time. The close calls are taken by what is
+    at stake (the smaller cover's time, weighted by how close the two are), at most
+    ``max_sets`` of them, within ``budget_s`` seconds of re-timing: on a small model with
+    many overlapping graph-library candidates the close calls run to hundreds of sets of
+    tiny kernels that can move the end-to-end time little.
+    """
+    from ..measure.measurer import fit_side_by_side
+
+    dp_costs = {c: max(0.0, v - epsilon.get(c.backend, 0.0)) for c, v in raw.items()}
+    decisions = close_decisions(placement, candidates, dp_costs, epsilon, threshold)
+
+    def stake(decision) -> float:
+        wa, wb = (sum(dp_costs[c] + epsilon.get(c.backend, 0.0) for c in cover)
+                  for cover in decision)
+        low = min(wa, wb)
+        return low * max(0.0, 1.0 - (max(wa, wb) / max(low, 1e-12) - 1.0) / (threshold * 1.01))
+
+    ranked = sorted(((stake(d), m) for d, m in zip(decisions, functions_of(decisions))),
+                    key=lambda sm: -sm[0])[:max_sets]
+    ranked = [(st, m) for st, m in ranked if all(measurer.identity(c) for c in m)]
+    timed = measurer.retime_side_by_side([m for _, m in ranked], backends, budget_s)
+    fitted = fit_side_by_side(timed)
+    out = dict(raw)
+    for c in raw:
+        ident = measurer.identity(c)
+        if ident in fitted:
+            out[c] = fitted[ident]
+    return Refined(out, len(decisions), [st for st, _ in ranked])

@@ -30,7 +30,8 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from ..candidate import Placement
+from ..measure.timing import interleaved
+from ..placement import Placement
 from .op_level import pair_cost, place
 
 logger = logging.getLogger("collage_tvm")
@@ -44,23 +45,16 @@ class Calibration:
 
 
 def calibrate(graph, candidates, costs: dict, epsilon: dict, switch: dict, placement: Placement,
-              backend_map: dict, target, rounds: int = 4, min_ms: float = 300.0,
-              on_round=None) -> Calibration:
+              make_run, rounds: int = 4, min_ms: float = 300.0, on_round=None) -> Calibration:
     """Re-run the op-level DP with in-context epsilons, at most ``rounds`` times (module doc).
 
-    ``costs``: candidate -> ms the DP uses (isolated time less epsilon). ``on_round(entry)``
-    sees each round: {"round", "estimate_ms", "measured_ms", "kernels", "extra_epsilon"}.
+    ``costs``: candidate -> ms the DP uses (isolated time less epsilon).
+    ``make_run(groups, timings) -> run``: builds a placement (a later stage's work, so it
+    comes in as a callback: ``lower.placement_runner``); ``run()`` runs the model once on
+    fixed inputs, each external call appending its wall time (s) to ``timings[group index]``.
+    ``on_round(entry)`` sees each round: {"round", "estimate_ms", "measured_ms", "kernels",
+    "extra_epsilon"}.
     """
-    import tvm
-    from tvm import relax
-
-    from ..baselines import interleaved
-    from ..graph.subgraph import random_inputs
-    from ..lower import lower_placement, release_with
-    from ..target import target_device
-
-    dev = target_device(target)
-    arrays = random_inputs(graph.params)
     samples: dict = {}  # backend -> [in-context ms beyond the DP's charge, per call]
     extra: dict = {}
     tried: dict = {}  # placement signature -> (placement, run)
@@ -71,14 +65,9 @@ def calibrate(graph, candidates, costs: dict, epsilon: dict, switch: dict, place
         if sig in tried:
             break  # the DP came back to a placement already run: no new information
         timings: dict = {}
-        lowered = lower_placement(graph, current.groups, backend_map, timings)
-        ex = tvm.compile(lowered, target)
-        release_with(ex, lowered)
-        vm = relax.VirtualMachine(ex, dev)
-        args = [tvm.runtime.tensor(a, dev) for a in arrays]
-        main = vm["main"]
-        total = _run(main, args, timings, min_ms)
-        tried[sig] = (current, lambda main=main, args=args, vm=vm: main(*args))
+        run = make_run(current.groups, timings)
+        total = _run(run, timings, min_ms)
+        tried[sig] = (current, run)
         accounted, internal = 0.0, []
         prev = None
         for k, g in enumerate(current.groups):
@@ -124,17 +113,17 @@ def _internal_backend(placement: Placement, timings: dict) -> str:
     return next(g.backend for k, g in enumerate(placement.groups) if not timings.get(k))
 
 
-def _run(main, args, timings: dict, min_ms: float) -> float:
+def _run(run, timings: dict, min_ms: float) -> float:
     """Median ms of whole runs (>= 5 runs and ``min_ms`` of running, after 2 warm-ups);
     ``timings`` ends up holding the external calls of the timed runs only."""
     for _ in range(2):
-        main(*args)
+        run()
     for log in timings.values():
         log.clear()
     samples: list = []
     t_end = time.perf_counter() + min_ms / 1e3
     while len(samples) < 5 or (time.perf_counter() < t_end and len(samples) < 200):
         t0 = time.perf_counter()
-        main(*args)
+        run()
         samples.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(samples)

@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..candidate import Candidate, Placement
+from ..placement import Candidate, Placement, merge_offloaded, order_groups, valid_nodes
 
 logger = logging.getLogger("collage_tvm")
 
@@ -50,91 +50,6 @@ class GraphLevelResult:
     stopped: str = ""                 # "budget" | "saturation" | "exhausted"
 
 
-def is_convex(graph, nodes: set) -> bool:
-    """No path leaves ``nodes`` and re-enters it (the group can run as one call)."""
-    if not nodes:
-        return True
-    last = max(nodes)
-    frontier = [u for i in nodes for u in graph.nodes[i].users if u not in nodes and u < last]
-    seen = set(frontier)
-    while frontier:
-        i = frontier.pop()
-        for u in graph.nodes[i].users:
-            if u in nodes:
-                return False
-            if u not in seen and u < last:
-                seen.add(u)
-                frontier.append(u)
-    return True
-
-
-def _no_cycle_through(graph, nodes: set, part_of: dict, parts: dict) -> bool:
-    """No path leaves ``nodes`` and re-enters it when every other part runs as one call
-    (a part needs all of its inputs before any of its outputs exist)."""
-    todo = [part_of[u] for i in nodes for u in graph.nodes[i].users if u not in nodes]
-    seen = set(todo)
-    while todo:
-        for i in parts[todo.pop()]:
-            for u in graph.nodes[i].users:
-                if u in nodes:
-                    return False
-                p = part_of[u]
-                if p not in seen:
-                    seen.add(p)
-                    todo.append(p)
-    return True
-
-
-def merge_offloaded(graph, groups: list, offloaded: set) -> list:
-    """Merge touching groups of the same graph library (indices in ``offloaded``) while the
-    merged group is convex and the groups still have an executable order.
-
-    Returns the new list of candidates (unordered); merged groups are labelled
-    ``<lib>.graph``. Convexity of each merged group alone is not enough: two groups can each
-    be convex and still need each other's outputs; the cheap per-group check runs first and
-    the whole-partition check only when its result cannot be ordered.
-    """
-    out = _merge(graph, groups, offloaded, strict=False)
-    try:
-        from ..baselines import order_groups
-        order_groups(graph, out)
-        return out
-    except ValueError:
-        return _merge(graph, groups, offloaded, strict=True)
-
-
-def _merge(graph, groups, offloaded, strict: bool) -> list:
-    parts = {k: set(g.nodes) for k, g in enumerate(groups)}
-    part_of = {i: k for k, g in enumerate(groups) for i in g.nodes}
-    lib_of = {k: groups[k].backend for k in offloaded}
-    done: set = set()
-    for k in sorted(offloaded, key=lambda k: min(groups[k].nodes)):
-        lib = lib_of[k]
-        neighbours = {part_of[j] for i in parts[k]
-                      for j in list(graph.nodes[i].inputs) + list(graph.nodes[i].users)
-                      if j in part_of and part_of[j] in done and lib_of[part_of[j]] == lib}
-        for c in sorted(neighbours, key=lambda c: -len(parts[c])):
-            union = parts[k] | parts[c]
-            if not is_convex(graph, union):
-                continue
-            if strict:
-                trial = dict(part_of)
-                for i in parts[c]:
-                    trial[i] = k
-                if not _no_cycle_through(graph, union, trial,
-                                         {**{p: n for p, n in parts.items() if p != c}, k: union}):
-                    continue
-            for i in parts.pop(c):
-                part_of[i] = k
-            parts[k] = union
-            done.discard(c)
-        done.add(k)
-    out = [g for k, g in enumerate(groups) if k not in offloaded]
-    for k in sorted(done, key=lambda k: min(parts[k])):
-        out.append(Candidate(lib_of[k], frozenset(parts[k]), f"{lib_of[k]}.graph"))
-    return out
-
-
 class GraphLevelSearch:
     """Set up once per (graph, op-level placement, graph libraries); ``run`` does the search."""
 
@@ -142,13 +57,12 @@ class GraphLevelSearch:
                  order: Callable | None = None, seed: int = 0):
         """``graph_libs``: name -> Backend (kind ``graph``), each with pattern rules.
         ``evaluate(groups) -> (ms, reason)``: build and time a placement (inf + reason if invalid).
-        ``order(graph, groups)``: an executable order of groups (default: baselines.order_groups).
+        ``order(graph, groups)``: an executable order of groups (default: ``order_groups``).
         """
-        if order is None:
-            from ..baselines import order_groups as order
+        order = order or order_groups
         self.graph, self.placement, self.evaluate, self.order = graph, placement, evaluate, order
         self.libs = sorted(graph_libs)
-        self.valid = {name: _valid_nodes(graph, graph_libs[name]) for name in self.libs}
+        self.valid = {name: valid_nodes(graph, graph_libs[name]) for name in self.libs}
         graph_names = set(self.libs)
         self.eligible = []  # (group index, [libs that can run it])
         self.on_lib = {k for k, g in enumerate(placement.groups) if g.backend in graph_names}
@@ -352,16 +266,3 @@ class GraphLevelSearch:
                     gen, entry["best_ms"], entry["evaluated"], entry["elapsed_s"])
         if on_generation is not None:
             on_generation(entry)
-
-
-def _valid_nodes(graph, backend) -> set:
-    """Nodes some pattern rule of ``backend`` accepts (graph libraries declare rules)."""
-    out = set()
-    for rule in backend.rules:
-        for node in graph.nodes:
-            try:
-                if rule.valid_op(node):
-                    out.add(node.index)
-            except Exception as err:  # a broken rule must not stop the search
-                logger.debug("%s valid_op raised on %s: %s", backend.name, node, err)
-    return out

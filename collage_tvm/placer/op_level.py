@@ -40,7 +40,7 @@ import logging
 import math
 from typing import Callable
 
-from ..candidate import Candidate, Placement
+from ..placement import Candidate, Placement
 
 log = logging.getLogger("collage_tvm")
 

@@ -1,0 +1,87 @@
+"""Build a placement, run it on random inputs, compare its outputs, time it end to end."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from ..graph.subgraph import random_inputs
+from ..lower import compile_placement
+from ..measure.timing import time_main
+from ..target import target_device
+
+
+def run_outputs(vm, args) -> list:
+    """The outputs of ``vm["main"](*args)`` as a flat list of numpy arrays."""
+    out = vm["main"](*args)
+    flat = []
+
+    def walk(o):
+        if isinstance(o, (list, tuple)) or type(o).__name__ == "Array":
+            for x in o:
+                walk(x)
+        else:
+            flat.append(o.numpy())
+
+    walk(out)
+    return flat
+
+
+def compare_outputs(outputs, reference, rtol=1e-3, atol=1e-3) -> tuple:
+    """(all outputs close to the reference, max absolute error) of two lists of arrays."""
+    outputs = [np.asarray(o) for o in outputs]
+    reference = [np.asarray(r) for r in reference]
+    errs = [float(np.max(np.abs(a - b))) if a.size else 0.0 for a, b in zip(outputs, reference)]
+    match = len(outputs) == len(reference) and all(
+        np.allclose(a, b, rtol=rtol, atol=atol) for a, b in zip(outputs, reference))
+    return bool(match), max(errs, default=0.0)
+
+
+def evaluate(executable, graph, target, reference=None, rtol=1e-3, atol=1e-3, seed=0,
+             cutoff_ms: float | None = None) -> dict:
+    """{"ms": median latency, "outputs": [...], "match": bool|None, "max_err": float,
+    "run": a zero-argument function running the model once (for interleaved timing),
+    "timed_once": the first timed run passed ``cutoff_ms`` and is the reported time}."""
+    dev = target_device(target)
+    vm = relax.VirtualMachine(executable, dev)
+    args = [tvm.runtime.tensor(a, dev) for a in random_inputs(graph.params, seed)]
+    outputs = run_outputs(vm, args)
+    ms, why, _ = time_main(vm, args, dev, cutoff_ms=cutoff_ms, target_ms=50.0, repeat=3,
+                           max_batches=3)
+    main = vm["main"]
+    result = {"ms": ms, "outputs": outputs, "match": None, "max_err": math.nan,
+              "run": lambda: main(*args), "timed_once": why is not None}
+    if reference is not None:
+        result["match"], result["max_err"] = compare_outputs(outputs, reference, rtol, atol)
+    return result
+
+
+def first_line(err: BaseException) -> str:
+    """``Type: first line of the message``: a failure's reason in one line."""
+    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+
+
+def latency_evaluator(graph, backends: dict, target):
+    """``evaluate(groups) -> (ms, reason)`` for the graph-level search: build, run, time.
+
+    The first placement evaluated (the op-level one, the search's seed) gives the reference
+    outputs; a later placement whose outputs differ, or whose build fails (a graph library
+    that cannot load its subgraph), is invalid: infinite latency and the reason.
+    """
+    reference: list = []
+
+    def evaluate_groups(groups):
+        try:
+            executable, _ = compile_placement(graph, groups, backends, target)
+            r = evaluate(executable, graph, target, reference[0] if reference else None)
+        except Exception as err:  # noqa: BLE001 - an invalid individual, not a failed search
+            return math.inf, first_line(err)
+        if not reference:
+            reference.append(r["outputs"])
+        elif not r["match"]:
+            return math.inf, f"outputs differ from the op-level placement's (max err {r['max_err']:.3g})"
+        return r["ms"], None
+
+    return evaluate_groups

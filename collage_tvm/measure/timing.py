@@ -1,0 +1,115 @@
+"""Timing loops: one function until stable, two runtimes alternating, several side by side.
+
+Every stage that times something uses these (the measurer, in-context calibration, the
+final check, the bench), so the machine's drift and the runtimes' thread pools are
+handled one way everywhere.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+
+def time_main(vm, args, dev, cutoff_ms: float | None = None, target_ms: float = 20.0,
+              repeat: int = 5, max_batches: int = 4) -> tuple[float, str | None, dict]:
+    """Median ms of ``vm["main"](*args)``: warm-up, then batches until two medians agree (3%).
+
+    A first run slower than ``cutoff_ms`` is hopeless: its time is returned at once.
+    """
+    fn = vm["main"]
+    t0 = time.perf_counter()
+    fn(*args)
+    first_ms = (time.perf_counter() - t0) * 1e3
+    if cutoff_ms is not None and first_ms > cutoff_ms:
+        return first_ms, f"cut short: first run {first_ms:.3f} ms > cutoff {cutoff_ms:.3f} ms", {
+            "repeats": 1}
+    fn(*args)  # second warm-up: caches, lazy init in libraries
+    number = max(1, int(target_ms / max(first_ms, 1e-3)))
+    evaluator = vm.time_evaluator("main", dev, number=number, repeat=repeat)
+    samples: list = []
+    medians: list = []
+    for _ in range(max_batches):
+        res = evaluator(*args)
+        samples += [r * 1e3 for r in res.results]
+        medians.append(statistics.median(samples))
+        if len(medians) >= 2 and abs(medians[-1] - medians[-2]) <= 0.03 * medians[-2]:
+            break
+    return statistics.median(samples), None, {"repeats": len(samples) * number}
+
+
+def time_switch(fn_a, args_a, fn_b, args_b, rounds: int = 9, target_ms: float = 8.0) -> tuple:
+    """(switch_ms, extra): what one change of runtime costs between two kernels.
+
+    Each round times ``a`` alone, ``b`` alone and ``a, b`` alternating (the same number of
+    calls each, interleaved so drift hits all three); the switch cost is half the median
+    excess of an alternating pair over one ``a`` plus one ``b`` (a pair holds two switches).
+    """
+    def loop(seq, n):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            for fn, args in seq:
+                fn(*args)
+        return (time.perf_counter() - t0) * 1e3 / n
+
+    a, b = (fn_a, args_a), (fn_b, args_b)
+    for _ in range(3):  # warm-up: lazy init, caches, thread pools
+        loop([a, b], 5)
+    pair_ms = loop([a, b], 10)
+    n = max(5, int(target_ms / max(pair_ms, 1e-3)))
+    excess, ta, tb, tab = [], [], [], []
+    for _ in range(rounds):
+        ta.append(loop([a], n))
+        tb.append(loop([b], n))
+        tab.append(loop([a, b], n))
+        excess.append(tab[-1] - ta[-1] - tb[-1])
+    med = statistics.median
+    return max(0.0, med(excess) / 2), {"a_ms": med(ta), "b_ms": med(tb), "pair_ms": med(tab),
+                                       "repeats": rounds * n}
+
+
+def time_side_by_side(runs: list, rounds: int = 9, target_ms: float = 10.0) -> list:
+    """Median ms per call of each ``(fn, args)``, timed in alternating rounds (the same
+    drift hits each), after two warm-up calls each."""
+    def loop(fn, args, n):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn(*args)
+        return (time.perf_counter() - t0) * 1e3 / n
+
+    for fn, args in runs:
+        fn(*args)
+        fn(*args)
+    number = [max(1, int(target_ms / max(loop(fn, args, 1), 1e-3))) for fn, args in runs]
+    samples: list = [[] for _ in runs]
+    for _ in range(rounds):
+        for k, (fn, args) in enumerate(runs):
+            samples[k].append(loop(fn, args, number[k]))
+    return [statistics.median(s) for s in samples]
+
+
+def interleaved(fns: dict, rounds: int = 7, min_ms: float = 200.0) -> dict:
+    """Median ms per call of each function, timed in alternating rounds (noise hits all alike).
+
+    Each batch starts with one untimed call: whatever the function before it left behind (a
+    library's thread pool still spinning, the cache full of other weights) would otherwise
+    slow down whichever function always comes next. Each round starts one function further
+    along, so that slow drift of the machine does not favour the first or the last."""
+    for fn in fns.values():  # warm-up
+        fn()
+        fn()
+    number = {}
+    for name, fn in fns.items():
+        t0 = time.perf_counter()
+        fn()
+        number[name] = max(1, int(min_ms / max((time.perf_counter() - t0) * 1e3, 1e-3)))
+    samples: dict = {n: [] for n in fns}
+    names = list(fns)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            fn = fns[name]
+            fn()  # lead-in, untimed
+            t0 = time.perf_counter()
+            for _ in range(number[name]):
+                fn()
+            samples[name].append((time.perf_counter() - t0) * 1e3 / number[name])
+    return {n: statistics.median(s) for n, s in samples.items()}

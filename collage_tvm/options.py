@@ -1,0 +1,92 @@
+"""What a search takes, in one object: ``build``, ``optimize``, ``pipeline``, the CLI and the
+bench all pass a ``SearchOptions``.
+
+Each field declares whether it changes which placement the search finds, and so belongs to
+the placement-log key (``key_variant``), or why not. A field without that declaration is
+an error the first time a key is made (and a test), so a new option cannot be forgotten
+in the key.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+def _flag(token: str, default: bool):
+    """A switch that changes the search; in the key as ``token`` when on."""
+    return field(default=default, metadata={"key": lambda v: token if v else ""})
+
+
+def _rounds(token: str, default: int):
+    """A number of rounds that changes the search; in the key as ``token<n>`` when not 0."""
+    return field(default=default, metadata={"key": lambda v: f"{token}{v}" if v else ""})
+
+
+def _not_key(default, why: str):
+    """A field that does not change which placement is found (``why`` says why)."""
+    return field(default=default, metadata={"key": None, "why": why})
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    """How Collage searches a placement (DESIGN.md's data flow, one build)."""
+
+    # Backends to place on; ``tvm`` is always added. Unavailable ones are skipped with a reason.
+    backends: tuple = _not_key(("tvm", "dnnl"), "in the key as each resolved backend's name "
+                               "and library version (build.placement_key)")
+    # The op-level DP charges the measured cost of changing runtime between consecutive
+    # kernels (``Measurer.switch_costs``); False: the paper's additive model.
+    switching: bool = _flag("|switching", True)
+    # After the op-level DP, the evolutionary graph-level placer over the graph libraries.
+    graph_level: bool = _flag("|graph-level", False)
+    # Rounds of side-by-side re-timing of the op-level placement's close calls, each
+    # followed by a DP re-run (``placer.alternatives.refine``); 0 turns it off.
+    refine_rounds: int = _rounds("|refined", 2)
+    # Rounds of in-context calibration of the op-level placement (``placer.calibrate``).
+    calibrate_rounds: int = _rounds("|calibrated", 4)
+    # Seconds the graph-level search may take.
+    budget: float = _not_key(300.0, "a bound on the search's time; the placement found "
+                             "within it stands for later builds")
+    # Time the placement end to end beside every single-backend build; ship the fastest.
+    compare: bool = _not_key(False, "judges a placement after the search; the logged "
+                             "record keeps the verdict")
+    # Measure in a child process (a crashing backend costs inf, not the search).
+    isolate: bool = _not_key(True, "where measuring runs, not what it finds")
+    progress: bool = _not_key(True, "display only")
+    on_generation: Callable | None = _not_key(None, "a callback: sees the graph-level search")
+    on_calibration: Callable | None = _not_key(None, "a callback: sees each calibration round")
+
+    def __post_init__(self):
+        backends = self.backends
+        if isinstance(backends, str):
+            backends = [b for b in backends.split(",") if b]
+        object.__setattr__(self, "backends", tuple(backends))
+        for name in ("refine_rounds", "calibrate_rounds"):
+            if int(getattr(self, name)) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.budget <= 0:
+            raise ValueError(f"budget must be > 0 seconds, got {self.budget}")
+
+    @classmethod
+    def of(cls, options: "SearchOptions | None" = None, **changes) -> "SearchOptions":
+        """``options`` (default: the defaults) with ``changes``; an unknown name is a
+        TypeError that lists the known ones. ``None`` values leave a field as it is."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            raise TypeError(f"unknown search option(s) {', '.join(unknown)}; "
+                            f"known: {', '.join(sorted(known))}")
+        base = options if options is not None else cls()
+        return dataclasses.replace(base, **{k: v for k, v in changes.items() if v is not None})
+
+    def key_variant(self) -> str:
+        """The part of the placement-log key these options contribute."""
+        parts = []
+        for f in dataclasses.fields(self):
+            if "key" not in f.metadata:
+                raise TypeError(f"SearchOptions.{f.name} does not say whether it belongs to "
+                                "the placement-log key (use _flag, _rounds or _not_key)")
+            if f.metadata["key"] is not None:
+                parts.append(f.metadata["key"](getattr(self, f.name)))
+        return "".join(parts)
