@@ -1,8 +1,10 @@
 """File helpers shared by the cost DB and the placement log: a cross-process lock on a side
-file, and the name a damaged file is moved aside to."""
+file, the name a damaged file is moved aside to, and an atomic JSON write."""
 from __future__ import annotations
 
+import json
 import os
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -41,3 +43,24 @@ def file_lock(lock_path: Path) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
             os.close(fd)
+
+
+def write_json_atomic(path: Path, doc) -> None:
+    """Write ``doc`` as JSON to ``path`` so that readers see the old file or the new one,
+    never half of it: a temp file in the same folder, synced, then ``os.replace``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=1, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise

@@ -14,12 +14,11 @@ import copy
 import json
 import logging
 import os
-import tempfile
 import threading
 import time
 from pathlib import Path
 
-from ._files import aside_name, file_lock
+from ._files import aside_name, file_lock, write_json_atomic
 
 logger = logging.getLogger("collage_tvm")
 
@@ -116,21 +115,7 @@ class PlacementLog:
 
     def _write_locked(self, placements: dict[str, dict]) -> None:
         doc = {"version": LOG_VERSION, "placements": placements}
-        text = json.dumps(doc, indent=1, sort_keys=True) + "\n"
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, self.path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
+        write_json_atomic(self.path, doc)
         self._placements, self._sig = placements, self._signature()
 
     # ------------------------------------------------------------------ API

@@ -5,16 +5,12 @@ import math
 import multiprocessing
 import os
 import sqlite3
-import sys
 from pathlib import Path
 
-_ROOT = str(Path(__file__).resolve().parents[1])
-if _ROOT not in sys.path:  # run without installing the package
-    sys.path.insert(0, _ROOT)
 
-import pytest  # noqa: E402
+import pytest
 
-from collage_tvm.measure.db import CostDB, CostRecord  # noqa: E402
+from collage_tvm.measure.db import CostDB, CostRecord
 
 
 def test_roundtrip_put_get(tmp_path):

@@ -1,30 +1,26 @@
 """The dnnl backend: pattern file (patterns/dnnl.py) and oneDNN lowering (backends/dnnl.py)."""
 import gc
 import os
-import sys
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:  # run without installing the package
-    sys.path.insert(0, _ROOT)
 
 torch = pytest.importorskip("torch")
-import tvm  # noqa: E402
-from tvm import relax  # noqa: E402
+import tvm
+from tvm import relax
 
 try:
     from collage_tvm.backends.dnnl import DnnlLowering
 except ImportError:
     from backends.dnnl import DnnlLowering
 
-from collage_tvm.registry import get_backend, load_pattern_file  # noqa: E402
+from collage_tvm.registry import get_backend, load_pattern_file
 
 F = torch.nn.functional
 RNG = np.random.default_rng(0)
-PATTERN_FILE = os.path.join(_ROOT, "patterns", "dnnl.py")
+PATTERN_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "patterns", "dnnl.py")
 
 
 def _rand(*shape):

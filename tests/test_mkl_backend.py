@@ -1,32 +1,28 @@
 """The mkl backend: pattern file (patterns/mkl.py) and MKL GEMM lowering (backends/mkl.py)."""
 import os
-import sys
 
 import numpy as np
 import pytest
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:  # run without installing the package
-    sys.path.insert(0, _ROOT)
 
-import tvm  # noqa: E402
-from tvm import relax  # noqa: E402
+import tvm
+from tvm import relax
 
 try:
     from collage_tvm.backends.mkl import MklLowering
 except ImportError:
     from backends.mkl import MklLowering
 
-from collage_tvm.graph import DataflowGraph  # noqa: E402
-from collage_tvm.graph.subgraph import extract_function  # noqa: E402
-from collage_tvm.patterns import generate_candidates  # noqa: E402
-from collage_tvm.registry import get_backend, load_pattern_file  # noqa: E402
+from collage_tvm.graph import DataflowGraph
+from collage_tvm.graph.subgraph import extract_function
+from collage_tvm.patterns import generate_candidates
+from collage_tvm.registry import get_backend, load_pattern_file
 
 if not MklLowering().available()[0]:
     pytest.skip(f"MKL unavailable: {MklLowering().available()[1]}", allow_module_level=True)
 
 RNG = np.random.default_rng(0)
-PATTERN_FILE = os.path.join(_ROOT, "patterns", "mkl.py")
+PATTERN_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "patterns", "mkl.py")
 op = relax.op
 
 

@@ -4,15 +4,12 @@ from __future__ import annotations
 import logging
 import math
 import random
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # repo root, no install needed
 
-from collage_tvm.placement import Candidate  # noqa: E402
-from collage_tvm.placer.op_level import place  # noqa: E402
+from collage_tvm.placement import Candidate
+from collage_tvm.placer.op_level import place
 
 INF = math.inf
 

@@ -2,14 +2,9 @@
 import json
 import logging
 import multiprocessing
-import sys
-from pathlib import Path
 
-_ROOT = str(Path(__file__).resolve().parents[1])
-if _ROOT not in sys.path:  # run without installing the package
-    sys.path.insert(0, _ROOT)
 
-from collage_tvm.placement_log import PlacementLog  # noqa: E402
+from collage_tvm.placement_log import PlacementLog
 
 
 def test_roundtrip(tmp_path):

@@ -25,7 +25,6 @@ import logging
 import math
 import os
 import sqlite3
-import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -33,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from .._files import aside_name, file_lock
+from .._files import aside_name, file_lock, write_json_atomic
 
 logger = logging.getLogger("collage_tvm")
 
@@ -372,23 +371,7 @@ class CostDB:
         for r in records:
             r["cost_ms"] = _cost_to_json(r["cost_ms"])
         doc = {"format": EXPORT_FORMAT, "version": EXPORT_VERSION, "records": records}
-        target = Path(os.fspath(path)).expanduser()
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(doc, f, indent=1, sort_keys=True)
-                f.write("\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, target)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
+        write_json_atomic(Path(os.fspath(path)).expanduser(), doc)
         return len(records)
 
     def import_json(self, path) -> int:

@@ -3,14 +3,14 @@ within the measurement noise.
 
 The DP picks the cheapest cover under measured costs, and with hundreds of candidates each
 timed once on a noisy machine it picks, among near-equal alternatives, the one measured
-luckiest (the winner's curse). On ResNet-50 (2 vCPUs) one oneDNN conv+bias+relu was
-measured at 1.85 ms and the same conv alone at 1.60 ms, though the fused ReLU costs nothing
-(re-timed side by side: 2.62 vs 2.60 ms); so the DP split eleven ReLUs and residual adds
-off their convolutions onto TVM kernels, and the placement ran 2% slower than the greedy
-oneDNN offload. ``close_decisions`` lists, for each group of a placement, the alternative
-covers of its nodes (one candidate merging several chosen groups, or a few candidates
-splitting one) whose cost is within ``threshold`` of the chosen cover's; ``refine`` has
-each such set re-timed side by side and the DP runs again.
+luckiest (the winner's curse): a fused conv+bias+relu timed during a burst of machine noise
+looks dearer than the same conv alone, though the fused ReLU costs nothing, and the DP
+splits ReLUs and residual adds off their convolutions onto extra kernels
+(docs/BENCHMARKS.md, "A measurement-noise finding"). ``close_decisions`` lists, for each
+group of a placement, the alternative covers of its nodes (one candidate merging several
+chosen groups, or a few candidates splitting one) whose cost is within ``threshold`` of
+the chosen cover's; ``refine`` has each such set re-timed side by side and the DP runs
+again.
 """
 from __future__ import annotations
 
@@ -102,8 +102,8 @@ def refine(measurer, placement: Placement, candidates: list, raw: dict, epsilon:
     """Re-time the placement's close calls side by side (``Measurer.retime_side_by_side``).
 
     ``close_decisions`` lists the alternative covers whose measured cost is within
-    ``threshold`` of the chosen one (0.75: a burst of machine noise during one measurement
-    has made a fused oneDNN kernel look 60% slower than the same kernel without its ReLU);
+    ``threshold`` of the chosen one (wide: one burst of machine noise has made a fused
+    kernel look far dearer than the same kernel without its epilogue, see the module doc);
     the candidates of each (both covers) run in alternating rounds in one process. One
     function often sits in several sets, each timed in its own machine state:
     ``fit_side_by_side`` estimates each function's time and each set's drift together, so

@@ -3,11 +3,10 @@
 The op-level DP adds costs measured one kernel at a time, each repeated in isolation with
 its weights and its runtime's threads warm. In a whole run a kernel follows kernels of
 other runtimes (and other sessions of its own library), and some pay far more than their
-isolated time: on ResNet-50 (2 cores) the final GEMM on MKL took 0.18 ms alone and 20 ms
-right after 78 onnxruntime calls whose shared thread pool was still spinning; 56
-onnxruntime sessions with a thread pool each took 87 ms in context against 45 ms alone.
-Pairwise switching costs (``Measurer.switch_costs``) catch part of this; the rest depends
-on what ran before, which a probe cannot know.
+isolated time: a GEMM right after a graph library whose thread pool is still spinning, a
+library session per group each with its own pool (docs/BENCHMARKS.md, "Op-level placement
+in context", has the measurements). Pairwise switching costs (``Measurer.switch_costs``)
+catch part of this; the rest depends on what ran before, which a probe cannot know.
 
 So: build the placement, run it, and time every external call in place. What a backend's
 calls cost beyond their isolated time (less the switching cost the DP already charges) is
@@ -17,10 +16,10 @@ TVM gets the part of the whole run no external call accounts for, spread over it
 kernels). Run the DP again on the calibrated epsilons, and repeat until the placement
 stops changing or ``rounds`` runs out. A per-backend term, not a per-group cost: a group
 measured in place says little about the next group of that library, and re-costing only
-the measured groups left the DP chasing the optimistic isolated costs of the others
-(ResNet-50: 72 -> 90 -> 113 ms over three rounds). Each round's placement is timed end to
-end; the fastest, re-timed side by side, is kept, so the result is never slower, as
-measured, than the plain op-level placement.
+the measured groups left the DP chasing the optimistic isolated costs of the others (the
+end-to-end time grew round after round). Each round's placement is timed end to end; the
+fastest, re-timed side by side, is kept, so the result is never slower, as measured, than
+the plain op-level placement.
 """
 from __future__ import annotations
 
