@@ -1,0 +1,56 @@
+"""SearchOptions: one object for what a search takes, and the placement-log key it gives."""
+import dataclasses
+
+import pytest
+
+from collage_tvm.options import SearchOptions
+
+
+def test_every_option_declares_whether_it_is_part_of_the_placement_log_key():
+    for f in dataclasses.fields(SearchOptions):
+        assert "key" in f.metadata, f"SearchOptions.{f.name} says nothing about the key"
+        if f.metadata["key"] is None:
+            assert f.metadata.get("why"), f"SearchOptions.{f.name} is left out without a reason"
+
+
+def test_an_option_added_without_a_key_declaration_cannot_make_a_key():
+    @dataclasses.dataclass(frozen=True)
+    class WithNewOption(SearchOptions):
+        precision: str = "float32"
+
+    with pytest.raises(TypeError, match="precision"):
+        WithNewOption().key_variant()
+
+
+def test_key_changes_with_search_options_and_not_with_display_ones():
+    base = SearchOptions()
+    # The same variant text the placement log was keyed with before SearchOptions existed,
+    # so logs written by earlier builds still hit.
+    assert base.key_variant() == "|switching|refined2|calibrated4"
+    assert SearchOptions(graph_level=True).key_variant() == "|switching|graph-level|refined2|calibrated4"
+    assert SearchOptions(switching=False, refine_rounds=0, calibrate_rounds=0).key_variant() == ""
+    for same in (dict(progress=False), dict(isolate=False), dict(budget=10.0),
+                 dict(on_generation=print)):
+        assert SearchOptions(**same).key_variant() == base.key_variant(), same
+    for other in (dict(switching=False), dict(refine_rounds=1), dict(calibrate_rounds=0),
+                  dict(graph_level=True)):
+        assert SearchOptions(**other).key_variant() != base.key_variant(), other
+
+
+def test_options_from_keywords_name_an_unknown_one_and_check_values():
+    opts = SearchOptions.of(None, backends="tvm,dnnl,mkl", graph_level=True, budget=None)
+    assert opts.backends == ("tvm", "dnnl", "mkl") and opts.graph_level and opts.budget == 300.0
+    assert SearchOptions.of(opts, compare=True).graph_level  # changes keep the rest
+    with pytest.raises(TypeError, match="graph_levle.*known: .*graph_level"):
+        SearchOptions.of(None, graph_levle=True)
+    with pytest.raises(ValueError, match="refine_rounds"):
+        SearchOptions(refine_rounds=-1)
+    with pytest.raises(ValueError, match="budget"):
+        SearchOptions(budget=0)
+
+
+def test_optimize_rejects_an_unknown_option_before_doing_any_work(tmp_path):
+    import collage_tvm
+
+    with pytest.raises(TypeError, match="unknown search option"):
+        collage_tvm.optimize(str(tmp_path / "missing.onnx"), "llvm", ["tvm"], graph_levle=True)
