@@ -1,5 +1,17 @@
-"""Helpers the op-library lowerings (dnnl, mkl) share."""
+"""Helpers the built-in lowerings share: shape checks, a subgraph's op calls, probes."""
 from __future__ import annotations
+
+
+def gemm_probe():
+    """A 1x1 GEMM (``x @ ones((1, 1))``): the switching-cost probe of a GEMM library (dnnl,
+    mkl), whose smallest kernel is an inner product, not the measurer's default ``add``."""
+    import numpy as np
+    from tvm import relax
+
+    from collage_tvm.graph.subgraph import one_op_function
+
+    w = relax.const(np.ones((1, 1), "float32"))
+    return one_op_function((1, 1), lambda x: relax.op.matmul(x, w))
 
 
 def static_float32_shape(expr, what: str, unsupported) -> tuple:

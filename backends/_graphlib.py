@@ -14,6 +14,7 @@ import functools
 
 import numpy as np
 
+from collage_tvm.lowering import Lowering
 from collage_tvm.target import host_cores
 
 
@@ -58,7 +59,7 @@ def threads() -> int:
     return host_cores()
 
 
-class GraphLibraryLowering:
+class GraphLibraryLowering(Lowering):
     """Base class: export to ONNX, compile with the library, return a zero-copy callable."""
 
     name = "graph"
@@ -70,12 +71,6 @@ class GraphLibraryLowering:
             return export_function(func, name=f"collage_{self.name}")
         except ExportError as err:
             raise NotImplementedError(f"{self.name}: {err}") from err
-
-    def probe(self):
-        """The switching-cost probe: one 1-element add, the library's smallest call."""
-        from collage_tvm.measure.measurer import add_probe
-
-        return add_probe()
 
     def lower(self, func):
         model = self.export(func)

@@ -32,7 +32,8 @@ from typing import Callable
 
 import numpy as np
 
-from collage_tvm.backends._common import op_calls, static_float32_shape
+from collage_tvm.backends._common import gemm_probe, op_calls, static_float32_shape
+from collage_tvm.lowering import Lowering
 
 _ANCHORS = ("relax.nn.conv2d", "relax.nn.conv3d", "relax.matmul")
 _UNARY = {"relax.nn.relu": ("relu", ""), "relax.nn.gelu": ("gelu", "none"),
@@ -66,7 +67,7 @@ class _Plan:
     unary: tuple | None = None       # (attr, algorithm) for torch's pointwise ops
 
 
-class DnnlLowering:
+class DnnlLowering(Lowering):
     """Lowers one candidate subgraph (a standalone Relax function) to a oneDNN callable."""
 
     name = "dnnl"
@@ -112,15 +113,7 @@ class DnnlLowering:
         The engine's default probe, a 1-element ``add``, is not a dnnl op; a 1x1 inner
         product measures the same thing: one call's overhead through torch and DLPack.
         """
-        from tvm import relax
-
-        x = relax.Var("x", relax.TensorType((1, 1), "float32"))
-        bb = relax.BlockBuilder()
-        with bb.function("main", [x]):
-            with bb.dataflow():
-                y = bb.emit_output(relax.op.matmul(x, relax.const(np.ones((1, 1), "float32"))))
-            bb.emit_func_output(y)
-        return bb.get()["main"]
+        return gemm_probe()
 
 
 @functools.lru_cache(maxsize=1)

@@ -37,7 +37,8 @@ from typing import Callable
 
 import numpy as np
 
-from collage_tvm.backends._common import op_calls, static_float32_shape
+from collage_tvm.backends._common import gemm_probe, op_calls, static_float32_shape
+from collage_tvm.lowering import Lowering
 
 
 # mkl_service.h / mkl_cblas.h
@@ -168,7 +169,7 @@ def _load(path: str) -> _Mkl:
         return _LIBS[path]
 
 
-class MklLowering:
+class MklLowering(Lowering):
     """Lowers one candidate subgraph (a standalone Relax function) to an MKL GEMM callable.
 
     ``lib_path``: the ``libmkl_rt`` to use (default: :func:`find_libmkl_rt`).
@@ -214,15 +215,7 @@ class MklLowering:
 
     def probe(self):
         """The switching-cost probe: a 1x1 GEMM (the engine's default, an add, is not MKL's)."""
-        from tvm import relax
-
-        x = relax.Var("x", relax.TensorType((1, 1), "float32"))
-        bb = relax.BlockBuilder()
-        with bb.function("main", [x]):
-            with bb.dataflow():
-                y = bb.emit_output(relax.op.matmul(x, relax.const(np.ones((1, 1), "float32"))))
-            bb.emit_func_output(y)
-        return bb.get()["main"]
+        return gemm_probe()
 
 
 # ----------------------------------------------------------------------------- analysis

@@ -13,10 +13,13 @@ from .build import CollageResult, build, optimize  # noqa: E402
 from .options import SearchOptions  # noqa: E402
 from .pipeline import pipeline  # noqa: E402
 from .placement import Candidate, Placement  # noqa: E402
-from .registry import (add_backend_pattern, add_backend_pattern_rule, get_backend,  # noqa: E402
-                       list_backends, load_pattern_file, register_backend)
+from .lowering import Lowering  # noqa: E402
+from .registry import (add_backend_pattern, add_backend_pattern_rule,  # noqa: E402
+                       add_backend_patterns_from_tvm, get_backend, list_backends,
+                       load_pattern_file, register_backend)
 
 __version__ = "0.1.0"
 __all__ = ["build", "optimize", "pipeline", "SearchOptions", "CollageResult", "Candidate",
-           "Placement", "register_backend", "add_backend_pattern", "add_backend_pattern_rule",
-           "load_pattern_file", "get_backend", "list_backends"]
+           "Placement", "Lowering", "register_backend", "add_backend_pattern",
+           "add_backend_pattern_rule", "add_backend_patterns_from_tvm", "load_pattern_file",
+           "get_backend", "list_backends"]

@@ -15,6 +15,8 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable
 
+from .lowering import Lowering, missing_methods  # noqa: F401 (Lowering: re-exported)
+
 logger = logging.getLogger("collage_tvm")
 
 KINDS = ("op", "graph")
@@ -54,23 +56,37 @@ class Backend:
     name: str
     kind: str = "op"
     device: str = "cpu"
-    lowering: object = None  # instance, class or "module:Class"; None = TVM's own codegen
+    lowering: object = None  # Lowering instance, class or "module:Class"; None = TVM's own codegen
     patterns: list = field(default_factory=list)
     rules: list = field(default_factory=list)
     source: str | None = None  # the pattern file that registered it
     _lowering_obj: object = field(default=None, repr=False)
 
     def get_lowering(self):
-        """The lowering object (resolved lazily so a missing library fails late, with a reason)."""
+        """The lowering object (resolved lazily so a missing library fails late, with a reason).
+
+        Raises ``TypeError`` naming the backend when the lowering does not implement the
+        interface of :class:`collage_tvm.lowering.Lowering`.
+        """
         if self._lowering_obj is None and self.lowering is not None:
             low = self.lowering
             if isinstance(low, str):
                 mod_name, _, cls_name = low.partition(":")
                 low = getattr(importlib.import_module(mod_name), cls_name)
             if isinstance(low, type):
+                self._check_lowering(low)
                 low = low()
+            self._check_lowering(low)
             self._lowering_obj = low
         return self._lowering_obj
+
+    def _check_lowering(self, low) -> None:
+        missing = missing_methods(low)
+        if missing:
+            what = low.__name__ if isinstance(low, type) else type(low).__name__
+            raise TypeError(f"backend {self.name!r}: lowering {what} does not implement the "
+                            f"lowering interface (collage_tvm.lowering.Lowering): missing "
+                            f"{', '.join(missing)}")
 
     def available(self) -> tuple[bool, str]:
         """(True, "") or (False, reason); never raises."""
@@ -98,7 +114,13 @@ _BACKENDS: dict[str, Backend] = {}
 
 def register_backend(name: str, kind: str = "op", device: str = "cpu", lowering=None,
                      replace: bool = True) -> Backend:
-    """Declare a backend. Re-registering replaces its patterns (a pattern file may be reloaded)."""
+    """Declare a backend. Re-registering replaces its patterns (a pattern file may be reloaded).
+
+    ``lowering``: a :class:`collage_tvm.lowering.Lowering` (instance or class), a
+    ``"module:Class"`` string (imported when first used), or None for TVM's own codegen.
+    The built-in backends are registered first, so registering a built-in's name replaces it.
+    """
+    ensure_builtin_backends()
     if not name or not name.replace("_", "").isalnum():
         raise ValueError(f"backend name {name!r} must be a non-empty identifier")
     if kind not in KINDS:
@@ -124,6 +146,7 @@ def add_backend_pattern(backend: str, pattern, check: Callable | None = None,
     """Add an explicit ``tvm.relax.dpl`` pattern; the match's root is the group's output."""
     from tvm.relax.dpl import DFPattern
 
+    ensure_builtin_backends()
     b = _backend(backend)
     if not isinstance(pattern, DFPattern):
         raise TypeError(f"backend {backend!r}: pattern must be a tvm.relax.dpl pattern, "
@@ -137,11 +160,50 @@ def add_backend_pattern(backend: str, pattern, check: Callable | None = None,
 def add_backend_pattern_rule(backend: str, valid_op: Callable, fusion_rule: Callable | None = None,
                              max_size: int = 8) -> PatternRule:
     """Add a pattern rule the generator expands over the graph (paper Fig. 4)."""
+    ensure_builtin_backends()
     if not callable(valid_op):
         raise TypeError(f"backend {backend!r}: valid_op must be callable")
     rule = PatternRule(valid_op, fusion_rule, max_size)
     _backend(backend).rules.append(rule)
     return rule
+
+
+# Prefixes of the pattern tables TVM ships -> the module that registers them on import.
+TVM_PATTERN_MODULES = {
+    "cublas": "tvm.relax.backend.cuda.cublas",
+    "cudnn": "tvm.relax.backend.cuda.cudnn",
+    "cutlass": "tvm.relax.backend.cuda.cutlass",
+    "tensorrt": "tvm.relax.backend.contrib.tensorrt",
+    "nnapi": "tvm.relax.backend.contrib.nnapi",
+    "hipblas": "tvm.relax.backend.rocm.hipblas",
+    "openclml": "tvm.relax.backend.adreno.clml",
+}
+
+
+def add_backend_patterns_from_tvm(backend: str, prefix: str, module=None) -> list[PatternEntry]:
+    """Add TVM's own pattern table of a codegen (``FusionPattern`` s named ``<prefix>...``)
+    as ``backend``'s explicit patterns, checks and annotations included, in TVM's priority
+    order (highest first).
+
+    ``module`` (a module or its dotted name) is imported first, as it registers the table;
+    by default the module of a known prefix (:data:`TVM_PATTERN_MODULES`: cublas, cudnn,
+    cutlass, tensorrt, ...). Raises ``ValueError`` when TVM has no pattern with ``prefix``.
+    """
+    ensure_builtin_backends()
+    _backend(backend)
+    if module is None:
+        module = TVM_PATTERN_MODULES.get(prefix.split(".", 1)[0])
+    if isinstance(module, str):
+        importlib.import_module(module)
+    from tvm.relax.backend.pattern_registry import get_patterns_with_prefix
+
+    table = list(get_patterns_with_prefix(prefix))
+    if not table:
+        raise ValueError(f"backend {backend!r}: TVM has no pattern named {prefix!r}... "
+                         f"(imported: {getattr(module, '__name__', module)})")
+    return [add_backend_pattern(backend, fp.pattern, check=fp.check, name=str(fp.name),
+                                annotations={str(k): v for k, v in fp.annotation_patterns.items()})
+            for fp in table]
 
 
 def get_backend(name: str) -> Backend:
@@ -162,6 +224,7 @@ def load_pattern_file(path: str | os.PathLike) -> list[str]:
 
     Errors name the file and line, e.g. ``patterns/foo.py:12: NameError: ...``.
     """
+    ensure_builtin_backends()
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise PatternFileError(f"{path}: pattern file not found")
@@ -204,12 +267,19 @@ _BUILTINS_LOADED = False
 
 
 def ensure_builtin_backends() -> None:
-    """Load every ``patterns/*.py`` once, through the same loader users call."""
+    """Load every ``patterns/*.py`` once, through the same loader users call.
+
+    Every public registry function calls it first, so the built-in backends exist before
+    a user's pattern file extends (or replaces) one of them."""
     global _BUILTINS_LOADED
-    if _BUILTINS_LOADED:
+    if _BUILTINS_LOADED:  # also while loading: the pattern files call the registry back
         return
     _BUILTINS_LOADED = True
-    pdir = builtin_pattern_dir()
+    try:
+        pdir = builtin_pattern_dir()
+    except FileNotFoundError as err:
+        logger.warning("no built-in backends: %s", err)
+        return
     for fname in sorted(os.listdir(pdir)):
         if fname.endswith(".py") and not fname.startswith("_"):
             try:

@@ -7,8 +7,12 @@ chain while the backend's fusion rule accepts it, emitting every legal group.
 """
 from __future__ import annotations
 
+import bisect
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+from tvm import relax
 
 from ..placement import Candidate
 from ..graph import DataflowGraph
@@ -18,12 +22,75 @@ logger = logging.getLogger("collage_tvm")
 
 @dataclass
 class CheckContext:
-    """What a pattern's ``check`` sees (mirrors ``tvm.relax.transform.PatternCheckContext``)."""
+    """What a pattern's ``check`` sees: every field of TVM's
+    ``tvm.relax.transform.PatternCheckContext`` (so TVM's own checks run on it), plus the
+    group's graph nodes. The maps are plain mappings (``in``, ``[]``, ``.get``, iteration).
+    """
 
     matched_expr: object        # the root call of the match
     annotated_expr: dict        # annotation name -> matched expression
+    matched_bindings: dict      # var -> value of every binding in the group
+    var_usages: Mapping         # var -> [vars whose bindings use it], over the whole function
+    value_to_bound_var: Mapping  # value -> bound var, bindings up to the matched one only
     nodes: list                 # the graph nodes of the group, topological order
     graph: DataflowGraph
+
+
+class _BoundVarsUpTo(Mapping):
+    """``value -> bound var`` of the bindings up to node ``limit`` (TVM's
+    ``value_to_bound_var``: built while walking the block, so later bindings are absent).
+    A view over one per-graph index; no copy per match."""
+
+    __slots__ = ("_index", "_nodes", "_limit")
+
+    def __init__(self, index: dict, nodes: list, limit: int):
+        self._index, self._nodes, self._limit = index, nodes, limit
+
+    def __getitem__(self, value):
+        where = self._index[value]  # node indices bound to this value, ascending
+        k = bisect.bisect_right(where, self._limit)
+        if k == 0:
+            raise KeyError(value)
+        return self._nodes[where[k - 1]].var
+
+    def __iter__(self):
+        for value, where in self._index.items():
+            if where[0] <= self._limit:
+                yield value
+
+    def __len__(self) -> int:
+        return sum(1 for where in self._index.values() if where[0] <= self._limit)
+
+
+class _GraphMaps:
+    """The per-graph maps a check context needs, computed once (on the first check)."""
+
+    def __init__(self, graph: DataflowGraph):
+        self.graph = graph
+        self._usages = None
+        self._value_index = None
+
+    @property
+    def var_usages(self) -> dict:
+        if self._usages is None:
+            usages = {v: [] for v in self.graph.params}
+            for node in self.graph.nodes:
+                usages.setdefault(node.var, [])
+            for node in self.graph.nodes:
+                for v in relax.analysis.free_vars(node.value):
+                    users = usages.setdefault(v, [])
+                    if not users or not users[-1].same_as(node.var):
+                        users.append(node.var)
+            self._usages = usages
+        return self._usages
+
+    def value_to_bound_var(self, limit: int) -> _BoundVarsUpTo:
+        if self._value_index is None:
+            index: dict = {}
+            for node in self.graph.nodes:
+                index.setdefault(node.value, []).append(node.index)
+            self._value_index = index
+        return _BoundVarsUpTo(self._value_index, self.graph.nodes, limit)
 
 
 def _inner_pattern_types():
@@ -35,7 +102,7 @@ def _inner_pattern_types():
 _INNER = _inner_pattern_types()
 
 
-def _match_explicit(graph: DataflowGraph, backend, var2val, node_of) -> list:
+def _match_explicit(graph: DataflowGraph, backend, var2val, node_of, maps: _GraphMaps) -> list:
     out = []
     for entry in backend.patterns:
         for node in graph.nodes:
@@ -60,11 +127,15 @@ def _match_explicit(graph: DataflowGraph, backend, var2val, node_of) -> list:
             if any(i != node.index for i in graph.escapes(group)):
                 continue
             if entry.check is not None:
+                nodes = [graph.nodes[i] for i in sorted(group)]
                 ctx = CheckContext(
                     matched_expr=node.value,
                     annotated_expr={k: matched[p] for k, p in entry.annotations.items()
                                     if p in matched},
-                    nodes=[graph.nodes[i] for i in sorted(group)], graph=graph)
+                    matched_bindings={n.var: n.value for n in nodes},
+                    var_usages=maps.var_usages,
+                    value_to_bound_var=maps.value_to_bound_var(node.index),
+                    nodes=nodes, graph=graph)
                 try:
                     ok = entry.check(ctx)
                 except Exception as err:
@@ -125,9 +196,10 @@ def generate_candidates(graph: DataflowGraph, backends) -> list:
         node_of[node.var] = node.index
         node_of[node.value] = node.index
     ipdom = graph.post_dominators()
+    maps = _GraphMaps(graph)
     seen, out = set(), []
     for backend in backends:
-        found = _match_explicit(graph, backend, var2val, node_of)
+        found = _match_explicit(graph, backend, var2val, node_of, maps)
         for rule in backend.rules:
             found += _expand_rule(graph, backend, rule, ipdom)
         for cand in found:
