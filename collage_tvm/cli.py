@@ -123,7 +123,8 @@ def _db(args) -> int:
 
 
 def _bench(args, parser) -> int:
-    from . import bench, zoo
+    from .options import SearchOptions
+    from .tools import bench, zoo
 
     models = zoo.names() if args.all else args.models
     if not models:
@@ -132,25 +133,25 @@ def _bench(args, parser) -> int:
     if unknown:
         parser.error(f"unknown model(s) {', '.join(unknown)}; "
                      f"known: {', '.join(bench.known_models())}")
-    backends = [b for b in args.backends.split(",") if b]
-    results = bench.run(models, args.out, backends, db=args.db, graph_level=args.graph_level,
-                        budget=args.budget, size=args.size, ablation=args.ablation)
+    options = SearchOptions(backends=args.backends, graph_level=args.graph_level,
+                            budget=args.budget)
+    results = bench.run(models, args.out, db=args.db, options=options, size=args.size,
+                        ablation=args.ablation)
     print("\n" + bench.markdown(results))
-    written = ["results.json", "results.md", "results.png"]
-    written += ["results_ablation.png"] if args.ablation else []
-    print(f"\nwritten: {', '.join(f'{args.out}/{w}' for w in written)}")
+    print(f"\nwritten: {', '.join(f'{args.out}/{w}' for w in results['files'])}")
     return 0
 
 
 def _show(args) -> int:
     from pathlib import Path
 
-    from .show import load_record, render
+    from .tools import MissingPlotExtra
+    from .tools.show import load_record, render
 
     out = args.output or str(Path(args.placement).with_suffix(".svg"))
     try:
         print(render(load_record(args.placement), out))
-    except (ValueError, OSError) as err:
+    except (ValueError, OSError, MissingPlotExtra) as err:  # MissingPlotExtra: .png, no plot extra
         print(f"collage-tvm: error: {err}", file=sys.stderr)
         return 2
     return 0
@@ -190,7 +191,7 @@ def main(argv=None) -> int:
                    help="measure in this process (faster start, no crash isolation)")
     o.add_argument("-v", "--verbose", action="store_true")
     b = sub.add_parser("bench", help="Collage beside single-backend builds on bundled models")
-    b.add_argument("models", nargs="*", help="model names: the zoo (collage_tvm.zoo: bert, "
+    b.add_argument("models", nargs="*", help="model names: the zoo (collage_tvm.tools.zoo: bert, "
                    "dcgan, nasnet, resnet3d, resnext50, resnet50, inception_v3, squeezenet) "
                    "or resnet_small, bert_base, bert_small")
     b.add_argument("--all", action="store_true", help="every zoo model")
@@ -204,7 +205,8 @@ def main(argv=None) -> int:
                    help="also run Collage with --backends added one at a time in their order "
                         "(tvm; tvm,dnnl; ...: paper Fig. 11), the steps timed interleaved")
     b.add_argument("--out", default="bench-out",
-                   help="folder for results.json / results.md / results.png")
+                   help="folder for results.json / results.md / results.png (the plots need "
+                        "matplotlib: pip install 'collage-tvm[plot]')")
     b.add_argument("-v", "--verbose", action="store_true")
     d = sub.add_parser("db", help="inspect, export or import the cost DB")
     d.add_argument("action", choices=["stats", "show", "export", "import"])
@@ -215,7 +217,8 @@ def main(argv=None) -> int:
                                     "backend, fused groups boxed")
     s.add_argument("placement", help="a placement JSON written by `collage-tvm optimize -o`")
     s.add_argument("--output", "-o", help="the picture: .svg, .html (hover for details) or .png "
-                                          "(default: the JSON's name with .svg)")
+                                          "(matplotlib: pip install 'collage-tvm[plot]'; "
+                                          "default: the JSON's name with .svg)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")

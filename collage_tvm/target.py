@@ -40,7 +40,8 @@ def target_device(target: tvm.target.Target):
 
 
 @functools.lru_cache(maxsize=None)
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The host CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -53,4 +54,4 @@ def _cpu_model() -> str:
 
 def device_fingerprint(target: tvm.target.Target) -> str:
     """What a measured cost depends on besides the kernel: CPU model, cores, target."""
-    return f"{_cpu_model()}|{host_cores()}c|{target.kind.name}:{target.attrs.get('mcpu', '')}"
+    return f"{cpu_model()}|{host_cores()}c|{target.kind.name}:{target.attrs.get('mcpu', '')}"

@@ -4,6 +4,7 @@ ablation's steps checked against each other (no timing assertions: these machine
 noisy). One bench run, with ``--ablation``, serves every test here."""
 import json
 import os
+import sys
 
 import pytest
 
@@ -48,7 +49,7 @@ def test_bench_small_model_writes_results_and_checks_every_framework(bench_run):
 @needs_ort
 def test_bench_plots_collage_speedups_as_png(bench_run):
     out, results = bench_run
-    from collage_tvm.bench import speedups
+    from collage_tvm.tools.bench import speedups
 
     with open(os.path.join(out, "results.png"), "rb") as f:
         assert f.read(8) == PNG_MAGIC
@@ -72,7 +73,7 @@ def test_bench_ablation_adds_backends_one_at_a_time(bench_run):
 
 
 def test_plot_leaves_out_failed_entries_and_keeps_mismatched_ones(tmp_path):
-    from collage_tvm.bench import plot, plot_ablation, speedups
+    from collage_tvm.tools.bench import plot, plot_ablation, speedups
 
     nan = float("nan")
     m = {"model": "toy",
@@ -100,7 +101,7 @@ def test_bench_rejects_unknown_models(capsys):
 
 
 def test_a_failing_model_is_reported_and_the_others_still_run(tmp_path, monkeypatch, capsys):
-    from collage_tvm import bench
+    from collage_tvm.tools import bench
 
     def fake(name, *a, **k):
         if name == "bert":
@@ -116,3 +117,17 @@ def test_a_failing_model_is_reported_and_the_others_still_run(tmp_path, monkeypa
     assert saved["models"][0]["error"].startswith("ValueError")
     assert "### bert: FAILED" in open(tmp_path / "results.md").read()
     assert "bert: FAILED" in capsys.readouterr().out
+
+
+def test_without_matplotlib_the_plots_are_skipped_with_a_message(tmp_path, monkeypatch, capsys):
+    from collage_tvm.tools import bench
+
+    monkeypatch.setattr(bench, "bench_model", lambda name, *a, **k: {"model": name,
+                                                                     "size": "small"})
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails
+    res = bench.run(["dcgan"], str(tmp_path), ["tvm"], size="small", ablation=True)
+    assert res["files"] == ["results.json", "results.md"]
+    assert sorted(os.listdir(tmp_path)) == ["results.json", "results.md"]
+    out = capsys.readouterr().out
+    for png in ("results.png", "results_ablation.png"):
+        assert f"{png} not written" in out and "pip install 'collage-tvm[plot]'" in out, out

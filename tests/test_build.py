@@ -6,7 +6,7 @@ from tvm import relax
 
 import collage_tvm
 from collage_tvm.check import evaluate
-from collage_tvm.models import export_onnx
+from collage_tvm.tools.zoo import export_onnx
 
 
 @pytest.fixture(scope="module")

@@ -426,7 +426,7 @@ def _assert_every_node_exports(func):
 
 def test_resnet_small_from_onnx(tmp_path):
     from collage_tvm.frontend.load import load_model, normalize_for_collage
-    from collage_tvm.models import export_onnx
+    from collage_tvm.tools.zoo import export_onnx
 
     path = export_onnx("resnet_small", str(tmp_path / "resnet_small.onnx"))
     func = normalize_for_collage(load_model(path))["main"]

@@ -1,5 +1,5 @@
 """Close calls of the op-level DP (placer.alternatives) and their side-by-side re-timing
-(Measurer.refine)."""
+(placer.alternatives.refine, Measurer.retime_side_by_side)."""
 import math
 
 import pytest

@@ -3,18 +3,19 @@ small model, the layout's invariants and the errors for records it cannot draw."
 import json
 import random
 import struct
+import sys
 import xml.etree.ElementTree as ET
 
 import pytest
 
-from collage_tvm import show
+from collage_tvm.tools import show
 from collage_tvm.check import byoc_groups
 from collage_tvm.placement import placement_record
 from collage_tvm.placement import Candidate, Placement
 from collage_tvm.cli import main
 from collage_tvm.frontend import load_model, normalize_for_collage
 from collage_tvm.graph import DataflowGraph
-from collage_tvm.models import export_onnx
+from collage_tvm.tools.zoo import export_onnx
 from collage_tvm.registry import get_backend
 
 SVG = "{http://www.w3.org/2000/svg}"
@@ -126,6 +127,22 @@ def test_cli_writes_svg_by_default_and_the_format_of_the_extension(record, tmp_p
         out = tmp_path / f"pic.{ext}"
         assert main(["show", str(src), "-o", str(out)]) == 0
         assert out.stat().st_size > 0
+
+
+def test_without_matplotlib_png_is_a_clear_error_and_svg_html_still_work(record, tmp_path,
+                                                                         capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails
+    with pytest.raises(ImportError, match=r"pip install 'collage-tvm\[plot\]'"):
+        show.render(record, str(tmp_path / "p.png"))
+    src = tmp_path / "placement.json"
+    src.write_text(json.dumps(record))
+    assert main(["show", str(src), "-o", str(tmp_path / "p.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("collage-tvm: error: ") and "collage-tvm[plot]" in err, err
+    assert not (tmp_path / "p.png").exists()
+    for ext in ("svg", "html"):
+        assert main(["show", str(src), "-o", str(tmp_path / f"p.{ext}")]) == 0
+        assert (tmp_path / f"p.{ext}").stat().st_size > 0
 
 
 @pytest.mark.parametrize("case", ["old", "uncovered", "twice", "not-json", "missing", "format"])

@@ -5,7 +5,7 @@ import torch
 import tvm
 from tvm import relax
 
-from collage_tvm import zoo
+from collage_tvm.tools import zoo
 from collage_tvm.frontend import load_model, normalize_for_collage
 from collage_tvm.target import make_target
 

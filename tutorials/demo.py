@@ -11,7 +11,7 @@ import os
 import sys
 
 from collage_tvm.cli import main
-from collage_tvm.models import export_onnx
+from collage_tvm.tools.zoo import export_onnx
 
 out = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "out")
 model = export_onnx("resnet_small", os.path.join(out, "resnet_small.onnx"))

@@ -5,7 +5,8 @@ of the backend that runs it; a group of more than one node (one fused kernel or 
 call) gets a dashed box naming its backend. One layered layout (``layout``: layer = longest
 path from an input, barycenter sweeps against crossings) feeds three writers: hand-written
 SVG, a standalone HTML page around that SVG (hover a node for its details) and a PNG drawn
-with matplotlib's Agg backend. No external tool (graphviz) is needed.
+with matplotlib's Agg backend. No external tool (graphviz) is needed; the PNG needs
+matplotlib (``pip install 'collage-tvm[plot]'``), SVG and HTML need nothing.
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import math
 import os
 import zlib
 from dataclasses import dataclass, field
+
+from collage_tvm.tools import need_matplotlib
 
 # Fixed colours of the well-known backends; others get one of FALLBACK_COLOURS by name.
 BACKEND_COLOURS = {
@@ -479,7 +482,8 @@ def _bezier(points: list) -> list:
 
 
 def render(record: dict, path: str) -> str:
-    """Draw ``record`` to ``path``: .svg, .html or .png by its extension. Returns ``path``."""
+    """Draw ``record`` to ``path``: .svg, .html or .png by its extension. Returns ``path``.
+    A .png without matplotlib installed raises ``MissingPlotExtra`` (an ImportError)."""
     ext = os.path.splitext(str(path))[1].lower()
     if ext not in (".svg", ".html", ".png"):
         raise ValueError(f"{path}: cannot tell the picture format from {ext or 'no extension'}; "
@@ -559,6 +563,7 @@ body {{ font-family: {FONT_FAMILY}; margin: 16px; color: #1a1a1a; }}
 
 def to_png(sc: Scene, path: str) -> None:
     """Draw the scene with matplotlib (Agg, no pyplot state) to a PNG at ``path``."""
+    need_matplotlib("a .png placement picture (.svg and .html need nothing)")
     from matplotlib import patheffects
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure

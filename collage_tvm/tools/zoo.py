@@ -1,10 +1,15 @@
-"""A model zoo in code: the Collage paper's model set with random weights (no downloads).
+"""The model zoo: every model the tools run, defined in code with random weights (no
+downloads), in one registry.
 
-Every entry of :data:`ZOO` maps a name to ``build(size) -> (torch.nn.Module, example_input)``
-where ``size`` is ``"small"`` (a few blocks on a small input: imports, builds and runs in
-seconds, same op mix) or ``"paper"`` (the size the Collage paper evaluates). Weights come
-from ``torch.manual_seed(0)``, modules are in eval mode, BatchNorm running statistics are
-randomised slightly (as :func:`collage_tvm.models.resnet` does) so BN folding is exercised.
+:data:`ZOO` maps each of the Collage paper's models to ``build(size) -> (torch.nn.Module,
+example_input)`` where ``size`` is ``"small"`` (a few blocks on a small input: imports,
+builds and runs in seconds, same op mix) or ``"paper"`` (the size the Collage paper
+evaluates). :data:`FIXED` names one zoo model at one size (``resnet_small``,
+``bert_small``, ``bert_base``: the names the demo, the tests and earlier benchmarks use).
+Weights come from ``torch.manual_seed(0)``, modules are in eval mode, BatchNorm running
+statistics are randomised slightly so BN folding is exercised; example inputs come from a
+generator seeded 1. Benchmark numbers and cached costs refer to these exact models: a change
+to a builder changes what they measure.
 
 Paper input shapes: bert ``(1, 128)`` int64 token ids; dcgan ``(1, 100, 1, 1)``;
 nasnet, resnet50, resnext50 ``(1, 3, 224, 224)``; resnet3d ``(1, 3, 16, 112, 112)``;
@@ -48,26 +53,142 @@ def _check_size(size):
         raise ValueError(f"unknown size {size!r}: expected one of {SIZES}")
 
 
+# --------------------------------------------------------------------------- the builders
+
+def resnet(layers=(3, 4, 6, 3), width: int = 64, num_classes: int = 1000, dims: int = 2,
+           groups: int = 1, group_width: int | None = None, head: str | None = None):
+    """A network of bottleneck blocks (1x1 -> 3x3 -> 1x1 conv, BN, ReLU, residual add):
+    ResNet (``layers=(3, 4, 6, 3)``: ResNet-50), ResNeXt (``groups`` > 1: the 3x3 conv
+    grouped, ``group_width`` channels per group in the first stage) and the 3D ResNet for
+    video (``dims=3``: Conv3d/BatchNorm3d, a 3x7x7 stem striding only in space).
+
+    Stage ``i`` has ``layers[i]`` blocks of inner width ``(groups * group_width or width) *
+    2**i`` and ``4 * width * 2**i`` outputs, its first block striding 2 (after stage 0).
+    ``head``: ``"pool"`` (adaptive average pool and flatten, as torchvision's ResNet; the
+    2D default) or ``"mean"`` (a mean over the spatial axes; the 3D default), then a linear
+    classifier. Weights from ``torch.manual_seed(0)``, eval mode, random BN statistics.
+    """
+    torch, nn = _torch()
+    conv, norm = (nn.Conv2d, nn.BatchNorm2d) if dims == 2 else (nn.Conv3d, nn.BatchNorm3d)
+    head = head or ("pool" if dims == 2 else "mean")
+    inner = width if group_width is None else groups * group_width
+
+    class Bottleneck(nn.Module):
+        def __init__(self, cin, mid, cout, stride):
+            super().__init__()
+            self.c1, self.b1 = conv(cin, mid, 1, bias=False), norm(mid)
+            self.c2 = conv(mid, mid, 3, stride, 1, groups=groups, bias=False)
+            self.b2 = norm(mid)
+            self.c3, self.b3 = conv(mid, cout, 1, bias=False), norm(cout)
+            self.down = None
+            if stride != 1 or cin != cout:
+                self.down = nn.Sequential(conv(cin, cout, 1, stride, bias=False), norm(cout))
+
+        def forward(self, x):
+            r = x if self.down is None else self.down(x)
+            y = torch.relu(self.b1(self.c1(x)))
+            y = torch.relu(self.b2(self.c2(y)))
+            return torch.relu(self.b3(self.c3(y)) + r)
+
+    class ResNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            if dims == 2:
+                self.stem = nn.Sequential(nn.Conv2d(3, width, 7, 2, 3, bias=False),
+                                          nn.BatchNorm2d(width), nn.ReLU(), nn.MaxPool2d(3, 2, 1))
+            else:
+                self.stem = nn.Sequential(
+                    nn.Conv3d(3, width, (3, 7, 7), (1, 2, 2), (1, 3, 3), bias=False),
+                    nn.BatchNorm3d(width), nn.ReLU(), nn.MaxPool3d(3, 2, 1))
+            blocks, cin = [], width
+            for i, n in enumerate(layers):
+                mid, cout = inner * 2 ** i, 4 * width * 2 ** i
+                for j in range(n):
+                    blocks.append(Bottleneck(cin, mid, cout, 2 if (j == 0 and i > 0) else 1))
+                    cin = cout
+            self.blocks = nn.Sequential(*blocks)
+            self.fc = nn.Linear(cin, num_classes)
+
+        def forward(self, x):
+            x = self.blocks(self.stem(x))
+            if head == "pool":
+                return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
+            return self.fc(x.mean(tuple(range(2, 2 + dims))))
+
+    torch.manual_seed(0)
+    return _finish(ResNet())
+
+
+def bert_encoder(layers: int = 12, hidden: int = 768, heads: int = 12, ffn: int = 3072,
+                 seq: int = 128, vocab: int = 30522):
+    """A BERT encoder (post-norm, GELU), attention written out as matmuls and a softmax;
+    the defaults are BERT-base. Input: token ids ``(1, seq)`` int64; output: the last
+    hidden states ``(1, seq, hidden)``."""
+    torch, nn = _torch()
+    head_dim = hidden // heads
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v = (nn.Linear(hidden, hidden) for _ in range(3))
+            self.o = nn.Linear(hidden, hidden)
+            self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+            self.up, self.down = nn.Linear(hidden, ffn), nn.Linear(ffn, hidden)
+
+        def forward(self, x):
+            b, s, _ = x.shape
+
+            def split(t):
+                return t.reshape(b, s, heads, head_dim).permute(0, 2, 1, 3)
+
+            q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+            att = torch.softmax(torch.matmul(q, k.transpose(-1, -2)) / head_dim ** 0.5, dim=-1)
+            ctx = torch.matmul(att, v).permute(0, 2, 1, 3).reshape(b, s, hidden)
+            x = self.ln1(x + self.o(ctx))
+            return self.ln2(x + self.down(nn.functional.gelu(self.up(x))))
+
+    class Bert(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(vocab, hidden)
+            self.pos = nn.Parameter(torch.randn(1, seq, hidden) * 0.02)
+            self.ln = nn.LayerNorm(hidden)
+            self.layers = nn.Sequential(*[Layer() for _ in range(layers)])
+
+        def forward(self, ids):
+            return self.layers(self.ln(self.emb(ids) + self.pos))
+
+    torch.manual_seed(0)
+    model = Bert().eval()
+    with torch.no_grad():  # BERT's init scale keeps activations in range
+        for m in model.modules():
+            if isinstance(m, nn.Linear):
+                m.weight.normal_(0.0, 0.02)
+    return model
+
+
 # --------------------------------------------------------------------------- bert / resnet50
 
 def bert(size: str = "small"):
-    """BERT encoder (:func:`collage_tvm.models.bert`): paper = BERT-base, seq 128."""
+    """BERT encoder (:func:`bert_encoder`): paper = BERT-base, seq 128; small = two layers
+    of width 128 (2 heads, FFN 512) on 32 tokens, vocabulary 1000."""
     _check_size(size)
-    from . import models
-
     torch, _ = _torch()
-    model, shape = models.bert_base() if size == "paper" else models.bert_small()
+    if size == "paper":
+        seq, model = 128, bert_encoder()
+    else:
+        seq, model = 32, bert_encoder(layers=2, hidden=128, heads=2, ffn=512, seq=32, vocab=1000)
     g = torch.Generator().manual_seed(1)
-    return model, torch.randint(0, 1000, shape, dtype=torch.int64, generator=g)
+    return model, torch.randint(0, 1000, (1, seq), dtype=torch.int64, generator=g)
 
 
 def resnet50(size: str = "small"):
-    """ResNet-50 (:func:`collage_tvm.models.resnet`); small = two thin stages at 56x56."""
+    """ResNet-50 (:func:`resnet`); small = two stages of thin bottlenecks (width 16, 10
+    classes) at 56x56: seconds to search, same op mix."""
     _check_size(size)
-    from . import models
-
-    model, shape = models.resnet50() if size == "paper" else models.resnet_small()
-    return model, _image(shape)
+    if size == "paper":
+        return resnet((3, 4, 6, 3), 64), _image((1, 3, 224, 224))
+    return resnet((1, 1), 16, num_classes=10), _image((1, 3, 56, 56))
 
 
 # --------------------------------------------------------------------------- dcgan
@@ -211,13 +332,12 @@ def nasnet(size: str = "small"):
 # --------------------------------------------------------------------------- resnet3d
 
 def resnet3d(size: str = "small"):
-    """3D ResNet-50 for video: Conv3d bottlenecks, stride 2 in time and space per stage.
+    """3D ResNet-50 for video (:func:`resnet` with ``dims=3``): Conv3d bottlenecks, stride 2
+    in time and space per stage.
 
     paper: layers (3, 4, 6, 3), width 64, input ``(1, 3, 16, 112, 112)``;
     small: layers (1, 1, 1, 1), width 8, input ``(1, 3, 4, 32, 32)``.
     """
-    from .models import resnet
-
     _check_size(size)
     if size == "paper":
         layers, width, shape, classes = (3, 4, 6, 3), 64, (1, 3, 16, 112, 112), 400
@@ -229,54 +349,18 @@ def resnet3d(size: str = "small"):
 # --------------------------------------------------------------------------- resnext50
 
 def resnext50(size: str = "small"):
-    """ResNeXt-50 32x4d: bottlenecks whose 3x3 conv is grouped (groups=32).
+    """ResNeXt-50 32x4d (:func:`resnet` with ``groups=32``): bottlenecks whose 3x3 conv is
+    grouped, a mean over the spatial axes before the classifier.
 
     paper: layers (3, 4, 6, 3), 32x4d, 224x224; small: layers (1, 1), 32x1d, 56x56.
     """
     _check_size(size)
-    torch, nn = _torch()
     if size == "paper":
-        layers, groups, gw, base, hw, classes = (3, 4, 6, 3), 32, 4, 64, 224, 1000
+        layers, gw, base, hw, classes = (3, 4, 6, 3), 4, 64, 224, 1000
     else:
-        layers, groups, gw, base, hw, classes = (1, 1), 32, 1, 16, 56, 10
-
-    class Block(nn.Module):
-        def __init__(self, cin, mid, cout, stride):
-            super().__init__()
-            self.c1, self.b1 = nn.Conv2d(cin, mid, 1, bias=False), nn.BatchNorm2d(mid)
-            self.c2 = nn.Conv2d(mid, mid, 3, stride, 1, groups=groups, bias=False)
-            self.b2 = nn.BatchNorm2d(mid)
-            self.c3, self.b3 = nn.Conv2d(mid, cout, 1, bias=False), nn.BatchNorm2d(cout)
-            self.down = None
-            if stride != 1 or cin != cout:
-                self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
-                                          nn.BatchNorm2d(cout))
-
-        def forward(self, x):
-            r = x if self.down is None else self.down(x)
-            y = torch.relu(self.b1(self.c1(x)))
-            y = torch.relu(self.b2(self.c2(y)))
-            return torch.relu(self.b3(self.c3(y)) + r)
-
-    class ResNeXt(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.stem = nn.Sequential(nn.Conv2d(3, base, 7, 2, 3, bias=False),
-                                      nn.BatchNorm2d(base), nn.ReLU(), nn.MaxPool2d(3, 2, 1))
-            blocks, cin = [], base
-            for i, n in enumerate(layers):
-                mid, cout = groups * gw * 2 ** i, base * 4 * 2 ** i
-                for j in range(n):
-                    blocks.append(Block(cin, mid, cout, 2 if (j == 0 and i > 0) else 1))
-                    cin = cout
-            self.blocks = nn.Sequential(*blocks)
-            self.fc = nn.Linear(cin, classes)
-
-        def forward(self, x):
-            return self.fc(self.blocks(self.stem(x)).mean((2, 3)))
-
-    torch.manual_seed(0)
-    return _finish(ResNeXt()), _image((1, 3, hw, hw))
+        layers, gw, base, hw, classes = (1, 1), 1, 16, 56, 10
+    return (resnet(layers, base, classes, groups=32, group_width=gw, head="mean"),
+            _image((1, 3, hw, hw)))
 
 
 # --------------------------------------------------------------------------- inception_v3
@@ -457,6 +541,7 @@ def squeezenet(size: str = "small"):
 
 # --------------------------------------------------------------------------- registry
 
+# The paper's models: name -> build(size) -> (torch.nn.Module, example_input).
 ZOO = {
     "bert": bert,
     "dcgan": dcgan,
@@ -466,6 +551,13 @@ ZOO = {
     "resnet50": resnet50,
     "inception_v3": inception_v3,
     "squeezenet": squeezenet,
+}
+
+# Names of one zoo model at one size: name -> (zoo name, size). They ignore a size given.
+FIXED = {
+    "resnet_small": ("resnet50", "small"),
+    "bert_small": ("bert", "small"),
+    "bert_base": ("bert", "paper"),
 }
 
 # The documented example-input shapes, per size (checked by the tests).
@@ -482,18 +574,41 @@ SHAPES = {
 
 
 def names() -> list[str]:
+    """The paper's models (``ZOO``), in the paper's order."""
     return list(ZOO)
 
 
-def get(name: str, size: str = "small"):
-    """``(torch.nn.Module, example_input)`` for zoo model ``name`` at ``size``."""
+def known() -> list[str]:
+    """Every name ``get`` and ``export_onnx`` accept: the zoo's, then ``FIXED``'s."""
+    return names() + list(FIXED)
+
+
+def resolve(name: str, size: str = "small") -> tuple:
+    """``(zoo name, size)`` of ``name`` at ``size`` (a ``FIXED`` name has its own size)."""
+    _check_size(size)
+    if name in FIXED:
+        return FIXED[name]
     if name not in ZOO:
-        raise ValueError(f"unknown zoo model {name!r}: expected one of {names()}")
+        raise ValueError(f"unknown zoo model {name!r}: expected one of {known()}")
+    return name, size
+
+
+def get(name: str, size: str = "small"):
+    """``(torch.nn.Module, example_input)`` for model ``name`` at ``size``."""
+    name, size = resolve(name, size)
     return ZOO[name](size)
 
 
-def export_onnx(name: str, size: str, path: str) -> str:
-    """Write zoo model ``name`` at ``size`` to ``path`` as ONNX (opset 17, IR version <= 10)."""
+def export_onnx(name: str, size: str, path: str | None = None) -> str:
+    """Write model ``name`` at ``size`` to ``path`` as ONNX; ``export_onnx(name, path)``
+    exports it at the default size (``small``; a ``FIXED`` name at its own). Returns ``path``.
+
+    Opset 17, traced on the model's example input, one input ``"input"`` and one output
+    ``"output"``. The IR version is capped at 10: onnx 1.23 writes 14 by default and
+    onnxruntime 1.31 reads at most 13.
+    """
+    if path is None:
+        size, path = "small", size
     torch, _ = _torch()
     import onnx
 

@@ -1,13 +1,14 @@
 """``collage-tvm bench``: Collage beside the builds a user would otherwise ship, in one run.
 
-For each model of ``collage_tvm.models``: export it to ONNX, run the Collage search
-(op-level, and two-level with ``--graph-level``) with the never-slower comparison, time
+For each model of the zoo (``collage_tvm.tools.zoo``): export it to ONNX, run the Collage
+search (op-level, and two-level with ``--graph-level``) with the never-slower comparison, time
 the shipped build interleaved with the frameworks (PyTorch eager, torch.compile, ONNX
 Runtime, OpenVINO), and check our glue: the model placed wholly on ONNX Runtime (and on
 OpenVINO) through collage-tvm against the plain library on the same ONNX file, timed
 interleaved in one process. With ``ablation``, also Collage with the backends added one
 at a time (paper Fig. 11). Writes ``results.json``, ``results.md`` and ``results.png`` (paper Fig. 7;
-``results_ablation.png`` for the ablation) into the output folder.
+``results_ablation.png`` for the ablation) into the output folder; the plots need matplotlib
+(``pip install 'collage-tvm[plot]'``) and are skipped, with a message, without it.
 """
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ import os
 import platform
 import time
 
+from collage_tvm.options import SearchOptions
+from collage_tvm.tools import MissingPlotExtra, need_matplotlib
+from collage_tvm.tools import zoo
 
 logger = logging.getLogger("collage_tvm")
 
@@ -32,13 +36,14 @@ def glue_overhead(onnx_path: str, library: str = "onnxruntime", target="llvm") -
     import tvm
     from tvm import relax
 
-    from .baselines import compare_outputs, graph_lib_groups, interleaved, run_outputs
-    from .build import compile_placement
-    from .frontend import load_model, normalize_for_collage
-    from .graph import DataflowGraph
-    from .graph.subgraph import random_inputs
-    from .registry import get_backend
-    from .target import make_target, target_device
+    from collage_tvm.check import compare_outputs, graph_lib_groups, run_outputs
+    from collage_tvm.frontend import load_model, normalize_for_collage
+    from collage_tvm.graph import DataflowGraph
+    from collage_tvm.graph.subgraph import random_inputs
+    from collage_tvm.lower import compile_placement
+    from collage_tvm.measure.timing import interleaved
+    from collage_tvm.registry import get_backend
+    from collage_tvm.target import make_target, target_device
 
     if library not in GLUE_LIBRARIES:
         raise ValueError(f"glue check: no plain runner for {library!r} "
@@ -85,13 +90,13 @@ def _plain_runner(library: str, backend, model_bytes: bytes, arrays: list) -> tu
 
 
 def machine() -> dict:
-    from .target import _cpu_model, host_cores
+    from collage_tvm.target import cpu_model, host_cores
 
     import onnxruntime
     import torch
     import tvm
 
-    info = {"cpu": _cpu_model(), "cores": host_cores(), "python": platform.python_version(),
+    info = {"cpu": cpu_model(), "cores": host_cores(), "python": platform.python_version(),
             "tvm": tvm.__version__, "onnxruntime": onnxruntime.__version__,
             "torch": torch.__version__}
     try:
@@ -104,24 +109,18 @@ def machine() -> dict:
 
 
 def model_onnx(name: str, size: str, out_dir: str) -> str:
-    """Export ``name`` (a zoo model at ``size``, or a ``collage_tvm.models`` name) to ONNX."""
-    from . import models, zoo
-
+    """Export ``name`` (a zoo model at ``size``, or a fixed-size name such as
+    ``resnet_small``) to ONNX in ``out_dir``."""
     if name in zoo.ZOO:
         return zoo.export_onnx(name, size, os.path.join(out_dir, f"{name}_{size}.onnx"))
-    if name in models.MODELS:
-        return models.export_onnx(name, os.path.join(out_dir, f"{name}.onnx"))
+    if name in zoo.FIXED:
+        return zoo.export_onnx(name, os.path.join(out_dir, f"{name}.onnx"))
     raise ValueError(f"unknown model {name!r}; known: {', '.join(known_models())}")
 
 
 def model_and_input(name: str, size: str):
     """(torch module, example input tensor): the same model and input the ONNX file holds."""
-    from . import models, zoo
-
-    if name in zoo.ZOO:
-        return zoo.get(name, size)
-    model, shape = models.MODELS[name]()
-    return model, models.example_input(name, shape)
+    return zoo.get(name, size)
 
 
 def frameworks(name: str, size: str, onnx_path: str, collage_executable) -> dict:
@@ -143,9 +142,10 @@ def frameworks(name: str, size: str, onnx_path: str, collage_executable) -> dict
     import tvm
     from tvm import relax
 
-    from .baselines import compare_outputs, interleaved, run_outputs
-    from .registry import get_backend
-    from .target import host_cores
+    from collage_tvm.check import compare_outputs, run_outputs
+    from collage_tvm.measure.timing import interleaved
+    from collage_tvm.registry import get_backend
+    from collage_tvm.target import host_cores
 
     torch.set_num_threads(host_cores())
     model, x = model_and_input(name, size)
@@ -217,10 +217,11 @@ def _why(err: Exception) -> str:
 ABLATION_ONCE_MS = 2000.0  # an ablation step slower than this per run is timed once
 
 
-def ablation_steps(onnx_path: str, backends, db, graph_level: bool, budget: float) -> list:
-    """Paper Fig. 11: Collage with ``backends`` added one at a time in the given order.
+def ablation_steps(onnx_path: str, options: SearchOptions, db) -> list:
+    """Paper Fig. 11: Collage with ``options.backends`` added one at a time in their order.
 
-    Step k searches with ``backends[:k]`` (``tvm`` is always among them) and keeps the
+    Step k searches with ``backends[:k]`` (``tvm`` is always among them), the other search
+    options as given, and keeps the
     Collage placement itself (``compare=False``, and a placement log of its own: the
     persistent one holds what the never-slower check shipped, possibly a single-library
     build); every step reads and fills the same cost DB. The steps' executables are then
@@ -235,21 +236,22 @@ def ablation_steps(onnx_path: str, backends, db, graph_level: bool, budget: floa
     import tvm
     from tvm import relax
 
-    from .baselines import compare_outputs, interleaved, run_outputs
-    from .build import optimize
-    from .graph.subgraph import random_inputs
-    from .placement_log import PlacementLog
+    from collage_tvm.build import optimize
+    from collage_tvm.check import compare_outputs, run_outputs
+    from collage_tvm.graph.subgraph import random_inputs
+    from collage_tvm.measure.timing import interleaved
+    from collage_tvm.placement_log import PlacementLog
 
     log = PlacementLog(None)
     dev = tvm.cpu()
+    backends = options.backends
     steps, runs, outputs = [], [], []
     for k in range(1, len(backends) + 1):
         prefix = list(backends[:k])
         print(f"  step {k}/{len(backends)}: Collage with {', '.join(prefix)}", flush=True)
         t0 = time.perf_counter()
-        res = optimize(onnx_path, "llvm", prefix, db=db, placement_log=log, compare=False,
-                       graph_level=graph_level, budget=budget,
-                       on_generation=_print_generation if graph_level else None)
+        res = optimize(onnx_path, "llvm", db=db, placement_log=log,
+                       options=_with_progress(options, backends=tuple(prefix), compare=False))
         step = {"backends": prefix, "ops_per_backend": res.report.ops_per_backend,
                 "search_s": time.perf_counter() - t0}
         if res.report.skipped:
@@ -278,25 +280,34 @@ def ablation_steps(onnx_path: str, backends, db, graph_level: bool, budget: floa
 
 
 def known_models() -> list:
-    from . import models, zoo
-
-    return sorted(set(zoo.names()) | set(models.MODELS))
+    return sorted(zoo.known())
 
 
-def bench_model(name: str, out_dir: str, backends, db, graph_level: bool, budget: float,
-                glue: bool = True, size: str = "paper", ablation: bool = False) -> dict:
-    from .build import optimize
+def _with_progress(options: SearchOptions, **changes) -> SearchOptions:
+    """``options`` with ``changes``, printing each generation of a graph-level search
+    (unless the options bring their own ``on_generation``)."""
+    options = SearchOptions.of(options, **changes)
+    if options.graph_level and options.on_generation is None:
+        options = SearchOptions.of(options, on_generation=_print_generation)
+    return options
 
+
+def bench_model(name: str, out_dir: str, options: SearchOptions, db, glue: bool = True,
+                size: str = "paper", ablation: bool = False) -> dict:
+    """One model: the Collage search with ``options`` (and the never-slower comparison),
+    the frameworks, the glue check and, with ``ablation``, the ablation steps."""
+    from collage_tvm.build import optimize
+
+    backends = options.backends
     path = model_onnx(name, size, out_dir)
     entry: dict = {"model": name, "size": size}
     # The two-level run's comparison already holds the op-level placement ("collage-op-level")
     # whenever the graph-level search changed it: one run covers both levels.
-    for gl in [graph_level]:
+    for gl in [options.graph_level]:
         label = "two-level" if gl else "op-level"
         print(f"\n== {name}: Collage {label} ({', '.join(backends)})", flush=True)
         t0 = time.perf_counter()
-        res = optimize(path, "llvm", backends, db=db, compare=True, graph_level=gl,
-                       budget=budget, on_generation=_print_generation if gl else None)
+        res = optimize(path, "llvm", db=db, options=_with_progress(options, compare=True))
         rep = res.report
         entry[label] = {"comparison": rep.comparison, "shipped": rep.shipped,
                         "times": rep.times, "wall_s": time.perf_counter() - t0,
@@ -323,7 +334,7 @@ def bench_model(name: str, out_dir: str, backends, db, graph_level: bool, budget
                               f"match={g['match']}"), flush=True)
     if ablation:
         print(f"\n== {name}: ablation, Collage with the backends added one at a time", flush=True)
-        entry["ablation"] = ablation_steps(path, backends, db, graph_level, budget)
+        entry["ablation"] = ablation_steps(path, options, db)
         for step in entry["ablation"]:
             print(f"  {'+'.join(step['backends']):<40} {step['ms']:>10.3f} ms  "
                   f"match={step['match']}", flush=True)
@@ -439,9 +450,9 @@ PLOT_CLIP = 4.0  # speedups above this are drawn cut, with their value printed
 def plot(results: dict, path: str) -> str:
     """A PNG like the paper's Fig. 7: per model, the shipped Collage build's speedup over
     each framework and single-backend build (above 1: Collage is faster). Hatched bars:
-    that entry's output did not match its reference. Returns ``path``."""
-    import matplotlib
-
+    that entry's output did not match its reference. Returns ``path``. Needs matplotlib
+    (``MissingPlotExtra`` without it)."""
+    matplotlib = need_matplotlib("the bench plot (results.png)")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -491,9 +502,8 @@ def plot(results: dict, path: str) -> str:
 def plot_ablation(results: dict, path: str) -> str:
     """A PNG like the paper's Fig. 11: per model, the speedup of each ablation step over the
     first one's as backends are added; a red 'x' marks a step whose output did not match
-    the first step's. Returns ``path``."""
-    import matplotlib
-
+    the first step's. Returns ``path``. Needs matplotlib (``MissingPlotExtra`` without it)."""
+    matplotlib = need_matplotlib("the ablation plot (results_ablation.png)")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -522,16 +532,23 @@ def plot_ablation(results: dict, path: str) -> str:
     return path
 
 
-def run(models, out_dir: str, backends, db=None, graph_level: bool = False,
-        budget: float = 300.0, size: str = "paper", ablation: bool = False) -> dict:
+def run(models, out_dir: str, backends=None, db=None, *, options: SearchOptions | None = None,
+        size: str = "paper", ablation: bool = False, **option_fields) -> dict:
     """Bench ``models``; writes results.json (after each model), results.md, results.png
-    and, with ``ablation``, results_ablation.png into ``out_dir``."""
+    and, with ``ablation``, results_ablation.png into ``out_dir``.
+
+    The search: ``options`` (a ``SearchOptions``) and/or its fields by name, as
+    ``collage_tvm.optimize`` takes them (``backends``, ``graph_level=True``, ``budget=120``,
+    ...); every model's search compares with the single-backend builds (``compare``).
+    Returns the results, with ``"files"``: the names of the files written into ``out_dir``
+    (a plot is left out, with a message, when matplotlib is not installed).
+    """
+    options = SearchOptions.of(options, backends=backends, **option_fields)
     os.makedirs(out_dir, exist_ok=True)
-    results = {"machine": machine(), "backends": list(backends), "models": []}
+    results = {"machine": machine(), "backends": list(options.backends), "models": []}
     for name in models:
         try:
-            entry = bench_model(name, out_dir, backends, db, graph_level, budget, size=size,
-                                ablation=ablation)
+            entry = bench_model(name, out_dir, options, db, size=size, ablation=ablation)
         except Exception as err:  # noqa: BLE001 - one model's failure must not lose the others
             logger.exception("bench: %s failed", name)
             entry = {"model": name, "size": size, "error": _why(err)}
@@ -542,7 +559,14 @@ def run(models, out_dir: str, backends, db=None, graph_level: bool = False,
             json.dump(results, f, indent=1, default=str)
     with open(os.path.join(out_dir, "results.md"), "w") as f:
         f.write(markdown(results))
-    plot(results, os.path.join(out_dir, "results.png"))
-    if ablation:
-        plot_ablation(results, os.path.join(out_dir, "results_ablation.png"))
+    files = ["results.json", "results.md"]
+    plots = [(plot, "results.png")]
+    plots += [(plot_ablation, "results_ablation.png")] if ablation else []
+    for draw, png in plots:
+        try:
+            draw(results, os.path.join(out_dir, png))
+            files.append(png)
+        except MissingPlotExtra as err:
+            print(f"\n{png} not written: {err}", flush=True)
+    results["files"] = files
     return results
