@@ -15,7 +15,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .lowering import Lowering, missing_methods  # noqa: F401 (Lowering: re-exported)
+from .lowering import Lowering, missing_methods
 
 logger = logging.getLogger("collage_tvm")
 
@@ -68,15 +68,22 @@ class Backend:
         Raises ``TypeError`` naming the backend when the lowering does not implement the
         interface of :class:`collage_tvm.lowering.Lowering`.
         """
+        low = self._resolve()
+        if low is not None:
+            self._check_lowering(low)
+        return low
+
+    def _resolve(self):
+        """The lowering object, made once from the spec (instance, class or "module:Class")."""
         if self._lowering_obj is None and self.lowering is not None:
             low = self.lowering
             if isinstance(low, str):
                 mod_name, _, cls_name = low.partition(":")
                 low = getattr(importlib.import_module(mod_name), cls_name)
             if isinstance(low, type):
-                self._check_lowering(low)
+                if issubclass(low, Lowering):
+                    self._check_lowering(low)  # an abstract Lowering cannot be made at all
                 low = low()
-            self._check_lowering(low)
             self._lowering_obj = low
         return self._lowering_obj
 
@@ -93,7 +100,14 @@ class Backend:
         if self.lowering is None:
             return True, ""
         try:
-            return self.get_lowering().available()
+            low = self._resolve()
+            # A library that says it is missing is reported as missing, whatever else the
+            # lowering lacks; one that is there must implement the whole interface.
+            ok, why = low.available() if callable(getattr(low, "available", None)) else (True, "")
+            if not ok:
+                return False, why
+            self._check_lowering(low)
+            return True, ""
         except Exception as err:  # a missing library must not stop the build
             return False, f"{type(err).__name__}: {err}"
 

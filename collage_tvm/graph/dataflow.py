@@ -63,7 +63,7 @@ def _op_name(value) -> str:
     return type(value).__name__
 
 
-def _free_vars(expr) -> list:
+def free_vars(expr) -> list:
     """Relax vars an expression reads (deduplicated, in first-use order)."""
     seen, out = set(), []
 
@@ -98,13 +98,13 @@ class DataflowGraph:
                 op_kind(name) if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op)
                 else OPAQUE)
             node = Node(len(self.nodes), binding.var, value, name, kind)
-            node.inputs = sorted({index_of[v] for v in _free_vars(value) if v in index_of})
+            node.inputs = sorted({index_of[v] for v in free_vars(value) if v in index_of})
             for p in node.inputs:
                 self.nodes[p].users.append(node.index)
             index_of[binding.var] = node.index
             self.nodes.append(node)
         self.index_of = index_of
-        out_vars = _free_vars(func.body.body)
+        out_vars = free_vars(func.body.body)
         self.outputs = sorted({index_of[v] for v in out_vars if v in index_of})
         for n in self.nodes:
             n.users = sorted(set(n.users))

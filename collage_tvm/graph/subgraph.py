@@ -11,7 +11,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from .dataflow import DataflowGraph, _free_vars
+from .dataflow import DataflowGraph, free_vars
 
 Constant = tvm.ir.expr.GenericConst  # relax.Constant in TVM < 0.27
 
@@ -21,7 +21,7 @@ def group_boundary(graph: DataflowGraph, group) -> tuple[list, list]:
     defined = {graph.nodes[i].var for i in group}
     inputs, seen = [], set()
     for i in sorted(group):
-        for v in _free_vars(graph.nodes[i].value):
+        for v in free_vars(graph.nodes[i].value):
             if v not in defined and v not in seen:
                 seen.add(v)
                 inputs.append(v)
