@@ -19,7 +19,7 @@ from tvm import relax
 
 from .check import latency_evaluator, never_slower
 from .frontend import load_model, normalize_for_collage
-from .graph import DataflowGraph
+from .graph import DataflowGraph, NotDataflow
 from .graph.subgraph import function_key
 from .lower import candidate_vm, compile_placement, lower_placement, placement_runner
 from .measure.db import CostDB
@@ -31,7 +31,7 @@ from .placement_log import PlacementLog
 from .placer.alternatives import refine
 from .placer.calibrate import calibrate
 from .placer.graph_level import GraphLevelSearch
-from .placer.op_level import place
+from .placer.op_level import ensure_cover, place
 from .registry import get_backend
 from .target import make_target
 
@@ -48,6 +48,7 @@ class BuildReport:
     distinct_measured: int = 0
     db_hits: int = 0
     failures: list = field(default_factory=list)
+    kept_on_tvm: list = field(default_factory=list)  # ops no candidate could be measured for
     epsilon: dict = field(default_factory=dict)
     switch: dict = field(default_factory=dict)  # (a, b) -> ms per change of runtime
     close_calls: int = 0   # alternative covers within 75% of the chosen one (refine)
@@ -74,11 +75,12 @@ class BuildReport:
 
 @dataclass
 class SearchResult:
-    graph: DataflowGraph
+    graph: DataflowGraph | None  # None: the model is not one dataflow block (kept on TVM)
     placement: Placement
     backends: dict              # name -> Backend, the ones available
     report: BuildReport
     target: tvm.target.Target
+    module: tvm.IRModule        # the imported, normalized model
 
 
 @dataclass
@@ -86,7 +88,7 @@ class CollageResult:
     executable: object          # tvm.relax.VMExecutable
     module: tvm.IRModule        # partitioned, external groups lowered
     placement: Placement
-    graph: DataflowGraph
+    graph: DataflowGraph | None  # None: the whole model stayed on TVM (report.kept_on_tvm)
     report: BuildReport
 
 
@@ -161,9 +163,15 @@ def search(model, target="llvm", options: SearchOptions | None = None, db=None,
     t_start = time.perf_counter()
     target = make_target(target)
     mod = normalize_for_collage(load_model(model, example_inputs))
-    graph = DataflowGraph(mod["main"])
     backends, skipped = resolve_backends(options.backends, target)
     report = BuildReport(backends=list(backends), skipped=skipped)
+    try:
+        graph = DataflowGraph.from_module(mod)
+    except NotDataflow as err:  # compiled as TVM alone would: nothing to place
+        logger.warning("the whole model stays on TVM: %s", err)
+        report.kept_on_tvm = [f"the whole model: {err}"]
+        report.times["import"] = time.perf_counter() - t_start
+        return SearchResult(None, Placement([], math.nan), backends, report, target, mod)
     cost_db = open_db(db)
     log = open_placement_log(placement_log, cost_db)
     key = placement_key(graph.func, target, backends, options)
@@ -184,7 +192,7 @@ def search(model, target="llvm", options: SearchOptions | None = None, db=None,
     for g in placement.groups:
         report.ops_per_backend[g.backend] = report.ops_per_backend.get(g.backend, 0) + len(g.nodes)
     logger.info("collage: %s", report.summary())
-    return SearchResult(graph, placement, backends, report, target)
+    return SearchResult(graph, placement, backends, report, target, mod)
 
 
 def _search(graph, backends, target, cost_db, options: SearchOptions, report) -> Placement:
@@ -225,7 +233,11 @@ def _op_level(graph, backends, target, cost_db, options: SearchOptions, report) 
         eps = measurer.epsilon(backends.values())
         switch = measurer.switch_costs(backends.values()) if options.switching else {}
         t1 = time.perf_counter()
-        raw = measurer.costs(graph, candidates, backends)
+        raw, kept = ensure_cover(len(graph), candidates, measurer.costs(graph, candidates, backends))
+        if kept:
+            report.kept_on_tvm = [graph.nodes[i].op_name for i in kept]
+            logger.warning("%d node(s) could not be measured alone on any backend and stay on "
+                           "TVM: %s", len(kept), ", ".join(sorted(set(report.kept_on_tvm))))
         # Re-timing close calls may take half as long again as measuring did, each round;
         # when the DB answered every candidate it times nothing new either.
         refine_budget = (max(30.0, 0.5 * (time.perf_counter() - t1))
@@ -291,8 +303,11 @@ def optimize(model, target="llvm", backends=None, db=None, *, options: SearchOpt
     options = SearchOptions.of(options, backends=backends, **option_fields)
     found = search(model, target, options, db, placement_log, example_inputs)
     t0 = time.perf_counter()
-    executable, lowered = compile_placement(found.graph, found.placement.groups,
-                                            found.backends, found.target, keep=True)
+    if found.graph is None:
+        executable, lowered = tvm.compile(found.module, found.target), found.module
+    else:
+        executable, lowered = compile_placement(found.graph, found.placement.groups,
+                                                found.backends, found.target, keep=True)
     found.report.times["compile"] = time.perf_counter() - t0
     return CollageResult(executable, lowered, found.placement, found.graph, found.report)
 
@@ -300,6 +315,8 @@ def optimize(model, target="llvm", backends=None, db=None, *, options: SearchOpt
 def optimize_module(mod, target, options: SearchOptions, db=None, placement_log=None):
     """The partitioned module with external groups lowered (for ``collage_tvm.pipeline``)."""
     found = search(mod, target, options, db, placement_log)
+    if found.graph is None:
+        return found.module
     return lower_placement(found.graph, found.placement.groups, found.backends)
 
 

@@ -55,6 +55,12 @@ def _optimize(args) -> int:
         print(f"  backend {name} skipped: {why}")
     for backend, label, reason in rep.failures[:10]:
         print(f"  {backend} {label}: {reason}")
+    if rep.kept_on_tvm:
+        print(f"  kept on TVM (nothing else could run or time them): "
+              f"{', '.join(sorted(set(rep.kept_on_tvm)))}")
+    if res.graph is None:
+        print("the whole model was compiled by TVM alone: no placement to write or show")
+        return 0
     if args.output:
         with open(args.output, "w") as f:
             json.dump(placement_record(res.placement, res.graph, args.target, rep.comparison,

@@ -78,17 +78,37 @@ def _from_torch(model, example_inputs) -> tvm.IRModule:
 
 def normalize_for_collage(mod: tvm.IRModule) -> tvm.IRModule:
     """One dataflow block of single-op bindings, constants folded, inference-only ops."""
+    out = _normalize(mod, fold=True)
+    if _undefined_globals(out):
+        # FoldConstant can leave a call_tir to a PrimFunc it made and then dropped (a
+        # dynamic_strided_slice's shape function, seen on ONNX Slice): keep the constants.
+        out = _normalize(mod, fold=False)
+    return out
+
+
+def _normalize(mod: tvm.IRModule, fold: bool) -> tvm.IRModule:
     seq = tvm.transform.Sequential([
         relax.transform.DecomposeOpsForInference(),
         relax.transform.ConvertToDataflow(min_size=1),
         relax.transform.CanonicalizeBindings(),
-        relax.transform.FoldConstant(),
+        *([relax.transform.FoldConstant()] if fold else []),
         relax.transform.DeadCodeElimination(["main"]),
         relax.transform.Normalize(),
     ])
     mod = seq(mod)
-    main = mod["main"]
-    blocks = main.body.blocks
-    if len(blocks) > 1:
+    if len(mod["main"].body.blocks) > 1:
         mod = relax.transform.ConvertToDataflow(min_size=1)(mod)
     return mod
+
+
+def _undefined_globals(mod: tvm.IRModule) -> list:
+    """Names of the GlobalVars ``main`` refers to that ``mod`` does not define."""
+    defined = {gv.name_hint for gv in mod.get_global_vars()}
+    missing = []
+
+    def visit(e):
+        if isinstance(e, relax.GlobalVar) and e.name_hint not in defined:
+            missing.append(e.name_hint)
+
+    relax.analysis.post_order_visit(mod["main"].body, visit)
+    return missing

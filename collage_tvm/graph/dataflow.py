@@ -1,7 +1,13 @@
 """A dataflow-graph view of one Relax function: one node per binding of its dataflow block.
 
 The placers work on node indices in topological order; the partitioner maps the chosen
-groups back to bindings. Constants and function parameters are not nodes.
+groups back to bindings. Constants and function parameters are not nodes. A function with
+no binding at all (a model that returns its input, a constant) has no nodes.
+
+The module-level functions ``main`` calls (the PrimFuncs of ``call_tir``, the functions of a
+``call_dps_packed`` to a GlobalVar) travel with the graph as ``globals``: every function cut
+out of the graph carries those it calls in its ``collage.globals`` attribute, so a
+candidate builds alone and the partitioned module keeps them.
 """
 from __future__ import annotations
 
@@ -11,6 +17,21 @@ import tvm
 from tvm import relax
 
 from .op_kind import TUPLE, OPAQUE, op_kind
+
+GLOBALS_ATTR = "collage.globals"
+
+
+def called_globals(expr) -> list:
+    """The GlobalVars ``expr`` refers to (as a callee or an argument, e.g. of ``call_tir``)."""
+    seen, out = set(), []
+
+    def visit(e):
+        if isinstance(e, relax.GlobalVar) and e not in seen:
+            seen.add(e)
+            out.append(e)
+
+    relax.analysis.post_order_visit(expr, visit)
+    return out
 
 
 @dataclass
@@ -22,6 +43,7 @@ class Node:
     kind: int               # op kind for TVM's fusion rule (graph/op_kind.py)
     inputs: list = field(default_factory=list)  # producer node indices, unique, sorted
     users: list = field(default_factory=list)   # consumer node indices, unique, sorted
+    match_ty: object = None  # a MatchCast binding's type (None: a plain VarBinding)
 
     @property
     def call(self):
@@ -76,38 +98,66 @@ def free_vars(expr) -> list:
     return out
 
 
-class DataflowGraph:
-    """Nodes of the single dataflow block of ``func`` (call ``normalize_for_collage`` first)."""
+class NotDataflow(ValueError):
+    """The function is not one dataflow block (control flow, impure calls): no graph to place."""
 
-    def __init__(self, func: relax.Function):
+
+class DataflowGraph:
+    """Nodes of the single dataflow block of ``func`` (call ``normalize_for_collage`` first).
+
+    ``globals``: GlobalVar -> function of the module ``func`` calls into; default: the
+    function's ``collage.globals`` attribute (a cut-out candidate), else none.
+    """
+
+    def __init__(self, func: relax.Function, globals: dict | None = None):
         self.func = func
         self.params = list(func.params)
-        blocks = func.body.blocks if isinstance(func.body, relax.SeqExpr) else []
-        if len(blocks) != 1 or not isinstance(blocks[0], relax.DataflowBlock):
-            raise ValueError("collage expects a function whose body is one dataflow block; "
-                             f"got {len(blocks)} block(s). Run normalize_for_collage first.")
-        self.block = blocks[0]
+        if globals is None:
+            attrs = func.attrs
+            globals = dict(attrs[GLOBALS_ATTR]) if attrs is not None and GLOBALS_ATTR in attrs else {}
+        self.globals = dict(globals)
+        blocks = list(func.body.blocks) if isinstance(func.body, relax.SeqExpr) else []
+        if len(blocks) > 1 or (blocks and not isinstance(blocks[0], relax.DataflowBlock)):
+            kinds = ", ".join(type(b).__name__ for b in blocks)
+            raise NotDataflow("collage places a function whose body is one dataflow block; "
+                              f"this one has {len(blocks)} block(s) ({kinds}): control flow or "
+                              "impure calls that normalize_for_collage could not bring into one")
+        self.block = blocks[0] if blocks else None
         self.nodes: list[Node] = []
         index_of: dict = {}
-        for binding in self.block.bindings:
-            if not isinstance(binding, relax.VarBinding):
-                raise ValueError(f"unsupported binding {type(binding).__name__} for {binding.var}")
+        for binding in (self.block.bindings if self.block is not None else []):
             value = binding.value
-            name = _op_name(value)
-            kind = TUPLE if name in ("tuple", "tuple_get_item") else (
-                op_kind(name) if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op)
-                else OPAQUE)
-            node = Node(len(self.nodes), binding.var, value, name, kind)
+            if isinstance(binding, relax.MatchCast):
+                name, kind, match_ty = "match_cast", OPAQUE, binding.ty
+            elif isinstance(binding, relax.VarBinding):
+                name, match_ty = _op_name(value), None
+                kind = TUPLE if name in ("tuple", "tuple_get_item") else (
+                    op_kind(name) if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op)
+                    else OPAQUE)
+            else:
+                raise ValueError(f"unsupported binding {type(binding).__name__} for {binding.var}")
+            node = Node(len(self.nodes), binding.var, value, name, kind, match_ty=match_ty)
             node.inputs = sorted({index_of[v] for v in free_vars(value) if v in index_of})
             for p in node.inputs:
                 self.nodes[p].users.append(node.index)
             index_of[binding.var] = node.index
             self.nodes.append(node)
         self.index_of = index_of
-        out_vars = free_vars(func.body.body)
+        out_vars = free_vars(func.body.body if isinstance(func.body, relax.SeqExpr) else func.body)
         self.outputs = sorted({index_of[v] for v in out_vars if v in index_of})
         for n in self.nodes:
             n.users = sorted(set(n.users))
+
+    @classmethod
+    def from_module(cls, mod: tvm.IRModule, name: str = "main") -> "DataflowGraph":
+        """The graph of ``mod[name]``, with every other function of ``mod`` as its globals."""
+        return cls(mod[name], {gv: mod[gv] for gv in mod.get_global_vars()
+                               if gv.name_hint != name})
+
+    def globals_of(self, exprs) -> dict:
+        """The globals ``exprs`` call into (GlobalVar -> function)."""
+        found = {gv for e in exprs for gv in called_globals(e)}
+        return {gv: f for gv, f in self.globals.items() if gv in found}
 
     def __len__(self) -> int:
         return len(self.nodes)

@@ -10,8 +10,9 @@ import hashlib
 import numpy as np
 import tvm
 from tvm import relax
+from tvm_ffi.structural import structural_hash
 
-from .dataflow import DataflowGraph, free_vars
+from .dataflow import GLOBALS_ATTR, DataflowGraph, free_vars
 
 Constant = tvm.ir.expr.GenericConst  # relax.Constant in TVM < 0.27
 
@@ -49,12 +50,16 @@ def extract_function(graph: DataflowGraph, group, lift_constants: bool = False):
         var_cls = relax.Var if i in outputs else relax.DataflowVar
         new_var = var_cls(node.var.name, node.var.ty)
         vmap[node.var] = new_var
-        bindings.append(relax.VarBinding(new_var, value))
+        bindings.append(relax.MatchCast(new_var, value, node.match_ty) if node.match_ty is not None
+                        else relax.VarBinding(new_var, value))
     out_vars = [vmap[graph.nodes[i].var] for i in outputs]
     body_out = out_vars[0] if len(out_vars) == 1 else relax.Tuple(out_vars)
     body = relax.SeqExpr([relax.DataflowBlock(bindings)], body_out)
     ret_ty = out_vars[0].ty if len(out_vars) == 1 else relax.TupleType([v.ty for v in out_vars])
     func = relax.Function(new_params + const_params, body, ret_ty)
+    called = graph.globals_of(b.value for b in bindings)
+    if called:  # the PrimFuncs of call_tir etc.: the candidate builds alone
+        func = func.with_attr(GLOBALS_ATTR, called)
     return func, inputs, outputs, consts
 
 
@@ -148,8 +153,13 @@ def function_key(func: relax.Function) -> str:
     for block in body.blocks:
         for b in block.bindings:
             names[b.var] = f"v{len(names)}"
-            lines.append(f"{names[b.var]}:{b.var.ty}={_render(b.value, names)}")
+            cast = f" as {b.ty}" if isinstance(b, relax.MatchCast) else ""
+            lines.append(f"{names[b.var]}:{b.var.ty}={_render(b.value, names)}{cast}")
     lines.append("ret " + _render(body.body, names))
+    attrs = func.attrs
+    if attrs is not None and GLOBALS_ATTR in attrs:  # what a call_tir runs is part of the kernel
+        lines += sorted(f"global {gv.name_hint}: {structural_hash(f)}"
+                        for gv, f in attrs[GLOBALS_ATTR].items())
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:32]
 
 

@@ -69,6 +69,12 @@ def add_probe() -> relax.Function:
     return one_op_function((1,), lambda x: relax.op.add(x, x))
 
 
+def _has_call(func: relax.Function) -> bool:
+    """Whether ``func`` computes anything (a Call); else it only moves values around."""
+    return any(isinstance(b.value, relax.Call) for block in func.body.blocks
+               for b in block.bindings)
+
+
 def _reason(err: BaseException) -> str:
     return f"{type(err).__name__}: {str(err).strip()[:400]}"
 
@@ -219,7 +225,10 @@ class Measurer:
             known = [best_for_nodes[c.nodes] for c in cands if c.nodes in best_for_nodes]
             cutoff = self.cutoff_factor * min(known) if known else None
             before = self.measured
-            cost = self._lookup_or_measure(backend, bk[1], func, cands[0].label, cutoff)
+            if not backend.is_external and not _has_call(func):
+                cost = 0.0  # tuples, getters, match_cast: TVM compiles them to no kernel
+            else:
+                cost = self._lookup_or_measure(backend, bk[1], func, cands[0].label, cutoff)
             if self.second_pass and backend.is_external and self.measured > before \
                     and math.isfinite(cost):
                 fresh.append(bk)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-from ..graph import DataflowGraph
+from ..graph import GLOBALS_ATTR, DataflowGraph
 from ..graph.subgraph import substitute, extract_function, function_key
 
 CODEGEN_PREFIX = "collage_"
@@ -28,6 +28,7 @@ def partition(graph: DataflowGraph, groups, backends: dict) -> tvm.IRModule:
     vmap = dict(zip(graph.params, params))
     attrs = dict(func.attrs) if func.attrs is not None else {}
     attrs.pop("global_symbol", None)
+    attrs.pop(GLOBALS_ATTR, None)
     with bb.function("main", params, attrs or None):
         with bb.dataflow():
             for k, group in enumerate(groups):
@@ -35,7 +36,10 @@ def partition(graph: DataflowGraph, groups, backends: dict) -> tvm.IRModule:
                 nodes = [graph.nodes[i] for i in sorted(group.nodes)]
                 if not backend.is_external and (len(nodes) == 1 or all(n.call is None for n in nodes)):
                     for n in nodes:  # a single TVM op stays inline; TVM compiles it as usual
-                        vmap[n.var] = bb.emit(substitute(n.value, vmap), name_hint=n.var.name)
+                        value = substitute(n.value, vmap)
+                        vmap[n.var] = (bb.match_cast(value, n.match_ty, name_hint=n.var.name)
+                                       if n.match_ty is not None
+                                       else bb.emit(value, name_hint=n.var.name))
                     continue
                 sub, inputs, outputs, consts = extract_function(
                     graph, group.nodes, lift_constants=not backend.is_external)
@@ -59,4 +63,7 @@ def partition(graph: DataflowGraph, groups, backends: dict) -> tvm.IRModule:
                         vmap[graph.nodes[i].var] = bb.emit(relax.TupleGetItem(call, j))
             out = bb.emit_output(substitute(func.body.body, vmap))
         bb.emit_func_output(out)
-    return bb.get()
+    mod = bb.get()
+    for gv, f in graph.globals.items():  # the PrimFuncs main's call_tir bindings run
+        mod[gv] = f
+    return mod

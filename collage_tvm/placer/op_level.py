@@ -55,6 +55,28 @@ def pair_cost(switch: dict | None, a: str, b: str) -> float:
     return float(v) if v > 0 and math.isfinite(v) else 0.0
 
 
+def ensure_cover(n_nodes: int, candidates: list, costs: dict, fallback: str = "tvm") -> tuple:
+    """A finite cover exists, by construction: every node no finite-cost candidate covers
+    gets its single-node ``fallback`` candidate (TVM, which compiles whatever the frontend
+    emitted) at cost 0. Such a node could not be timed alone (a symbolic shape, an input no
+    random array fits); it stays where TVM alone would run it. Returns (costs, the nodes)."""
+    covered = set()
+    for c in candidates:
+        if math.isfinite(costs.get(c, math.inf)):
+            covered |= c.nodes
+    missing = [i for i in range(n_nodes) if i not in covered]
+    if not missing:
+        return costs, []
+    costs = dict(costs)
+    singles = {min(c.nodes): c for c in candidates if c.backend == fallback and len(c.nodes) == 1}
+    for i in missing:
+        if i not in singles:
+            raise ValueError(f"node {i} has no single-node {fallback} candidate: the {fallback} "
+                             "pattern rule must accept every node")
+        costs[singles[i]] = 0.0
+    return costs, missing
+
+
 def place(
     producers: list[list[int]],
     candidates: list[Candidate],

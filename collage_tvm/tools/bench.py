@@ -53,7 +53,7 @@ def glue_overhead(onnx_path: str, library: str = "onnxruntime", target="llvm") -
     ok, why = backend.available()
     if not ok:
         return {"error": f"{library} unavailable: {why}"}
-    graph = DataflowGraph(normalize_for_collage(load_model(onnx_path))["main"])
+    graph = DataflowGraph.from_module(normalize_for_collage(load_model(onnx_path)))
     groups = graph_lib_groups(graph, backend)
     if any(g.backend != library for g in groups):
         return {"error": f"{library} cannot run every operator of the model: "
