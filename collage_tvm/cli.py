@@ -132,9 +132,11 @@ def _bench(args, parser) -> int:
     from .options import SearchOptions
     from .tools import bench, zoo
 
+    if args.suite:
+        return _bench_suite(args)
     models = zoo.names() if args.all else args.models
     if not models:
-        parser.error("name the models to run, or --all")
+        parser.error("name the models to run, --all, or --suite")
     unknown = [m for m in models if m not in bench.known_models()]
     if unknown:
         parser.error(f"unknown model(s) {', '.join(unknown)}; "
@@ -145,6 +147,27 @@ def _bench(args, parser) -> int:
                         ablation=args.ablation)
     print("\n" + bench.markdown(results))
     print(f"\nwritten: {', '.join(f'{args.out}/{w}' for w in results['files'])}")
+    return 0
+
+
+def _bench_suite(args) -> int:
+    """``bench --suite``: models nobody here wrote; a table per suite (docs/COVERAGE.md)."""
+    import os
+
+    from ._files import write_json_atomic
+    from .build import DEFAULT_DB
+    from .tools import suites
+
+    backends = [b for b in args.backends.split(",") if b]
+    print(f"== suite {args.suite} ({', '.join(backends)})", flush=True)
+    rows = suites.run(args.suite, backends, args.db or DEFAULT_DB, args.out, full=args.full,
+                      limit=args.limit, log=lambda line: print(line, flush=True))
+    table = suites.markdown(args.suite, rows)
+    base = os.path.join(args.out, f"suite_{args.suite}")
+    write_json_atomic(__import__("pathlib").Path(base + ".json"), rows)
+    with open(base + ".md", "w") as f:
+        f.write(table)
+    print("\n" + table + f"\nwritten: {base}.json, {base}.md")
     return 0
 
 
@@ -201,6 +224,15 @@ def main(argv=None) -> int:
                    "dcgan, nasnet, resnet3d, resnext50, resnet50, inception_v3, squeezenet) "
                    "or resnet_small, bert_base, bert_small")
     b.add_argument("--all", action="store_true", help="every zoo model")
+    b.add_argument("--suite", choices=["onnx-node", "onnx-files", "transformers"],
+                   help="an external model suite instead of zoo models: the onnx wheel's "
+                        "backend test models (node tests; pytorch-converted, pytorch-operator "
+                        "and simple files) or transformers models built from configs; writes "
+                        "suite_<name>.json/.md")
+    b.add_argument("--full", action="store_true",
+                   help="with an onnx suite: also the whole Collage search over --backends "
+                        "on every case TVM alone runs")
+    b.add_argument("--limit", type=int, default=None, help="with --suite: the first N models")
     b.add_argument("--size", choices=["small", "paper"], default="paper",
                    help="zoo model size (default paper)")
     b.add_argument("--backends", default="tvm,dnnl,mkl,onnxruntime,openvino")

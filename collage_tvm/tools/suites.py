@@ -10,6 +10,7 @@ compile is a node Collage can place.
 from __future__ import annotations
 
 import glob
+import math
 import os
 import warnings
 from dataclasses import dataclass
@@ -124,3 +125,236 @@ def tvm_only_check(case: Case, target) -> dict:
     except Exception as err:  # noqa: BLE001
         out["collage"] = "error " + _first_line(err)
     return out
+
+
+# --------------------------------------------------------------------------- transformers
+
+TRANSFORMERS = ("bert", "roberta", "distilbert", "gpt2", "gpt_neo", "t5_encoder", "vit",
+                "whisper_encoder", "llama")
+
+
+def transformers_model(name: str):
+    """(torch module returning the last hidden state, example inputs) of a 2-layer model
+    built from its ``transformers`` config, random weights (nothing downloaded)."""
+    import torch
+    import transformers as T
+
+    torch.manual_seed(0)
+    ids = (torch.randint(0, 1000, (1, 16), generator=torch.Generator().manual_seed(1)),)
+    small = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                 intermediate_size=128, vocab_size=1000, max_position_embeddings=64)
+    build = {
+        "bert": lambda: T.BertModel(T.BertConfig(**small)),
+        "roberta": lambda: T.RobertaModel(T.RobertaConfig(**small, pad_token_id=1)),
+        "distilbert": lambda: T.DistilBertModel(T.DistilBertConfig(
+            n_layers=2, dim=64, n_heads=4, hidden_dim=128, vocab_size=1000,
+            max_position_embeddings=64)),
+        "gpt2": lambda: T.GPT2Model(T.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1000,
+                                                 n_positions=64)),
+        "gpt_neo": lambda: T.GPTNeoModel(T.GPTNeoConfig(
+            num_layers=2, hidden_size=64, num_heads=4, vocab_size=1000,
+            max_position_embeddings=64, attention_types=[[["global", "local"], 1]],
+            window_size=8)),
+        "t5_encoder": lambda: T.T5EncoderModel(T.T5Config(
+            num_layers=2, d_model=64, d_kv=16, num_heads=4, d_ff=128, vocab_size=1000)),
+        "vit": lambda: T.ViTModel(T.ViTConfig(
+            num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
+            image_size=32, patch_size=8)),
+        "whisper_encoder": lambda: T.WhisperModel(T.WhisperConfig(
+            encoder_layers=2, decoder_layers=2, d_model=64, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
+            num_mel_bins=16, max_source_positions=32, vocab_size=1000, pad_token_id=1,
+            bos_token_id=2, eos_token_id=3, decoder_start_token_id=2)).get_encoder(),
+        # Llama-style: RMSNorm, rotary embeddings, SwiGLU. Key/value heads = query heads:
+        # torch's ONNX exporter cannot write grouped-query attention (enable_gqa).
+        "llama": lambda: T.LlamaModel(T.LlamaConfig(**small, num_key_value_heads=4)),
+    }
+    if name not in build:
+        raise ValueError(f"unknown transformers model {name!r}: one of {', '.join(TRANSFORMERS)}")
+    inputs = {"vit": (torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(1)),),
+              "whisper_encoder": (torch.randn(1, 16, 64,
+                                              generator=torch.Generator().manual_seed(1)),)}
+    return _LastHidden(build[name]()).eval(), inputs.get(name, ids)
+
+
+def _last_hidden_cls():
+    import torch
+
+    class LastHidden(torch.nn.Module):
+        """The model's last hidden state only; no key/value cache (decoders)."""
+
+        def __init__(self, model):
+            super().__init__()
+            self.model = model.eval()
+
+        def forward(self, x):
+            try:
+                return self.model(x, use_cache=False).last_hidden_state
+            except TypeError:  # encoders take no use_cache
+                return self.model(x).last_hidden_state
+
+    return LastHidden
+
+
+def _LastHidden(model):  # noqa: N802 - a class made on first use (torch is imported lazily)
+    return _last_hidden_cls()(model)
+
+
+def export_onnx(model, inputs, path: str) -> str:
+    """``model`` to ONNX with the TorchScript-based exporter, opset 17, IR version <= 10
+    (onnxruntime 1.31 reads at most 13; onnx 1.23 writes 14)."""
+    import onnx
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, inputs, path, dynamo=False, opset_version=17)
+    proto = onnx.load(path)
+    if proto.ir_version > 10:
+        proto.ir_version = 10
+        onnx.save(proto, path)
+    return path
+
+
+# --------------------------------------------------------------------------- one model
+
+def collage_check(model, inputs: list, expected: list, backends, db, rtol: float = 1e-3,
+                  atol: float = 1e-4, graph_level: bool = False, budget: float = 60.0) -> dict:
+    """One model through ``collage_tvm.optimize`` with ``backends`` and the never-slower
+    check: {"status": "built"|"unsupported"|"crash", "error", "match", "max_err",
+    "search_s", "collage_ms", "best": (build, ms), "shipped", "kept_on_tvm"}."""
+    import time
+
+    import tvm
+    from tvm import relax
+
+    from ..build import optimize
+    from ..check import run_outputs
+    from ..frontend.load import ModelError
+
+    t0 = time.perf_counter()
+    row: dict = {}
+    try:
+        res = optimize(model, "llvm", list(backends), db=db, compare=True, progress=False,
+                       graph_level=graph_level, budget=budget, calibrate_rounds=0,
+                       refine_rounds=1)
+    except (ModelError, NotImplementedError) as err:
+        return {"status": "unsupported", "error": _first_line(err)}
+    except Exception as err:  # noqa: BLE001 - a suite records every failure
+        return {"status": "crash", "error": _first_line(err)}
+    row["search_s"] = time.perf_counter() - t0
+    rep = res.report
+    vm = relax.VirtualMachine(res.executable, tvm.cpu())
+    got = run_outputs(vm, [tvm.runtime.tensor(np.asarray(a)) for a in inputs])
+    row["status"] = "built"
+    row["match"] = matches(got, expected, rtol, atol)
+    row["max_err"] = max((float(np.max(np.abs(np.asarray(g, "float64") - np.asarray(e))))
+                          for g, e in zip(got, expected) if np.asarray(g).size), default=0.0)
+    comp = {n: r for n, r in rep.comparison.items() if r.get("match")}
+    row["collage_ms"] = rep.comparison.get("collage", {}).get("ms", math.nan)
+    singles = {n: r["ms"] for n, r in comp.items() if not n.startswith("collage")}
+    if singles:
+        best = min(singles, key=singles.get)
+        row["best"] = (best, singles[best])
+    row["shipped"] = rep.shipped
+    row["kept_on_tvm"] = sorted(set(rep.kept_on_tvm))
+    return row
+
+
+# --------------------------------------------------------------------------- a suite
+
+SUITES = ("onnx-node", "onnx-files", "transformers")
+
+
+def run(suite: str, backends, db, out_dir: str, full: bool = False, limit: int | None = None,
+        log=print) -> list:
+    """Every model of ``suite``; one row each (see ``markdown``).
+
+    ``onnx-node`` / ``onnx-files`` (the onnx wheel's node tests; its pytorch-converted,
+    pytorch-operator and simple models): TVM alone, and Collage's import and partition with
+    every node on TVM, against the wheel's expected outputs; with ``full``, also the whole
+    Collage search over ``backends``. ``transformers``: each model exported to ONNX, the
+    whole Collage search over ``backends``, outputs against PyTorch's."""
+    import os
+    import time
+
+    from ..target import make_target
+
+    if suite not in SUITES:
+        raise ValueError(f"unknown suite {suite!r}: one of {', '.join(SUITES)}")
+    os.makedirs(out_dir, exist_ok=True)
+    target = make_target("llvm")
+    rows = []
+    if suite.startswith("onnx"):
+        parts = ["node"] if suite == "onnx-node" else ["pytorch-converted", "pytorch-operator",
+                                                        "simple"]
+        cases = (c for p in parts for c in onnx_cases(p))
+        for k, case in enumerate(cases):
+            if limit is not None and k >= limit:
+                break
+            t0 = time.perf_counter()
+            row = {"model": case.name, **tvm_only_check(case, target)}
+            if full and row["tvm"] == "match":
+                row["build"] = collage_check(case.model, case.inputs, case.outputs, backends,
+                                             db, case.rtol, case.atol)
+            row["s"] = time.perf_counter() - t0
+            rows.append(row)
+            log(f"  {case.name}: tvm {row['tvm']}; collage {row['collage']}"
+                + (f"; search {row['build']['status']}" if "build" in row else ""))
+        return rows
+    import torch
+
+    for k, name in enumerate(TRANSFORMERS):
+        if limit is not None and k >= limit:
+            break
+        t0 = time.perf_counter()
+        model, inputs = transformers_model(name)
+        with torch.no_grad():
+            expected = [model(*inputs).numpy()]
+        path = export_onnx(model, inputs, os.path.join(out_dir, f"{name}.onnx"))
+        row = {"model": name, "build": collage_check(path, [i.numpy() for i in inputs],
+                                                     expected, backends, db)}
+        row["s"] = time.perf_counter() - t0
+        rows.append(row)
+        b = row["build"]
+        log(f"  {name}: {b['status']}" + (f", match {b['match']}, max err {b['max_err']:.1e}"
+                                          if b["status"] == "built" else f": {b['error']}"))
+    return rows
+
+
+def _build_cell(b: dict) -> list:
+    if b["status"] != "built":
+        return [f"{b['status']}: {b['error']}", "", "", "", "", ""]
+    best = f"{b['best'][0]} {b['best'][1]:.3f}" if b.get("best") else ""
+    return ["built", "yes" if b["match"] else "**NO**", f"{b['max_err']:.1e}",
+            f"{b['search_s']:.0f}", f"{b['collage_ms']:.3f}", best]
+
+
+def markdown(suite: str, rows: list) -> str:
+    """The suite's table: per model, what happened and how it compares."""
+    lines = []
+    if suite.startswith("onnx"):
+        tvm_ok = [r for r in rows if r["tvm"] == "match"]
+        both = [r for r in tvm_ok if r["collage"] == "match" and not r.get("uncovered")]
+        lines.append(f"{len(rows)} cases; TVM alone runs {len(tvm_ok)} correctly; Collage "
+                     f"(every node placed on TVM) runs {len(both)} of those correctly.\n")
+        head = ["model", "TVM alone", "Collage, nodes on TVM"]
+        if any("build" in r for r in rows):
+            head += ["search", "match", "max err", "search s", "collage ms", "best single ms"]
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for r in rows:
+            cells = [r["model"], r["tvm"], r["collage"]]
+            if len(head) > 3:
+                cells += _build_cell(r["build"]) if "build" in r else [""] * 6
+            lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+        return "\n".join(lines) + "\n"
+    built = [r for r in rows if r["build"]["status"] == "built" and r["build"]["match"]]
+    lines.append(f"{len(rows)} models; {len(built)} built and match PyTorch.\n")
+    head = ["model", "status", "match", "max err", "search s", "collage ms", "best single ms",
+            "shipped"]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        b = r["build"]
+        lines.append("| " + " | ".join([r["model"], *_build_cell(b), b.get("shipped", "")])
+                     + " |")
+    return "\n".join(lines) + "\n"
