@@ -27,7 +27,9 @@ setup(
     ],
     extras_require={
         "plot": ["matplotlib==3.11.2"],  # bench plots, `collage-tvm show` PNG (collage_tvm.tools)
-        "test": ["pytest>=8"],
+        # transformers: the external model suite (models built from configs, nothing
+        # downloaded); pulls no torch of its own beside the pinned CPU build.
+        "test": ["pytest>=8", "transformers==5.23.0"],
     },
     entry_points={"console_scripts": ["collage-tvm=collage_tvm.cli:main"]},
 )

@@ -153,7 +153,7 @@ def open_placement_log(log, db: CostDB) -> PlacementLog:
 
 
 def search(model, target="llvm", options: SearchOptions | None = None, db=None,
-           placement_log=None, example_inputs=None) -> SearchResult:
+           placement_log=None, example_inputs=None, input_shapes=None) -> SearchResult:
     """Import, generate candidates, measure (or reuse) costs, place; see ``SearchOptions``.
 
     A placement found in the placement log (same model, target, backend versions and
@@ -162,7 +162,7 @@ def search(model, target="llvm", options: SearchOptions | None = None, db=None,
     options = options or SearchOptions()
     t_start = time.perf_counter()
     target = make_target(target)
-    mod = normalize_for_collage(load_model(model, example_inputs))
+    mod = normalize_for_collage(load_model(model, example_inputs, input_shapes))
     backends, skipped = resolve_backends(options.backends, target)
     report = BuildReport(backends=list(backends), skipped=skipped)
     try:
@@ -291,17 +291,19 @@ def _graph_level(graph, placement, backends, target, report, options: SearchOpti
 
 
 def optimize(model, target="llvm", backends=None, db=None, *, options: SearchOptions | None = None,
-             placement_log=None, example_inputs=None, **option_fields) -> CollageResult:
+             placement_log=None, example_inputs=None, input_shapes=None,
+             **option_fields) -> CollageResult:
     """Search a placement for ``model`` and build it.
 
     ``model``: ONNX path/ModelProto, torch.nn.Module (with ``example_inputs``) or IRModule.
     ``db``: cost DB path (default ``~/.cache/collage-tvm/costs.db``) or a ``CostDB``.
     ``placement_log``: path or ``PlacementLog`` (default: next to the DB).
+    ``input_shapes``: input name -> static shape, for an ONNX model with dynamic inputs.
     Search options (``SearchOptions``): ``options=`` and/or its fields by name
     (``backends``, ``graph_level=True``, ``budget=120``, ``compare=True``, ...).
     """
     options = SearchOptions.of(options, backends=backends, **option_fields)
-    found = search(model, target, options, db, placement_log, example_inputs)
+    found = search(model, target, options, db, placement_log, example_inputs, input_shapes)
     t0 = time.perf_counter()
     if found.graph is None:
         executable, lowered = tvm.compile(found.module, found.target), found.module

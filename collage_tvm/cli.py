@@ -11,6 +11,7 @@ import time
 
 def _optimize(args) -> int:
     from .build import optimize
+    from .frontend.load import parse_input_shapes
     from .placement import placement_record
     from .registry import load_pattern_file
 
@@ -33,6 +34,7 @@ def _optimize(args) -> int:
               f"ms per call: {extra}", flush=True)
 
     res = optimize(args.model, args.target, db=args.db, options=_options(args, backends),
+                   input_shapes=parse_input_shapes(args.input_shape),
                    on_generation=on_generation, on_calibration=on_calibration)
     rep = res.report
     if rep.close_calls:
@@ -197,6 +199,9 @@ def main(argv=None) -> int:
                         "onnxruntime, openvino")
     o.add_argument("--db", default=None, help="cost DB path (default ~/.cache/collage-tvm/costs.db)")
     o.add_argument("--patterns", action="append", help="extra pattern file (repeatable)")
+    o.add_argument("--input-shape", action="append", metavar="NAME=D1xD2x...",
+                   help="static shape of an input with dynamic dimensions (batch, sequence), "
+                        "e.g. input=1x3x224x224 (repeatable)")
     o.add_argument("--output", "-o", help="write the placement JSON here")
     o.add_argument("--no-compare", action="store_true",
                    help="skip the never-slower check (single-backend builds timed end to end)")

@@ -108,3 +108,61 @@ def test_a_model_with_control_flow_is_compiled_by_tvm_alone_with_the_reason(tmp_
     vm = relax.VirtualMachine(res.executable, tvm.cpu())
     got = vm["main"](*[tvm.runtime.tensor(np.asarray(a)) for a in case.inputs])
     assert matches([got.numpy()], case.outputs, case.rtol, case.atol)
+
+
+def _dynamic_batch_onnx(path):
+    m = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU()).eval()
+    torch.onnx.export(m, (torch.randn(1, 3, 8, 8),), path, dynamo=False, opset_version=17,
+                      input_names=["image"], dynamic_axes={"image": {0: "batch"}})
+    return m
+
+
+def test_a_dynamic_input_dimension_is_a_clear_error_naming_the_flag_that_fixes_it(tmp_path):
+    from collage_tvm.cli import main
+    from collage_tvm.frontend.load import ModelError
+
+    path = str(tmp_path / "dyn.onnx")
+    m = _dynamic_batch_onnx(path)
+    with pytest.raises(ModelError, match=r"input 'image' has a dynamic dimension 0 .*"
+                                         r"--input-shape image=1x3x8x8"):
+        collage_tvm.optimize(path, "llvm", ["tvm"], db=str(tmp_path / "c.db"), progress=False)
+    with pytest.raises(ModelError, match="names no input of the model: imgae; its inputs: image"):
+        collage_tvm.optimize(path, "llvm", ["tvm"], db=str(tmp_path / "c.db"),
+                             input_shapes={"imgae": (2, 3, 8, 8)})
+    res = collage_tvm.optimize(path, "llvm", ["tvm"], db=str(tmp_path / "c.db"), progress=False,
+                               isolate=False, input_shapes={"image": (2, 3, 8, 8)})
+    x = torch.randn(2, 3, 8, 8)
+    got = relax.VirtualMachine(res.executable, tvm.cpu())["main"](tvm.runtime.tensor(x.numpy()))
+    with torch.no_grad():
+        assert matches([got.numpy()], [m(x).numpy()], 1e-3, 1e-4)
+    assert main(["optimize", path, "--backends", "tvm", "--db", str(tmp_path / "c.db"),
+                 "--in-process", "--no-compare", "--input-shape", "image=2x3x8x8"]) == 0
+    assert main(["optimize", path, "--backends", "tvm", "--db", str(tmp_path / "c.db")]) == 2
+
+
+def _transformers_row(name, backends, tmp_path):
+    pytest.importorskip("transformers")  # the test extra (make setup installs it)
+    from collage_tvm.tools.suites import collage_check, export_onnx, transformers_model
+
+    model, inputs = transformers_model(name)
+    with torch.no_grad():
+        expected = [model(*inputs).numpy()]
+    path = export_onnx(model, inputs, str(tmp_path / f"{name}.onnx"))
+    return collage_check(path, [i.numpy() for i in inputs], expected, backends,
+                         str(tmp_path / "c.db"))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_transformers_decoders_from_configs_build_and_match_torch(name, tmp_path):
+    row = _transformers_row(name, ["tvm"], tmp_path)  # every backend: the slow test below
+    assert row["status"] == "built" and row["match"], row
+    assert row["shipped"] in ("collage", row["best"][0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["bert", "roberta", "distilbert", "gpt2", "gpt_neo",
+                                  "t5_encoder", "vit", "whisper_encoder", "llama"])
+def test_transformers_suite_builds_on_every_cpu_backend_and_matches_torch(name, tmp_path):
+    backends = [b for b in CPU_BACKENDS if collage_tvm.get_backend(b).available()[0]]
+    row = _transformers_row(name, backends, tmp_path)
+    assert row["status"] == "built" and row["match"], row

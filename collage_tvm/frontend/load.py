@@ -11,11 +11,15 @@ class ModelError(ValueError):
     """The model could not be imported; the message says what was wrong."""
 
 
-def load_model(model, example_inputs=None, shape_dict: dict | None = None) -> tvm.IRModule:
+def load_model(model, example_inputs=None, input_shapes: dict | None = None) -> tvm.IRModule:
     """Import ``model`` to a Relax IRModule whose ``main`` has its weights bound as constants.
 
     ``model``: an ONNX file path or ``onnx.ModelProto``; a ``torch.nn.Module`` (needs
     ``example_inputs``, a tuple of tensors); or a ``tvm.IRModule``.
+    ``input_shapes``: input name -> static shape, for an ONNX model whose inputs have
+    dynamic dimensions (batch, sequence). Every input must end up static: Collage measures
+    kernels of known shapes; a dynamic one is a ``ModelError`` naming the input, the
+    dimension and the flag that fixes it.
     """
     if isinstance(model, tvm.IRModule):
         mod = model
@@ -31,9 +35,9 @@ def load_model(model, example_inputs=None, shape_dict: dict | None = None) -> tv
             proto = onnx.load(path)
         except Exception as err:
             raise ModelError(f"{path}: not a readable ONNX model ({err})") from err
-        mod = _from_onnx(proto, shape_dict, path)
+        mod = _from_onnx(proto, input_shapes, path)
     elif type(model).__name__ == "ModelProto":
-        mod = _from_onnx(model, shape_dict, "<ModelProto>")
+        mod = _from_onnx(model, input_shapes, "<ModelProto>")
     elif _is_torch_module(model):
         mod = _from_torch(model, example_inputs)
     else:
@@ -41,14 +45,57 @@ def load_model(model, example_inputs=None, shape_dict: dict | None = None) -> tv
                          "ModelProto, a torch.nn.Module with example_inputs, or a tvm.IRModule")
     if "main" not in [gv.name_hint for gv in mod.get_global_vars()]:
         raise ModelError("the Relax module has no 'main' function")
+    _check_static_inputs(mod["main"])
     return mod
 
 
-def _from_onnx(proto, shape_dict, where: str) -> tvm.IRModule:
+def parse_input_shapes(specs) -> dict:
+    """``["input=1x3x224x224", ...]`` (the CLI's ``--input-shape``) -> {name: (1, 3, 224, 224)}."""
+    out = {}
+    for spec in specs or []:
+        name, _, dims = spec.rpartition("=")
+        try:
+            shape = tuple(int(d) for d in dims.lower().split("x"))
+        except ValueError:
+            shape = ()
+        if not name or not shape or min(shape) < 0:
+            raise ModelError(f"--input-shape {spec!r}: expected NAME=D1xD2x..., "
+                             "e.g. input=1x3x224x224")
+        out[name] = shape
+    return out
+
+
+def _check_static_inputs(main) -> None:
+    for p in main.params:
+        ty = p.ty
+        shape = getattr(ty, "shape", None)
+        values = getattr(shape, "values", None)
+        if not isinstance(ty, relax.TensorType):
+            continue
+        if values is None:
+            raise ModelError(f"input {p.name!r} has an unknown rank: give its shape with "
+                             f"--input-shape {p.name}=D1xD2x... (input_shapes=...)")
+        for axis, d in enumerate(values):
+            if not isinstance(d, (int, tvm.tirx.IntImm)):
+                example = "x".join(str(int(v)) if isinstance(v, (int, tvm.tirx.IntImm)) else "1"
+                                   for v in values)
+                raise ModelError(
+                    f"input {p.name!r} has a dynamic dimension {axis} ({d}): Collage "
+                    f"measures kernels of static shapes; give it with --input-shape "
+                    f"{p.name}={example} (input_shapes={{{p.name!r}: "
+                    f"({example.replace('x', ', ')})}} in Python)")
+
+
+def _from_onnx(proto, input_shapes, where: str) -> tvm.IRModule:
     from tvm.relax.frontend.onnx import from_onnx
 
+    names = [i.name for i in proto.graph.input]
+    unknown = sorted(set(input_shapes or {}) - set(names))
+    if unknown:
+        raise ModelError(f"{where}: --input-shape names no input of the model: "
+                         f"{', '.join(unknown)}; its inputs: {', '.join(names)}")
     try:
-        return from_onnx(proto, shape_dict=shape_dict, keep_params_in_input=False)
+        return from_onnx(proto, shape_dict=input_shapes, keep_params_in_input=False)
     except Exception as err:
         raise ModelError(f"{where}: ONNX import failed: {type(err).__name__}: {err}") from err
 
@@ -70,10 +117,18 @@ def _from_torch(model, example_inputs) -> tvm.IRModule:
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     model = model.eval()
-    with torch.no_grad():
-        exported = torch.export.export(model, tuple(example_inputs))
-    mod = from_exported_program(exported, keep_params_as_input=False)
-    return mod
+    try:
+        with torch.no_grad():
+            exported = torch.export.export(model, tuple(example_inputs))
+    except Exception as err:
+        raise ModelError(f"torch.export failed: {type(err).__name__}: "
+                         f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}") from err
+    try:
+        return from_exported_program(exported, keep_params_as_input=False)
+    except Exception as err:
+        raise ModelError(f"TVM's PyTorch importer failed: {type(err).__name__}: "
+                         f"{str(err).strip().splitlines()[0] if str(err).strip() else ''} "
+                         "(exporting to ONNX first may work: the ONNX importer covers more)") from err
 
 
 def normalize_for_collage(mod: tvm.IRModule) -> tvm.IRModule:
