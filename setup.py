@@ -29,7 +29,8 @@ setup(
         "plot": ["matplotlib==3.11.2"],  # bench plots, `collage-tvm show` PNG (collage_tvm.tools)
         # transformers: the external model suite (models built from configs, nothing
         # downloaded); pulls no torch of its own beside the pinned CPU build.
-        "test": ["pytest>=8", "transformers==5.23.0"],
+        # onnxscript: torch.onnx.export(dynamo=True), the second PyTorch exporter.
+        "test": ["pytest>=8", "transformers==5.23.0", "onnxscript==0.7.2"],
     },
     entry_points={"console_scripts": ["collage-tvm=collage_tvm.cli:main"]},
 )

@@ -166,3 +166,43 @@ def test_transformers_suite_builds_on_every_cpu_backend_and_matches_torch(name, 
     backends = [b for b in CPU_BACKENDS if collage_tvm.get_backend(b).available()[0]]
     row = _transformers_row(name, backends, tmp_path)
     assert row["status"] == "built" and row["match"], row
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+@pytest.mark.parametrize("opset", [13, 18])
+@pytest.mark.parametrize("model,shape", [(FusedQKV, (1, 16, 32)), (Relu6CNN, (1, 3, 16, 16))],
+                         ids=["fused_qkv", "relu6"])
+def test_onnx_from_both_pytorch_exporters_builds_and_matches_torch(model, shape, opset, exporter,
+                                                                   tmp_path):
+    import onnx
+
+    torch.manual_seed(0)
+    m, x = model().eval(), torch.randn(*shape)
+    path = str(tmp_path / "m.onnx")
+    if exporter == "dynamo":
+        pytest.importorskip("onnxscript")  # the test extra (make setup installs it)
+        torch.onnx.export(m, (x,), dynamo=True, opset_version=opset).save(path)
+    else:
+        torch.onnx.export(m, (x,), path, dynamo=False, opset_version=opset)
+    proto = onnx.load(path)
+    proto.ir_version = min(proto.ir_version, 10)
+    onnx.save(proto, path)
+    res = collage_tvm.optimize(path, "llvm", ["tvm"], db=str(tmp_path / "c.db"), isolate=False,
+                               progress=False, calibrate_rounds=0, refine_rounds=0)
+    got = relax.VirtualMachine(res.executable, tvm.cpu())["main"](tvm.runtime.tensor(x.numpy()))
+    with torch.no_grad():
+        assert matches([got.numpy()], [m(x).numpy()], 1e-3, 1e-4)
+
+
+@pytest.mark.parametrize("model,shape", [(FusedQKV, (1, 16, 32)), (Relu6CNN, (1, 3, 16, 16))],
+                         ids=["fused_qkv", "relu6"])
+def test_pytorch_modules_through_torch_export_build_and_match_torch(model, shape, tmp_path):
+    torch.manual_seed(0)
+    m, x = model().eval(), torch.randn(*shape)
+    res = collage_tvm.optimize(m, "llvm", ["tvm", "dnnl"], db=str(tmp_path / "c.db"),
+                               example_inputs=(x,), isolate=False, progress=False,
+                               calibrate_rounds=0, refine_rounds=0)
+    got = relax.VirtualMachine(res.executable, tvm.cpu())["main"](tvm.runtime.tensor(x.numpy()))
+    got = got[0] if type(got).__name__ == "Array" or isinstance(got, (list, tuple)) else got
+    with torch.no_grad():
+        assert matches([got.numpy()], [m(x).numpy()], 1e-3, 1e-4)
