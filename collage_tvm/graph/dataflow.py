@@ -21,17 +21,22 @@ from .op_kind import TUPLE, OPAQUE, op_kind
 GLOBALS_ATTR = "collage.globals"
 
 
-def called_globals(expr) -> list:
-    """The GlobalVars ``expr`` refers to (as a callee or an argument, e.g. of ``call_tir``)."""
+def _distinct(expr, kind) -> list:
+    """The sub-expressions of ``expr`` of type ``kind``, deduplicated, in first-use order."""
     seen, out = set(), []
 
     def visit(e):
-        if isinstance(e, relax.GlobalVar) and e not in seen:
+        if isinstance(e, kind) and e not in seen:
             seen.add(e)
             out.append(e)
 
     relax.analysis.post_order_visit(expr, visit)
     return out
+
+
+def called_globals(expr) -> list:
+    """The GlobalVars ``expr`` refers to (as a callee or an argument, e.g. of ``call_tir``)."""
+    return _distinct(expr, relax.GlobalVar)
 
 
 @dataclass
@@ -87,15 +92,7 @@ def _op_name(value) -> str:
 
 def free_vars(expr) -> list:
     """Relax vars an expression reads (deduplicated, in first-use order)."""
-    seen, out = set(), []
-
-    def visit(e):
-        if isinstance(e, relax.Var) and e not in seen:
-            seen.add(e)
-            out.append(e)
-
-    relax.analysis.post_order_visit(expr, visit)
-    return out
+    return _distinct(expr, relax.Var)
 
 
 class NotDataflow(ValueError):

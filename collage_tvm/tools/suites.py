@@ -350,17 +350,36 @@ def markdown(suite: str, rows: list) -> str:
     if suite.startswith("onnx"):
         tvm_ok = [r for r in rows if r["tvm"] == "match"]
         both = [r for r in tvm_ok if r["collage"] == "match" and not r.get("uncovered")]
+        searched = [r for r in rows if "build" in r]
         lines.append(f"{len(rows)} cases; TVM alone runs {len(tvm_ok)} correctly; Collage "
-                     f"(every node placed on TVM) runs {len(both)} of those correctly.\n")
+                     f"(every node placed on TVM) runs {len(both)} of those correctly.")
+        if searched:
+            ok = [r for r in searched if r["build"]["status"] == "built" and r["build"]["match"]]
+            lines.append(f"The whole search over the backends: {len(ok)} of {len(searched)} "
+                         "built and match the expected outputs.")
+        kinds: dict = {}
+        for r in rows:
+            if r["tvm"] != "match":
+                kind = r["tvm"].split(":")[0]
+                kinds[kind] = kinds.get(kind, 0) + 1
+        if kinds:
+            lines.append("\nTVM alone, where it does not match: " + ", ".join(
+                f"{k} {n}" for k, n in sorted(kinds.items(), key=lambda kn: -kn[1])) + ".")
+        # Every row of a searched suite; of a large one, the rows where Collage and TVM differ.
+        shown = rows if searched or len(rows) <= 200 else [
+            r for r in rows if (r["tvm"] == "match") != (r["collage"] == "match")]
+        lines.append("")
         head = ["model", "TVM alone", "Collage, nodes on TVM"]
-        if any("build" in r for r in rows):
+        if searched:
             head += ["search", "match", "max err", "search s", "collage ms", "best single ms"]
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        for r in rows:
+        for r in shown:
             cells = [r["model"], r["tvm"], r["collage"]]
-            if len(head) > 3:
+            if searched:
                 cells += _build_cell(r["build"]) if "build" in r else [""] * 6
             lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+        if not shown:
+            lines.append("| (none: Collage matches wherever TVM alone matches) | | |")
         return "\n".join(lines) + "\n"
     built = [r for r in rows if r["build"]["status"] == "built" and r["build"]["match"]]
     lines.append(f"{len(rows)} models; {len(built)} built and match PyTorch.\n")
