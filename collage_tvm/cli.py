@@ -163,7 +163,8 @@ def _bench_suite(args) -> int:
     backends = [b for b in args.backends.split(",") if b]
     print(f"== suite {args.suite} ({', '.join(backends)})", flush=True)
     rows = suites.run(args.suite, backends, args.db or DEFAULT_DB, args.out, full=args.full,
-                      limit=args.limit, log=lambda line: print(line, flush=True))
+                      limit=args.limit, log=lambda line: print(line, flush=True),
+                      graph_level=args.graph_level, budget=min(args.budget, 120.0))
     table = suites.markdown(args.suite, rows)
     base = os.path.join(args.out, f"suite_{args.suite}")
     write_json_atomic(__import__("pathlib").Path(base + ".json"), rows)
@@ -237,7 +238,9 @@ def main(argv=None) -> int:
     b.add_argument("--full", action="store_true",
                    help="with an onnx suite: also the whole Collage search over --backends "
                         "on every case TVM alone runs")
-    b.add_argument("--limit", type=int, default=None, help="with --suite: the first N models")
+    b.add_argument("--limit", type=int, default=None,
+                   help="with --suite: the first N models (--graph-level: both levels, at most "
+                        "min(--budget, 120) s of graph-level search a model)")
     b.add_argument("--size", choices=["small", "paper"], default="paper",
                    help="zoo model size (default paper)")
     b.add_argument("--backends", default="tvm,dnnl,mkl,onnxruntime,openvino")

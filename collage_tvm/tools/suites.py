@@ -275,14 +275,15 @@ SUITES = ("onnx-node", "onnx-files", "transformers")
 
 
 def run(suite: str, backends, db, out_dir: str, full: bool = False, limit: int | None = None,
-        log=print) -> list:
+        log=print, graph_level: bool = False, budget: float = 60.0) -> list:
     """Every model of ``suite``; one row each (see ``markdown``).
 
     ``onnx-node`` / ``onnx-files`` (the onnx wheel's node tests; its pytorch-converted,
     pytorch-operator and simple models): TVM alone, and Collage's import and partition with
     every node on TVM, against the wheel's expected outputs; with ``full``, also the whole
     Collage search over ``backends``. ``transformers``: each model exported to ONNX, the
-    whole Collage search over ``backends``, outputs against PyTorch's."""
+    whole Collage search over ``backends``, outputs against PyTorch's. ``graph_level``: the
+    search runs both levels (the graph-level one for at most ``budget`` seconds a model)."""
     import os
     import time
 
@@ -304,7 +305,7 @@ def run(suite: str, backends, db, out_dir: str, full: bool = False, limit: int |
             row = {"model": case.name, **tvm_only_check(case, target)}
             if full and row["tvm"] == "match":
                 row["build"] = collage_check(case.model, case.inputs, case.outputs, backends,
-                                             db, case.rtol, case.atol,
+                                             db, case.rtol, case.atol, graph_level, budget,
                                              input_shapes=input_shapes(case))
             row["s"] = time.perf_counter() - t0
             rows.append(row)
@@ -326,8 +327,9 @@ def run(suite: str, backends, db, out_dir: str, full: bool = False, limit: int |
             row = {"model": name, "build": {"status": "unsupported",
                                             "error": "ONNX export: " + _first_line(err)}}
         else:
-            row = {"model": name, "build": collage_check(path, [i.numpy() for i in inputs],
-                                                         expected, backends, db)}
+            row = {"model": name, "build": collage_check(
+                path, [i.numpy() for i in inputs], expected, backends, db,
+                graph_level=graph_level, budget=budget)}
         row["s"] = time.perf_counter() - t0
         rows.append(row)
         b = row["build"]
