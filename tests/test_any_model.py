@@ -206,3 +206,14 @@ def test_pytorch_modules_through_torch_export_build_and_match_torch(model, shape
     got = got[0] if type(got).__name__ == "Array" or isinstance(got, (list, tuple)) else got
     with torch.no_grad():
         assert matches([got.numpy()], [m(x).numpy()], 1e-3, 1e-4)
+
+
+def test_final_check_when_the_placement_is_tvm_alone(tmp_path):
+    """A one-op model Collage places exactly as TVM alone would: the check's reference
+    (tvm-only) is then the same build as Collage's and must still be compared."""
+    from collage_tvm.tools.suites import collage_check, input_shapes
+
+    case = next(c for c in onnx_cases("pytorch-converted") if c.name == "test_AvgPool1d")
+    row = collage_check(case.model, case.inputs, case.outputs, ["tvm", "dnnl"],
+                        str(tmp_path / "c.db"), input_shapes=input_shapes(case))
+    assert row["status"] == "built" and row["match"], row
