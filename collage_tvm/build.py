@@ -18,7 +18,7 @@ import tvm
 from tvm import relax
 
 from .check import latency_evaluator, never_slower
-from .frontend import load_model, normalize_for_collage
+from .frontend import dynamic_input, load_model, normalize_for_collage
 from .graph import DataflowGraph, NotDataflow
 from .graph.subgraph import function_key
 from .lower import candidate_vm, compile_placement, lower_placement, placement_runner
@@ -166,6 +166,9 @@ def search(model, target="llvm", options: SearchOptions | None = None, db=None,
     backends, skipped = resolve_backends(options.backends, target)
     report = BuildReport(backends=list(backends), skipped=skipped)
     try:
+        why = dynamic_input(mod["main"])
+        if why:
+            raise NotDataflow(why)
         graph = DataflowGraph.from_module(mod)
     except NotDataflow as err:  # compiled as TVM alone would: nothing to place
         logger.warning("the whole model stays on TVM: %s", err)

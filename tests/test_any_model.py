@@ -117,27 +117,38 @@ def _dynamic_batch_onnx(path):
     return m
 
 
-def test_a_dynamic_input_dimension_is_a_clear_error_naming_the_flag_that_fixes_it(tmp_path):
+def test_a_dynamic_input_dimension_keeps_the_model_on_tvm_naming_the_flag_that_fixes_it(
+        tmp_path, capsys):
     from collage_tvm.cli import main
     from collage_tvm.frontend.load import ModelError
 
     path = str(tmp_path / "dyn.onnx")
     m = _dynamic_batch_onnx(path)
-    with pytest.raises(ModelError, match=r"input 'image' has a dynamic dimension 0 .*"
-                                         r"--input-shape image=1x3x8x8"):
-        collage_tvm.optimize(path, "llvm", ["tvm"], db=str(tmp_path / "c.db"), progress=False)
+    res = collage_tvm.optimize(path, "llvm", ["tvm", "dnnl"], db=str(tmp_path / "c.db"),
+                               progress=False)
+    assert res.graph is None and len(res.report.kept_on_tvm) == 1
+    assert "input 'image' has a dynamic dimension 0" in res.report.kept_on_tvm[0]
+    assert "--input-shape image=1x3x8x8" in res.report.kept_on_tvm[0]
+    x = torch.randn(3, 3, 8, 8)  # TVM alone runs any batch
+    got = relax.VirtualMachine(res.executable, tvm.cpu())["main"](tvm.runtime.tensor(x.numpy()))
+    with torch.no_grad():
+        assert matches([got.numpy()], [m(x).numpy()], 1e-3, 1e-4)
     with pytest.raises(ModelError, match="names no input of the model: imgae; its inputs: image"):
         collage_tvm.optimize(path, "llvm", ["tvm"], db=str(tmp_path / "c.db"),
                              input_shapes={"imgae": (2, 3, 8, 8)})
     res = collage_tvm.optimize(path, "llvm", ["tvm"], db=str(tmp_path / "c.db"), progress=False,
                                isolate=False, input_shapes={"image": (2, 3, 8, 8)})
+    assert res.graph is not None and not res.report.kept_on_tvm
     x = torch.randn(2, 3, 8, 8)
     got = relax.VirtualMachine(res.executable, tvm.cpu())["main"](tvm.runtime.tensor(x.numpy()))
     with torch.no_grad():
         assert matches([got.numpy()], [m(x).numpy()], 1e-3, 1e-4)
     assert main(["optimize", path, "--backends", "tvm", "--db", str(tmp_path / "c.db"),
                  "--in-process", "--no-compare", "--input-shape", "image=2x3x8x8"]) == 0
-    assert main(["optimize", path, "--backends", "tvm", "--db", str(tmp_path / "c.db")]) == 2
+    capsys.readouterr()
+    assert main(["optimize", path, "--backends", "tvm", "--db", str(tmp_path / "c.db")]) == 0
+    assert "--input-shape image=1x3x8x8" in capsys.readouterr().out
+    assert main(["optimize", path, "--backends", "tvm", "--input-shape", "image=2by3"]) == 2
 
 
 def _transformers_row(name, backends, tmp_path):

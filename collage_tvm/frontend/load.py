@@ -17,9 +17,8 @@ def load_model(model, example_inputs=None, input_shapes: dict | None = None) -> 
     ``model``: an ONNX file path or ``onnx.ModelProto``; a ``torch.nn.Module`` (needs
     ``example_inputs``, a tuple of tensors); or a ``tvm.IRModule``.
     ``input_shapes``: input name -> static shape, for an ONNX model whose inputs have
-    dynamic dimensions (batch, sequence). Every input must end up static: Collage measures
-    kernels of known shapes; a dynamic one is a ``ModelError`` naming the input, the
-    dimension and the flag that fixes it.
+    dynamic dimensions (batch, sequence): Collage measures kernels of known shapes
+    (``dynamic_input`` says what is still dynamic).
     """
     if isinstance(model, tvm.IRModule):
         mod = model
@@ -45,7 +44,6 @@ def load_model(model, example_inputs=None, input_shapes: dict | None = None) -> 
                          "ModelProto, a torch.nn.Module with example_inputs, or a tvm.IRModule")
     if "main" not in [gv.name_hint for gv in mod.get_global_vars()]:
         raise ModelError("the Relax module has no 'main' function")
-    _check_static_inputs(mod["main"])
     return mod
 
 
@@ -65,25 +63,26 @@ def parse_input_shapes(specs) -> dict:
     return out
 
 
-def _check_static_inputs(main) -> None:
+def dynamic_input(main) -> str | None:
+    """Why ``main`` cannot be placed as it is: the first input with a dynamic dimension,
+    named with the flag that fixes it; None when every input is static."""
     for p in main.params:
         ty = p.ty
-        shape = getattr(ty, "shape", None)
-        values = getattr(shape, "values", None)
         if not isinstance(ty, relax.TensorType):
             continue
+        values = getattr(ty.shape, "values", None) if ty.shape is not None else None
         if values is None:
-            raise ModelError(f"input {p.name!r} has an unknown rank: give its shape with "
-                             f"--input-shape {p.name}=D1xD2x... (input_shapes=...)")
+            return (f"input {p.name!r} has an unknown rank: give its shape with "
+                    f"--input-shape {p.name}=D1xD2x... (input_shapes=...)")
         for axis, d in enumerate(values):
             if not isinstance(d, (int, tvm.tirx.IntImm)):
                 example = "x".join(str(int(v)) if isinstance(v, (int, tvm.tirx.IntImm)) else "1"
                                    for v in values)
-                raise ModelError(
-                    f"input {p.name!r} has a dynamic dimension {axis} ({d}): Collage "
-                    f"measures kernels of static shapes; give it with --input-shape "
-                    f"{p.name}={example} (input_shapes={{{p.name!r}: "
-                    f"({example.replace('x', ', ')})}} in Python)")
+                return (f"input {p.name!r} has a dynamic dimension {axis} ({d}): Collage "
+                        f"measures kernels of static shapes; give it with --input-shape "
+                        f"{p.name}={example} (input_shapes={{{p.name!r}: "
+                        f"({example.replace('x', ', ')})}} in Python)")
+    return None
 
 
 def _from_onnx(proto, input_shapes, where: str) -> tvm.IRModule:

@@ -96,7 +96,8 @@ def free_vars(expr) -> list:
 
 
 class NotDataflow(ValueError):
-    """The function is not one dataflow block (control flow, impure calls): no graph to place."""
+    """No graph to place: the function is not one dataflow block (control flow, impure
+    calls), or its inputs are not static."""
 
 
 class DataflowGraph:
