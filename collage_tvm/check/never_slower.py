@@ -94,6 +94,9 @@ def never_slower(graph, placement: Placement, backends: dict, target,
                for n in ["tvm-only", *builds] if n in results}
     verdict = Verdict(placement, "collage", results, time.perf_counter() - t0)
     ok = {n: r for n, r in results.items() if r["match"]}
+    if not ok:  # nothing agrees with tvm-only, not even tvm-only itself: nothing to choose
+        logger.warning("end to end: no build's outputs match tvm-only's; keeping the placement")
+        return verdict
     best = min(ok, key=lambda n: ok[n]["ms"])
     if best == "collage" or ok[best]["ms"] >= ok.get("collage", {"ms": math.inf})["ms"]:
         return verdict

@@ -243,7 +243,7 @@ def collage_check(model, inputs: list, expected: list, backends, db, rtol: float
     from tvm import relax
 
     from ..build import optimize
-    from ..check import run_outputs
+    from ..check import compare_outputs, run_outputs
     from ..frontend.load import ModelError
 
     t0 = time.perf_counter()
@@ -262,8 +262,7 @@ def collage_check(model, inputs: list, expected: list, backends, db, rtol: float
     got = run_outputs(vm, [tvm.runtime.tensor(np.asarray(a)) for a in inputs])
     row["status"] = "built"
     row["match"] = matches(got, expected, rtol, atol)
-    row["max_err"] = max((float(np.max(np.abs(np.asarray(g, "float64") - np.asarray(e))))
-                          for g, e in zip(got, expected) if np.asarray(g).size), default=0.0)
+    row["max_err"] = compare_outputs(got, expected)[1]
     comp = {n: r for n, r in rep.comparison.items() if r.get("match")}
     row["collage_ms"] = rep.comparison.get("collage", {}).get("ms", math.nan)
     singles = {n: r["ms"] for n, r in comp.items() if not n.startswith("collage")}
