@@ -220,11 +220,13 @@ def test_pytorch_modules_through_torch_export_build_and_match_torch(model, shape
 
 
 @pytest.mark.parametrize("suite,name", [("pytorch-converted", "test_AvgPool1d"),
-                                        ("pytorch-operator", "test_operator_sqrt")])
+                                        ("pytorch-operator", "test_operator_sqrt"),
+                                        ("node", "test_shape"), ("node", "test_size")])
 def test_final_check_on_one_op_models_and_nan_outputs(suite, name, tmp_path):
     """test_AvgPool1d: Collage places it exactly as TVM alone would, so the check's reference
     (tvm-only) is the same build as Collage's and must still be compared. test_operator_sqrt:
-    the square root of negative inputs is NaN in every build, which is agreement, not error."""
+    the square root of negative inputs is NaN in every build, which is agreement, not error.
+    test_shape, test_size: a shape and a 0-d result, compared like tensors."""
     from collage_tvm.tools.suites import collage_check, input_shapes
 
     case = next(c for c in onnx_cases(suite) if c.name == name)

@@ -19,11 +19,15 @@ def run_outputs(vm, args) -> list:
     flat = []
 
     def walk(o):
-        if isinstance(o, (list, tuple)) or type(o).__name__ == "Array":
+        if hasattr(o, "numpy"):
+            flat.append(o.numpy())
+        elif isinstance(o, (int, float, bool, np.number)):  # a scalar result (PrimValue)
+            flat.append(np.asarray(o))
+        elif type(o).__name__ == "Shape":  # a shape result: its dimensions
+            flat.append(np.asarray(list(o), "int64"))
+        else:  # a tuple of results
             for x in o:
                 walk(x)
-        else:
-            flat.append(o.numpy())
 
     walk(out)
     return flat
@@ -37,7 +41,7 @@ def compare_outputs(outputs, reference, rtol=1e-3, atol=1e-3) -> tuple:
     def err(a, b) -> float:  # NaN where both are NaN (sqrt of a negative input) is no error
         if not a.size or a.shape != b.shape:
             return 0.0 if not a.size else math.inf
-        d = np.abs(a.astype("float64") - b.astype("float64"))
+        d = np.atleast_1d(np.abs(a.astype("float64") - b.astype("float64")))
         d[np.isnan(a) & np.isnan(b)] = 0.0
         return float(np.max(d))
 
