@@ -308,11 +308,18 @@ def optimize(model, target="llvm", backends=None, db=None, *, options: SearchOpt
     options = SearchOptions.of(options, backends=backends, **option_fields)
     found = search(model, target, options, db, placement_log, example_inputs, input_shapes)
     t0 = time.perf_counter()
-    if found.graph is None:
+    executable = None
+    if found.graph is not None:
+        try:
+            executable, lowered = compile_placement(found.graph, found.placement.groups,
+                                                    found.backends, found.target, keep=True)
+        except Exception as err:  # noqa: BLE001 - nothing is lost: TVM alone still builds it
+            why = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+            logger.warning("the placement failed to compile (%s); building with TVM alone", why)
+            found.report.kept_on_tvm.append(f"the whole model: the placement failed to compile: {why}")
+            found.report.shipped = "tvm-only"
+    if executable is None:
         executable, lowered = tvm.compile(found.module, found.target), found.module
-    else:
-        executable, lowered = compile_placement(found.graph, found.placement.groups,
-                                                found.backends, found.target, keep=True)
     found.report.times["compile"] = time.perf_counter() - t0
     return CollageResult(executable, lowered, found.placement, found.graph, found.report)
 

@@ -233,3 +233,25 @@ def test_final_check_on_one_op_models_and_nan_outputs(suite, name, tmp_path):
     row = collage_check(case.model, case.inputs, case.outputs, ["tvm", "dnnl"],
                         str(tmp_path / "c.db"), input_shapes=input_shapes(case))
     assert row["status"] == "built" and row["match"], row
+
+
+def test_a_placement_that_fails_to_compile_ships_tvm_alone_with_the_reason(tmp_path, monkeypatch):
+    import importlib
+
+    build = importlib.import_module("collage_tvm.build")  # the module (collage_tvm.build is the function)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("codegen of group 3 failed")
+
+    torch.manual_seed(0)
+    m, x = Relu6CNN().eval(), torch.randn(1, 3, 16, 16)
+    path = str(tmp_path / "m.onnx")
+    torch.onnx.export(m, (x,), path, dynamo=False, opset_version=17)
+    monkeypatch.setattr(build, "compile_placement", broken)
+    res = collage_tvm.optimize(path, "llvm", ["tvm"], db=str(tmp_path / "c.db"), isolate=False,
+                               progress=False, calibrate_rounds=0, refine_rounds=0)
+    assert res.report.shipped == "tvm-only"
+    assert "codegen of group 3 failed" in res.report.kept_on_tvm[-1]
+    got = relax.VirtualMachine(res.executable, tvm.cpu())["main"](tvm.runtime.tensor(x.numpy()))
+    with torch.no_grad():
+        assert matches([got.numpy()], [m(x).numpy()], 1e-3, 1e-4)
