@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import tvm
 from tvm import relax
 
-from .check import latency_evaluator, never_slower
+from .check import first_line, latency_evaluator, never_slower
 from .frontend import dynamic_input, load_model, normalize_for_collage
 from .graph import DataflowGraph, NotDataflow
 from .graph.subgraph import function_key
@@ -314,7 +314,7 @@ def optimize(model, target="llvm", backends=None, db=None, *, options: SearchOpt
             executable, lowered = compile_placement(found.graph, found.placement.groups,
                                                     found.backends, found.target, keep=True)
         except Exception as err:  # noqa: BLE001 - nothing is lost: TVM alone still builds it
-            why = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+            why = first_line(err)
             logger.warning("the placement failed to compile (%s); building with TVM alone", why)
             found.report.kept_on_tvm.append(f"the whole model: the placement failed to compile: {why}")
             found.report.shipped = "tvm-only"

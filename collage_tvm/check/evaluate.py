@@ -73,7 +73,8 @@ def evaluate(executable, graph, target, reference=None, rtol=1e-3, atol=1e-3, se
 
 def first_line(err: BaseException) -> str:
     """``Type: first line of the message``: a failure's reason in one line."""
-    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def latency_evaluator(graph, backends: dict, target):
