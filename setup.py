@@ -30,7 +30,11 @@ setup(
         # transformers: the external model suite (models built from configs, nothing
         # downloaded); pulls no torch of its own beside the pinned CPU build.
         # onnxscript: torch.onnx.export(dynamo=True), the second PyTorch exporter.
-        "test": ["pytest>=8", "transformers==5.23.0", "onnxscript==0.7.2"],
+        # torchvision 0.28 is the release for torch 2.13 (its C++ detection ops need a CUDA
+        # torch and stay unloaded: collage_tvm.tools.suites.import_torchvision); timm's
+        # models are built with pretrained=False.
+        "test": ["pytest>=8", "transformers==5.23.0", "onnxscript==0.7.2",
+                 "torchvision==0.28.0", "timm==1.0.29"],
     },
     entry_points={"console_scripts": ["collage-tvm=collage_tvm.cli:main"]},
 )

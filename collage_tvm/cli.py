@@ -154,22 +154,34 @@ def _bench(args, parser) -> int:
 
 def _bench_suite(args) -> int:
     """``bench --suite``: models nobody here wrote; a table per suite (docs/COVERAGE.md)."""
+    import json
     import os
+    from pathlib import Path
 
     from ._files import write_json_atomic
     from .build import DEFAULT_DB
     from .tools import suites
 
     backends = [b for b in args.backends.split(",") if b]
+    base = os.path.join(args.out, f"suite_{args.suite}")
+    done = None
+    if args.resume and os.path.exists(base + ".json"):
+        with open(base + ".json") as f:
+            done = json.load(f)
+        print(f"resuming: {len(done)} model(s) of {base}.json kept", flush=True)
+
+    def save(rows):
+        write_json_atomic(Path(base + ".json"), rows)
+        with open(base + ".md", "w") as f:
+            f.write(suites.markdown(args.suite, rows))
+
     print(f"== suite {args.suite} ({', '.join(backends)})", flush=True)
     rows = suites.run(args.suite, backends, args.db or DEFAULT_DB, args.out, full=args.full,
                       limit=args.limit, log=lambda line: print(line, flush=True),
+                      only=args.models or None, done=done, on_row=save,
                       graph_level=args.graph_level, budget=min(args.budget, 120.0))
+    save(rows)
     table = suites.markdown(args.suite, rows)
-    base = os.path.join(args.out, f"suite_{args.suite}")
-    write_json_atomic(__import__("pathlib").Path(base + ".json"), rows)
-    with open(base + ".md", "w") as f:
-        f.write(table)
     print("\n" + table + f"\nwritten: {base}.json, {base}.md")
     return 0
 
@@ -230,14 +242,20 @@ def main(argv=None) -> int:
                    "dcgan, nasnet, resnet3d, resnext50, resnet50, inception_v3, squeezenet) "
                    "or resnet_small, bert_base, bert_small")
     b.add_argument("--all", action="store_true", help="every zoo model")
-    b.add_argument("--suite", choices=["onnx-node", "onnx-files", "transformers"],
+    b.add_argument("--suite", choices=["onnx-node", "onnx-files", "transformers", "torchvision",
+                                       "timm"],
                    help="an external model suite instead of zoo models: the onnx wheel's "
                         "backend test models (node tests; pytorch-converted, pytorch-operator "
-                        "and simple files) or transformers models built from configs; writes "
-                        "suite_<name>.json/.md")
+                        "and simple files), transformers models built from configs, every "
+                        "torchvision classification model, or 57 timm architectures; writes "
+                        "suite_<name>.json/.md. Model names given: only those of the suite")
     b.add_argument("--full", action="store_true",
                    help="with an onnx suite: also the whole Collage search over --backends "
                         "on every case TVM alone runs")
+    b.add_argument("--resume", action="store_true",
+                   help="with --suite: keep the models an earlier run wrote to "
+                        "--out/suite_<name>.json (it is rewritten after every model) and run "
+                        "the rest")
     b.add_argument("--limit", type=int, default=None,
                    help="with --suite: the first N models (--graph-level: both levels, at most "
                         "min(--budget, 120) s of graph-level search a model)")

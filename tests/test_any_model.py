@@ -17,6 +17,10 @@ from collage_tvm.tools.suites import matches, onnx_cases, tvm_only_check
 CPU_BACKENDS = ["tvm", "dnnl", "mkl", "onnxruntime", "openvino"]
 
 
+def _available_backends():
+    return [b for b in CPU_BACKENDS if collage_tvm.get_backend(b).available()[0]]
+
+
 def _check_suite(cases) -> int:
     target = make_target("llvm")
     passed, failures = 0, []
@@ -89,7 +93,7 @@ def test_models_that_crashed_the_search_build_on_every_cpu_backend_and_match_tor
     m, x = model().eval(), torch.randn(*shape)
     path = str(tmp_path / "m.onnx")
     torch.onnx.export(m, (x,), path, dynamo=False, opset_version=17)
-    backends = [b for b in CPU_BACKENDS if collage_tvm.get_backend(b).available()[0]]
+    backends = _available_backends()
     res = collage_tvm.optimize(path, "llvm", backends, db=str(tmp_path / "c.db"), compare=True,
                                isolate=False, progress=False, calibrate_rounds=0,
                                refine_rounds=0)
@@ -151,16 +155,16 @@ def test_a_dynamic_input_dimension_keeps_the_model_on_tvm_naming_the_flag_that_f
     assert main(["optimize", path, "--backends", "tvm", "--input-shape", "image=2by3"]) == 2
 
 
+def _suite_row(suite, name, backends, tmp_path):
+    from collage_tvm.tools.suites import TORCH_SUITES, torch_model_check
+
+    return torch_model_check(TORCH_SUITES[suite][1], name, backends, str(tmp_path / "c.db"),
+                             str(tmp_path))
+
+
 def _transformers_row(name, backends, tmp_path):
     pytest.importorskip("transformers")  # the test extra (make setup installs it)
-    from collage_tvm.tools.suites import collage_check, export_onnx, transformers_model
-
-    model, inputs = transformers_model(name)
-    with torch.no_grad():
-        expected = [model(*inputs).numpy()]
-    path = export_onnx(model, inputs, str(tmp_path / f"{name}.onnx"))
-    return collage_check(path, [i.numpy() for i in inputs], expected, backends,
-                         str(tmp_path / "c.db"))
+    return _suite_row("transformers", name, backends, tmp_path)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
@@ -174,7 +178,7 @@ def test_transformers_decoders_from_configs_build_and_match_torch(name, tmp_path
 @pytest.mark.parametrize("name", ["bert", "roberta", "distilbert", "gpt2", "gpt_neo",
                                   "t5_encoder", "vit", "whisper_encoder", "llama"])
 def test_transformers_suite_builds_on_every_cpu_backend_and_matches_torch(name, tmp_path):
-    backends = [b for b in CPU_BACKENDS if collage_tvm.get_backend(b).available()[0]]
+    backends = _available_backends()
     row = _transformers_row(name, backends, tmp_path)
     assert row["status"] == "built" and row["match"], row
 
@@ -255,3 +259,104 @@ def test_a_placement_that_fails_to_compile_ships_tvm_alone_with_the_reason(tmp_p
     got = relax.VirtualMachine(res.executable, tvm.cpu())["main"](tvm.runtime.tensor(x.numpy()))
     with torch.no_grad():
         assert matches([got.numpy()], [m(x).numpy()], 1e-3, 1e-4)
+
+
+# ------------------------------------------------------------------ torchvision and timm
+
+def _torchvision_names():
+    try:
+        from collage_tvm.tools.suites import torchvision_names
+        return torchvision_names()
+    except ImportError:
+        return []
+
+
+def test_torchvision_imports_against_the_cpu_torch_and_lists_every_classification_model():
+    pytest.importorskip("torchvision")  # the test extra (make setup installs it)
+    names = _torchvision_names()
+    assert len(names) >= 80 and {"resnet50", "vit_b_16", "swin_t", "maxvit_t"} <= set(names)
+    from collage_tvm.tools.suites import torchvision_model
+
+    model, (x,) = torchvision_model("vit_h_14")  # a ViT at 56x56: image_size passed through
+    assert x.shape == (1, 3, 56, 56) and model.image_size == 56
+
+
+@pytest.mark.parametrize("suite,name", [("torchvision", "squeezenet1_1"),
+                                        ("torchvision", "shufflenet_v2_x0_5"),
+                                        ("timm", "lcnet_050"), ("timm", "levit_128s")])
+def test_torchvision_and_timm_sample_builds_and_matches_torch(suite, name, tmp_path):
+    pytest.importorskip("timm" if suite == "timm" else "torchvision")
+    row = _suite_row(suite, name, ["tvm", "onnxruntime"], tmp_path)
+    assert row["status"] == "built" and row["match"], row
+    assert row["shipped"] in ("collage", row["best"][0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", _torchvision_names())
+def test_torchvision_suite_builds_on_every_cpu_backend_and_matches_torch(name, tmp_path):
+    row = _suite_row("torchvision", name, _available_backends(), tmp_path)
+    assert row["status"] == "built" and row["match"], row
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(__import__("collage_tvm.tools.suites",
+                                                   fromlist=["TIMM"]).TIMM))
+def test_timm_suite_builds_on_every_cpu_backend_and_matches_torch(name, tmp_path):
+    pytest.importorskip("timm")
+    row = _suite_row("timm", name, _available_backends(), tmp_path)
+    assert row["status"] == "built" and row["match"], row
+
+
+class ChunkCNN(nn.Module):
+    """ShuffleNet's unit: x.chunk(2, dim=1), one half through convolutions, concatenated,
+    channels shuffled. The TorchScript exporter writes the chunk as a Slice with bounds
+    computed from Shape: TVM's importer gives it an unknown output shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(8, 8, 3, padding=1)
+        self.c2 = nn.Conv2d(4, 4, 1)
+
+    def forward(self, x):
+        a, b = self.c1(x).chunk(2, dim=1)
+        y = torch.cat([a, torch.relu(self.c2(b))], dim=1)
+        return y.reshape(1, 2, 4, 8, 8).transpose(1, 2).reshape(1, 8, 8, 8)
+
+
+def test_slices_with_bounds_computed_from_constants_become_static(tmp_path):
+    import onnx
+    from tvm.relax.frontend.onnx import from_onnx
+
+    from collage_tvm.frontend.load import normalize_for_collage
+
+    torch.manual_seed(0)
+    m, x = ChunkCNN().eval(), torch.randn(1, 8, 8, 8)
+    path = str(tmp_path / "m.onnx")
+    torch.onnx.export(m, (x,), path, dynamo=False, opset_version=17)
+    imported = from_onnx(onnx.load(path))
+    assert "dynamic_strided_slice" in imported.script()  # what the importer gives
+    mod = normalize_for_collage(imported)
+    assert "dynamic_strided_slice" not in mod.script()
+    assert all(isinstance(b.var.ty.shape, relax.ShapeExpr)
+               for b in mod["main"].body.blocks[0].bindings if isinstance(b.var.ty, relax.TensorType))
+    res = collage_tvm.optimize(path, "llvm", ["tvm", "onnxruntime"], db=str(tmp_path / "c.db"),
+                               isolate=False, progress=False, calibrate_rounds=0, refine_rounds=0)
+    got = relax.VirtualMachine(res.executable, tvm.cpu())["main"](tvm.runtime.tensor(x.numpy()))
+    with torch.no_grad():
+        assert matches([got.numpy()], [m(x).numpy()], 1e-3, 1e-4)
+
+
+def test_slices_with_bounds_from_an_input_stay_dynamic():
+    from collage_tvm.frontend.static_slices import static_slices
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((4, 8), "float32"))
+    begin = relax.Var("begin", relax.TensorType((2,), "int64"))
+    with bb.function("main", [x, begin]):
+        with bb.dataflow():
+            end = bb.emit(relax.const(np.array([4, 8]), "int64"))
+            out = bb.emit_output(relax.op.dynamic_strided_slice(
+                x, begin, end, relax.const(np.array([1, 1]), "int64")))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    assert "dynamic_strided_slice" in static_slices(mod).script()

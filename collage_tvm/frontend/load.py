@@ -6,6 +6,8 @@ import os
 import tvm
 from tvm import relax
 
+from .static_slices import static_slices
+
 
 class ModelError(ValueError):
     """The model could not be imported; the message says what was wrong."""
@@ -131,7 +133,9 @@ def _from_torch(model, example_inputs) -> tvm.IRModule:
 
 
 def normalize_for_collage(mod: tvm.IRModule) -> tvm.IRModule:
-    """One dataflow block of single-op bindings, constants folded, inference-only ops."""
+    """One dataflow block of single-op bindings, constants folded, inference-only ops;
+    slices with bounds computed from constants made static (``static_slices``)."""
+    mod = static_slices(mod)
     out = _normalize(mod, fold=True)
     if _undefined_globals(out):
         # FoldConstant can leave a call_tir to a PrimFunc it made and then dropped (a

@@ -192,6 +192,115 @@ def transformers_model(name: str):
     return _LastHidden(build[name]()).eval(), inputs.get(name, ids)
 
 
+# --------------------------------------------------------------------------- torchvision, timm
+
+# Input side length per model: 64 where the architecture allows (fast enough for a suite run
+# on 2 cores), else the smallest it accepts (inception: 75+; maxvit_t: 224, its 7x7 partitions
+# of every stage; ViT-H/14: a multiple of its 14-pixel patches, passed as ``image_size``).
+TORCHVISION_SIZES = {"inception_v3": 96, "maxvit_t": 224, "vit_h_14": 56}
+
+
+def import_torchvision():
+    """``torchvision``, imported against the pinned CPU build of torch.
+
+    The PyPI wheel's C++ ops (``_C.so``: nms, roi_align, deformable convolution -- detection
+    operators) link ``libtorch_cuda``, which a CPU torch lacks; torchvision then skips them,
+    but registers fake kernels for ``nms`` and ``qnms`` without checking, and the import fails
+    with ``operator torchvision::nms does not exist``. Declaring those two schemas first lets
+    the pure-Python rest (every classification model) import; calling nms would still fail,
+    as it does in that install anyway. Nothing is declared when the ops load."""
+    import importlib.util
+    import sys
+
+    import torch
+
+    if "torchvision" in sys.modules:
+        return sys.modules["torchvision"]
+    spec = importlib.util.find_spec("torchvision")
+    if spec is None:
+        raise ImportError("torchvision is not installed (the test extra: pip install -e '.[test]')")
+    so = glob.glob(os.path.join(os.path.dirname(spec.origin), "_C*.so"))
+    try:
+        if so:
+            torch.ops.load_library(so[0])
+        ok = hasattr(torch.ops.torchvision, "nms")
+    except (OSError, RuntimeError):
+        ok = False
+    if not ok:
+        lib = torch.library.Library("torchvision", "FRAGMENT")
+        for op in ("nms", "qnms"):
+            lib.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+        _KEEP.append(lib)  # a Library object un-registers its definitions when collected
+    import torchvision
+
+    return torchvision
+
+
+_KEEP: list = []
+
+
+def torchvision_names() -> list:
+    """Every classification model of torchvision (``list_models(module=models)``)."""
+    models = import_torchvision().models
+    return sorted(models.list_models(module=models))
+
+
+def torchvision_model(name: str):
+    """(torchvision classification model ``name``, random weights, eval mode; its input)."""
+    import torch
+
+    models = import_torchvision().models
+    if name not in torchvision_names():
+        raise ValueError(f"unknown torchvision classification model {name!r}")
+    size = TORCHVISION_SIZES.get(name, 64)
+    kwargs = {"image_size": size} if name.startswith("vit_") else {}
+    torch.manual_seed(0)
+    model = models.get_model(name, weights=None, **kwargs).eval()
+    return model, (torch.randn(1, 3, size, size, generator=torch.Generator().manual_seed(1)),)
+
+
+# At least one architecture of each family the issue names, and more (50 in all); the small
+# variant of each (the family's operators, not its size, is what coverage is about). The
+# input side is 64 unless the architecture needs more.
+TIMM = {
+    "convnext_atto": 64, "convnextv2_atto": 64, "efficientnet_b0": 64,
+    "tf_efficientnetv2_b0": 64, "mobilenetv3_small_050": 64, "mobilenetv3_large_100": 64,
+    "mobilenetv4_conv_small": 64, "regnetx_002": 64, "regnety_002": 64, "regnetz_b16": 64,
+    "resnest14d": 64, "ghostnet_100": 64, "ghostnetv2_100": 64, "mixnet_s": 64,
+    "vit_tiny_patch16_224": 64, "deit_tiny_patch16_224": 64,
+    "swin_tiny_patch4_window7_224": 64, "levit_128s": 64, "coatnet_nano_rw_224": 64,
+    "resnet18": 64, "resnet50d": 64, "resnext26ts": 64, "seresnext26d_32x4d": 64,
+    "densenet121": 64, "dla34": 64, "dpn68": 64, "hrnet_w18_small": 64, "inception_v3": 96,
+    "xception41": 64, "mnasnet_small": 64, "fbnetc_100": 64, "lcnet_050": 64,
+    "hardcorenas_a": 64, "tinynet_e": 64, "rexnet_100": 64, "cspdarknet53": 64,
+    "ese_vovnet19b_dw": 64, "res2net50_14w_8s": 64, "efficientformerv2_s0": 64,
+    "mobilevit_xxs": 64, "edgenext_xx_small": 64, "poolformer_s12": 64, "pit_ti_224": 64,
+    "cait_xxs24_224": 64, "xcit_nano_12_p16_224": 64, "mixer_s16_224": 64,
+    "resmlp_12_224": 64, "pvt_v2_b0": 64, "repvgg_a0": 64, "fastvit_t8": 64,
+    "efficientvit_b0": 64, "mobileone_s0": 64, "maxvit_nano_rw_256": 64, "botnet26t_256": 64,
+    "coat_lite_tiny": 64, "inception_next_atto": 64, "sequencer2d_s": 64,
+}
+
+
+def timm_model(name: str):
+    """(timm architecture ``name``, ``pretrained=False``, eval mode; its input)."""
+    import torch
+
+    import_torchvision()  # timm imports it
+    import timm
+
+    if name not in TIMM:
+        raise ValueError(f"unknown timm model {name!r}: one of {', '.join(TIMM)}")
+    size = TIMM[name]
+    torch.manual_seed(0)
+    try:
+        model = timm.create_model(name, pretrained=False, img_size=size)
+    except TypeError:  # a convolutional net: no fixed input size to set
+        model = timm.create_model(name, pretrained=False)
+    return model.eval(), (torch.randn(1, 3, size, size,
+                                      generator=torch.Generator().manual_seed(1)),)
+
+
 def _last_hidden_cls():
     import torch
 
@@ -216,14 +325,16 @@ def _LastHidden(model):  # noqa: N802 - a class made on first use (torch is impo
 
 def export_onnx(model, inputs, path: str) -> str:
     """``model`` to ONNX with the TorchScript-based exporter, opset 17, IR version <= 10
-    (onnxruntime 1.31 reads at most 13; onnx 1.23 writes 14)."""
+    (onnxruntime 1.31 reads at most 13; onnx 1.23 writes 14). A model over protobuf's 2 GB
+    gets its weights in external data files beside ``path`` (the exporter's own choice)."""
     import onnx
     import torch
 
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(model, inputs, path, dynamo=False, opset_version=17)
-    proto = onnx.load(path)
+    proto = onnx.load(path, load_external_data=False)  # external data stays where it is
     if proto.ir_version > 10:
         proto.ir_version = 10
         onnx.save(proto, path)
@@ -277,11 +388,17 @@ def collage_check(model, inputs: list, expected: list, backends, db, rtol: float
 
 # --------------------------------------------------------------------------- a suite
 
-SUITES = ("onnx-node", "onnx-files", "transformers")
+TORCH_SUITES = {  # name: (the model names, name -> (torch module, inputs))
+    "transformers": (lambda: list(TRANSFORMERS), transformers_model),
+    "torchvision": (torchvision_names, torchvision_model),
+    "timm": (lambda: list(TIMM), timm_model),
+}
+SUITES = ("onnx-node", "onnx-files", *TORCH_SUITES)
 
 
 def run(suite: str, backends, db, out_dir: str, full: bool = False, limit: int | None = None,
-        log=print, graph_level: bool = False, budget: float = 60.0) -> list:
+        log=print, graph_level: bool = False, budget: float = 60.0,
+        only: list | None = None, done: list | None = None, on_row=None) -> list:
     """Every model of ``suite``; one row each (see ``markdown``).
 
     ``onnx-node`` / ``onnx-files`` (the onnx wheel's node tests; its pytorch-converted,
@@ -289,7 +406,10 @@ def run(suite: str, backends, db, out_dir: str, full: bool = False, limit: int |
     every node on TVM, against the wheel's expected outputs; with ``full``, also the whole
     Collage search over ``backends``. ``transformers``: each model exported to ONNX, the
     whole Collage search over ``backends``, outputs against PyTorch's. ``graph_level``: the
-    search runs both levels (the graph-level one for at most ``budget`` seconds a model)."""
+    search runs both levels (the graph-level one for at most ``budget`` seconds a model).
+    ``only``: just the models (cases) of these names. ``done``: rows of an earlier,
+    interrupted run of the same suite, kept and not run again. ``on_row(rows)`` after each
+    model (the CLI writes the table so far: an interrupted run keeps what it found)."""
     import os
     import time
 
@@ -299,49 +419,73 @@ def run(suite: str, backends, db, out_dir: str, full: bool = False, limit: int |
         raise ValueError(f"unknown suite {suite!r}: one of {', '.join(SUITES)}")
     os.makedirs(out_dir, exist_ok=True)
     target = make_target("llvm")
-    rows = []
     if suite.startswith("onnx"):
         parts = ["node"] if suite == "onnx-node" else ["pytorch-converted", "pytorch-operator",
                                                         "simple"]
-        cases = (c for p in parts for c in onnx_cases(p))
-        for k, case in enumerate(cases):
-            if limit is not None and k >= limit:
-                break
-            t0 = time.perf_counter()
+        items = ((c.name, c) for p in parts for c in onnx_cases(p) if not only or c.name in only)
+
+        def check(case):
             row = {"model": case.name, **tvm_only_check(case, target)}
             if full and row["tvm"] == "match":
                 row["build"] = collage_check(case.model, case.inputs, case.outputs, backends,
                                              db, case.rtol, case.atol, graph_level, budget,
                                              input_shapes=input_shapes(case))
-            row["s"] = time.perf_counter() - t0
-            rows.append(row)
-            log(f"  {case.name}: tvm {row['tvm']}; collage {row['collage']}"
-                + (f"; search {row['build']['status']}" if "build" in row else ""))
-        return rows
-    import torch
+            return row
 
-    for k, name in enumerate(TRANSFORMERS):
+        def line(row):
+            return (f"tvm {row['tvm']}; collage {row['collage']}"
+                    + (f"; search {row['build']['status']}" if "build" in row else ""))
+    else:
+        names, make = TORCH_SUITES[suite]
+        chosen = [n for n in names() if not only or n in only]
+        unknown = sorted(set(only or ()) - set(chosen))
+        if unknown:
+            raise ValueError(f"not in the {suite} suite: {', '.join(unknown)}")
+        items = ((n, n) for n in chosen)
+
+        def check(name):
+            return {"model": name, "build": torch_model_check(make, name, backends, db, out_dir,
+                                                              graph_level, budget)}
+
+        def line(row):
+            b = row["build"]
+            return b["status"] + (f", match {b['match']}, max err {b['max_err']:.1e}"
+                                  if b["status"] == "built" else f": {b['error']}")
+    earlier = {r["model"]: r for r in done or ()}
+    rows = []
+    for k, (name, item) in enumerate(items):
         if limit is not None and k >= limit:
             break
+        if name in earlier:
+            rows.append(earlier[name])
+            continue
         t0 = time.perf_counter()
-        try:
-            model, inputs = transformers_model(name)
-            with torch.no_grad():
-                expected = [model(*inputs).numpy()]
-            path = export_onnx(model, inputs, os.path.join(out_dir, f"{name}.onnx"))
-        except Exception as err:  # noqa: BLE001 - a model the exporter cannot write
-            row = {"model": name, "build": {"status": "unsupported",
-                                            "error": "ONNX export: " + _first_line(err)}}
-        else:
-            row = {"model": name, "build": collage_check(
-                path, [i.numpy() for i in inputs], expected, backends, db,
-                graph_level=graph_level, budget=budget)}
+        row = check(item)
         row["s"] = time.perf_counter() - t0
         rows.append(row)
-        b = row["build"]
-        log(f"  {name}: {b['status']}" + (f", match {b['match']}, max err {b['max_err']:.1e}"
-                                          if b["status"] == "built" else f": {b['error']}"))
+        log(f"  {name}: {line(row)}")
+        if on_row is not None:
+            on_row(rows)
     return rows
+
+
+def torch_model_check(make, name: str, backends, db, out_dir: str, graph_level: bool = False,
+                      budget: float = 60.0, rtol: float = 1e-3, atol: float = 1e-4) -> dict:
+    """``make(name)`` -> (torch module, inputs); exported to ONNX (TorchScript-based exporter,
+    opset 17) into ``out_dir``, through ``collage_check``, outputs against PyTorch's. A
+    model the exporter cannot write is "unsupported" with the exporter's reason."""
+    import torch
+
+    try:
+        model, inputs = make(name)
+        with torch.no_grad():
+            out = model(*inputs)
+        expected = [o.numpy() for o in (out if isinstance(out, (tuple, list)) else [out])]
+        path = export_onnx(model, inputs, os.path.join(out_dir, name, f"{name}.onnx"))
+    except Exception as err:  # noqa: BLE001 - a model the exporter cannot write
+        return {"status": "unsupported", "error": "ONNX export: " + _first_line(err)}
+    return collage_check(path, [i.numpy() for i in inputs], expected, backends, db, rtol, atol,
+                         graph_level=graph_level, budget=budget)
 
 
 def _build_cell(b: dict) -> list:
