@@ -360,3 +360,16 @@ def test_slices_with_bounds_from_an_input_stay_dynamic():
         bb.emit_func_output(out)
     mod = bb.get()
     assert "dynamic_strided_slice" in static_slices(mod).script()
+
+
+def test_a_model_the_torchscript_exporter_cannot_write_goes_through_the_dynamo_one(tmp_path):
+    pytest.importorskip("onnxscript")  # the test extra (make setup installs it)
+    from collage_tvm.tools.suites import torch_model_check
+
+    def make(name):  # adaptive pooling 4x4 -> 3x3: "output size not a factor of input size"
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.AdaptiveAvgPool2d(3), nn.Flatten())
+        return m.eval(), (torch.randn(1, 3, 4, 4),)
+
+    row = torch_model_check(make, "pool", ["tvm"], str(tmp_path / "c.db"), str(tmp_path))
+    assert row["status"] == "built" and row["match"] and row["exporter"] == "dynamo", row

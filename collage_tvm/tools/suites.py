@@ -323,17 +323,23 @@ def _LastHidden(model):  # noqa: N802 - a class made on first use (torch is impo
     return _last_hidden_cls()(model)
 
 
-def export_onnx(model, inputs, path: str) -> str:
-    """``model`` to ONNX with the TorchScript-based exporter, opset 17, IR version <= 10
-    (onnxruntime 1.31 reads at most 13; onnx 1.23 writes 14). A model over protobuf's 2 GB
-    gets its weights in external data files beside ``path`` (the exporter's own choice)."""
+def export_onnx(model, inputs, path: str, exporter: str = "torchscript") -> str:
+    """``model`` to ONNX, IR version <= 10 (onnxruntime 1.31 reads at most 13; onnx 1.23
+    writes 14): ``exporter`` "torchscript" (``dynamo=False``, opset 17) or "dynamo"
+    (``torch.export``-based, opset 18: its version converter cannot take every model down to
+    17). A model over protobuf's 2 GB gets its weights in external data files beside
+    ``path`` (the exporter's own choice)."""
     import onnx
     import torch
 
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(model, inputs, path, dynamo=False, opset_version=17)
+        if exporter == "dynamo":
+            torch.onnx.export(model, inputs, dynamo=True, opset_version=18,
+                              verbose=False).save(path)
+        else:
+            torch.onnx.export(model, inputs, path, dynamo=False, opset_version=17)
     proto = onnx.load(path, load_external_data=False)  # external data stays where it is
     if proto.ir_version > 10:
         proto.ir_version = 10
@@ -471,9 +477,10 @@ def run(suite: str, backends, db, out_dir: str, full: bool = False, limit: int |
 
 def torch_model_check(make, name: str, backends, db, out_dir: str, graph_level: bool = False,
                       budget: float = 60.0, rtol: float = 1e-3, atol: float = 1e-4) -> dict:
-    """``make(name)`` -> (torch module, inputs); exported to ONNX (TorchScript-based exporter,
-    opset 17) into ``out_dir``, through ``collage_check``, outputs against PyTorch's. A
-    model the exporter cannot write is "unsupported" with the exporter's reason."""
+    """``make(name)`` -> (torch module, inputs); exported to ONNX into ``out_dir`` (the
+    TorchScript-based exporter, else the dynamo one: ``exporter`` in the row), through
+    ``collage_check``, outputs against PyTorch's. A model neither exporter can write is
+    "unsupported" with the exporters' reasons."""
     import torch
 
     try:
@@ -481,11 +488,20 @@ def torch_model_check(make, name: str, backends, db, out_dir: str, graph_level: 
         with torch.no_grad():
             out = model(*inputs)
         expected = [o.numpy() for o in (out if isinstance(out, (tuple, list)) else [out])]
-        path = export_onnx(model, inputs, os.path.join(out_dir, name, f"{name}.onnx"))
-    except Exception as err:  # noqa: BLE001 - a model the exporter cannot write
-        return {"status": "unsupported", "error": "ONNX export: " + _first_line(err)}
-    return collage_check(path, [i.numpy() for i in inputs], expected, backends, db, rtol, atol,
-                         graph_level=graph_level, budget=budget)
+    except Exception as err:  # noqa: BLE001 - a model that does not run in PyTorch here
+        return {"status": "unsupported", "error": "PyTorch: " + _first_line(err)}
+    path, errors = os.path.join(out_dir, name, f"{name}.onnx"), []
+    for exporter in ("torchscript", "dynamo"):
+        try:
+            export_onnx(model, inputs, path, exporter)
+            break
+        except Exception as err:  # noqa: BLE001 - a model the exporter cannot write
+            errors.append(f"{exporter}: {_first_line(err)}")
+    else:
+        return {"status": "unsupported", "error": "ONNX export: " + "; ".join(errors)}
+    row = collage_check(path, [i.numpy() for i in inputs], expected, backends, db, rtol, atol,
+                        graph_level=graph_level, budget=budget)
+    return {**row, "exporter": exporter}
 
 
 def _build_cell(b: dict) -> list:
@@ -540,6 +556,7 @@ def markdown(suite: str, rows: list) -> str:
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         b = r["build"]
-        lines.append("| " + " | ".join([r["model"], *_build_cell(b), b.get("shipped", "")])
+        model = r["model"] + (" (dynamo export)" if b.get("exporter") == "dynamo" else "")
+        lines.append("| " + " | ".join([model, *_build_cell(b), b.get("shipped", "")])
                      + " |")
     return "\n".join(lines) + "\n"
