@@ -373,3 +373,14 @@ def test_a_model_the_torchscript_exporter_cannot_write_goes_through_the_dynamo_o
 
     row = torch_model_check(make, "pool", ["tvm"], str(tmp_path / "c.db"), str(tmp_path))
     assert row["status"] == "built" and row["match"] and row["exporter"] == "dynamo", row
+
+
+def test_transformers_vision_models_construct_beside_the_installed_torchvision():
+    # transformers imports torchvision where it is installed; the suite makes that import work
+    pytest.importorskip("transformers")
+    from collage_tvm.tools.suites import transformers_model
+
+    for name in ("vit", "whisper_encoder"):
+        model, inputs = transformers_model(name)
+        with torch.no_grad():
+            assert model(*inputs).ndim == 3

@@ -152,6 +152,11 @@ def transformers_model(name: str):
     """(torch module returning the last hidden state, example inputs) of a 2-layer model
     built from its ``transformers`` config, random weights (nothing downloaded)."""
     import torch
+
+    try:  # transformers imports torchvision where installed (ViT, Whisper): make it importable
+        import_torchvision()
+    except ImportError:
+        pass
     import transformers as T
 
     torch.manual_seed(0)
