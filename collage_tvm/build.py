@@ -163,6 +163,10 @@ def search(model, target="llvm", options: SearchOptions | None = None, db=None,
     t_start = time.perf_counter()
     target = make_target(target)
     mod = normalize_for_collage(load_model(model, example_inputs, input_shapes))
+    if options.rewrite:
+        from .rewrite import fold_conv_affine
+
+        mod = fold_conv_affine(mod)
     backends, skipped = resolve_backends(options.backends, target)
     report = BuildReport(backends=list(backends), skipped=skipped)
     try:

@@ -95,7 +95,8 @@ def _options(args, backends):
     return SearchOptions(backends=tuple(backends), isolate=not args.in_process,
                          compare=not args.no_compare, graph_level=args.graph_level,
                          budget=args.budget, switching=not args.no_switching,
-                         calibrate_rounds=args.calibrate, refine_rounds=args.refine)
+                         calibrate_rounds=args.calibrate, refine_rounds=args.refine,
+                         rewrite=args.rewrite)
 
 
 def _print_ops(res) -> None:
@@ -221,6 +222,10 @@ def main(argv=None) -> int:
     o.add_argument("--graph-level", action="store_true",
                    help="after the op-level DP, run the evolutionary graph-level placer over the "
                         "graph libraries among --backends (onnxruntime, openvino)")
+    o.add_argument("--rewrite", action="store_true",
+                   help="before placement, apply the z3-verified graph rewrites "
+                        "(collage_tvm.rewrite: today a convolution's per-channel affine tail, "
+                        "e.g. a batch norm, folded into its weights)")
     o.add_argument("--calibrate", type=int, default=4, metavar="ROUNDS",
                    help="rounds of in-context calibration of the op-level placement: run it, "
                         "re-cost each external group as timed in place, re-run the DP "

@@ -40,6 +40,9 @@ class SearchOptions:
     switching: bool = _flag("|switching", True)
     # After the op-level DP, the evolutionary graph-level placer over the graph libraries.
     graph_level: bool = _flag("|graph-level", False)
+    # Before placement, the verified graph rewrites (``collage_tvm.rewrite``; today: a
+    # convolution's per-channel affine tail folded into its weights).
+    rewrite: bool = _flag("|rewrite", False)
     # Rounds of side-by-side re-timing of the op-level placement's close calls, each
     # followed by a DP re-run (``placer.alternatives.refine``); 0 turns it off.
     refine_rounds: int = _rounds("|refined", 2)

@@ -23,6 +23,7 @@ STAGES = [
     ["collage_tvm._files", "collage_tvm.target", "collage_tvm.registry", "collage_tvm.lowering",
      "collage_tvm.options", "collage_tvm.export"],
     ["collage_tvm.frontend"],
+    ["collage_tvm.rewrite"],
     ["collage_tvm.graph"],
     ["collage_tvm.placement"],
     ["collage_tvm.patterns"],

@@ -1,0 +1,144 @@
+"""Relax passes applying the proved substitutions (``substitutions.py``)."""
+from __future__ import annotations
+
+import numpy as np
+import tvm
+from tvm import relax
+
+_AFFINE = {"relax.add", "relax.subtract", "relax.multiply", "relax.divide"}
+
+
+def fold_conv_affine(mod: tvm.IRModule) -> tvm.IRModule:
+    """Substitution ``fold_conv_affine``: in ``main``, a ``conv2d`` (NCHW/OIHW, constant
+    weight) whose only user starts a chain of per-channel adds, subtracts, multiplies and
+    divides by constants (each link the only user of the one before) becomes the
+    convolution with each output channel's kernel scaled, plus one bias add. A chain of a
+    single add (already conv + bias) is left as it is."""
+    main = mod["main"]
+    if not isinstance(main.body, relax.SeqExpr):
+        return mod
+    uses = _uses(main)
+    blocks, changed = [], False
+    for block in main.body.blocks:
+        bindings = list(block.bindings)
+        by_input = {}
+        for i, b in enumerate(bindings):
+            if isinstance(b, relax.VarBinding) and isinstance(b.value, relax.Call):
+                for arg in b.value.args:
+                    if isinstance(arg, relax.Var):
+                        by_input.setdefault(arg, []).append(i)
+        drop, replace = set(), {}
+        for i, b in enumerate(bindings):
+            conv = _conv_with_constant_weight(b)
+            if conv is None:
+                continue
+            channels = int(b.var.ty.shape.values[1])
+            scale, shift = np.ones(channels), np.zeros(channels)
+            chain, cur = [], b.var
+            while uses.get(cur, 0) == 1 and len(by_input.get(cur, ())) == 1:
+                j = by_input[cur][0]
+                step = _affine_step(bindings[j], cur, channels)
+                if step is None:
+                    break
+                op, c = step
+                if op == "add":
+                    shift = shift + c
+                elif op == "subtract":
+                    shift = shift - c
+                elif op == "multiply":
+                    scale, shift = scale * c, shift * c
+                else:  # divide
+                    scale, shift = scale / c, shift / c
+                chain.append(j)
+                cur = bindings[j].var
+            if not chain or (len(chain) == 1 and _op_name(bindings[chain[0]]) == "relax.add"):
+                continue
+            weight = conv.args[1].value.numpy()
+            new_weight = (weight * scale.reshape(-1, 1, 1, 1)).astype(weight.dtype)
+            replace[i] = relax.VarBinding(b.var, relax.Call(
+                conv.op, [conv.args[0], relax.const(new_weight)], conv.attrs))
+            bias = relax.const(shift.reshape(1, -1, 1, 1).astype(weight.dtype))
+            replace[chain[-1]] = relax.VarBinding(cur, relax.op.add(b.var, bias))
+            drop.update(chain[:-1])
+            changed = True
+        new = [replace.get(i, bnd) for i, bnd in enumerate(bindings) if i not in drop]
+        blocks.append(relax.DataflowBlock(new) if isinstance(block, relax.DataflowBlock)
+                      else relax.BindingBlock(new))
+    if not changed:
+        return mod
+    func = relax.Function(main.params, relax.SeqExpr(blocks, main.body.body), main.ret_ty,
+                          main.is_pure, main.attrs)
+    out = mod.functions.items()
+    return relax.transform.Normalize()(tvm.IRModule(
+        {gv: (func if gv.name_hint == "main" else f) for gv, f in out}, attrs=mod.attrs))
+
+
+def _op_name(binding) -> str | None:
+    value = getattr(binding, "value", None)
+    if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op):
+        return value.op.name
+    return None
+
+
+def _conv_with_constant_weight(binding):
+    if _op_name(binding) != "relax.nn.conv2d":
+        return None
+    call = binding.value
+    attrs = call.attrs
+    if not isinstance(call.args[1], tvm.ir.expr.GenericConst):
+        return None
+    if (attrs.data_layout, attrs.kernel_layout) != ("NCHW", "OIHW") or \
+            attrs.out_layout not in ("NCHW", ""):
+        return None
+    ty = binding.var.ty
+    if not isinstance(ty, relax.TensorType) or str(ty.dtype) != "float32" or \
+            not isinstance(ty.shape, relax.ShapeExpr) or len(ty.shape.values) != 4:
+        return None
+    return call
+
+
+def _affine_step(binding, cur, channels: int):
+    """(op, per-channel vector) when ``binding`` is ``cur <op> constant`` (or ``constant +/*
+    cur``) with a constant that varies along the channels only; else None."""
+    name = _op_name(binding)
+    if name not in _AFFINE:
+        return None
+    lhs, rhs = binding.value.args
+    if lhs.same_as(cur) and isinstance(rhs, tvm.ir.expr.GenericConst):
+        const = rhs
+    elif rhs.same_as(cur) and isinstance(lhs, tvm.ir.expr.GenericConst) and \
+            name in ("relax.add", "relax.multiply"):
+        const = lhs
+    else:
+        return None
+    if binding.var.ty.shape is None or \
+            [int(d) for d in binding.var.ty.shape.values] != [int(d) for d in cur.ty.shape.values]:
+        return None  # the constant broadcasts the result to another shape
+    vec = _per_channel(const.value.numpy(), channels)
+    if vec is None or (name == "relax.divide" and not np.all(vec != 0)):
+        return None
+    return name.split(".")[1], vec
+
+
+def _per_channel(c: np.ndarray, channels: int):
+    if c.dtype != np.float32 or c.ndim > 4:
+        return None
+    shape = (1,) * (4 - c.ndim) + c.shape
+    if shape[0] != 1 or shape[2] != 1 or shape[3] != 1 or shape[1] not in (1, channels):
+        return None
+    return np.broadcast_to(c.reshape(-1).astype(np.float64), (channels,))
+
+
+def _uses(func) -> dict:
+    """How many times each var is used in ``func`` (bindings and the function's result)."""
+    counts: dict = {}
+
+    def visit(e):
+        if isinstance(e, relax.Var):
+            counts[e] = counts.get(e, 0) + 1
+
+    for block in func.body.blocks:
+        for b in block.bindings:
+            relax.analysis.post_order_visit(b.value, visit)
+    relax.analysis.post_order_visit(func.body.body, visit)
+    return counts

@@ -1,0 +1,205 @@
+"""The substitutions collage-tvm ships, each with its z3 statement and its numeric check.
+
+A ``Substitution`` has
+- ``statement()``: (source, target, assumptions) as z3 terms over ``verify``'s operators;
+  ``verify.prove`` must find it unsat (source == target follows from the axioms);
+- ``cases``: attribute cases (stride, padding, groups, ...) for the numeric check;
+- ``relax(case)``: (source, target) as Relax functions of the same inputs, compiled and run
+  on random inputs by ``numeric.check``. Where the rewrite is implemented as a pass
+  (``passes.fold_conv_affine``), the target is what the pass makes of the source, so the
+  check covers the implementation, not a second hand-written copy of it.
+
+``WRONG`` holds substitutions that must fail: the tests show each one is caught.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import z3
+
+from . import verify as V
+
+
+@dataclass(frozen=True)
+class Substitution:
+    name: str
+    doc: str
+    statement: object      # () -> (source, target, assumptions)
+    relax: object          # (case: dict) -> (source Relax function, target Relax function)
+    cases: tuple           # of dicts
+
+
+def _cases(**axes) -> tuple:
+    keys = list(axes)
+    return tuple(dict(zip(keys, vals)) for vals in itertools.product(*axes.values()))
+
+
+# --------------------------------------------------------------------------- fold affine
+
+def _fold_statement():
+    bias, mean, inv_std, gamma, beta = z3.Reals("bias mean inv_std gamma beta")
+    conv = V.conv2d(V.st, V.pd, V.g, V.x, V.w)
+    # conv + bias, - mean, * 1/std (a divide), * gamma, + beta: batch norm decomposed for
+    # inference after a convolution with bias
+    source = V.chadd(V.chmul(V.chmul(V.chadd(V.chadd(conv, bias), -mean), inv_std), gamma),
+                     beta)
+    scale = inv_std * gamma
+    target = V.chadd(V.conv2d(V.st, V.pd, V.g, V.x, V.wscale(V.w, scale)),
+                     (bias - mean) * scale + beta)
+    return source, target, ()
+
+
+def _fold_relax(case):
+    from .passes import fold_conv_affine
+
+    src = _conv_affine_function(case)
+    return src, fold_conv_affine(_module(src))["main"]
+
+
+def _conv_affine_function(case):
+    from tvm import relax
+
+    rng = np.random.default_rng(0)
+    c_in, c_out, groups = 4, 8, case["groups"]
+    xv = relax.Var("x", relax.TensorType((1, c_in, 9, 9), "float32"))
+    weight = rng.standard_normal((c_out, c_in // groups, 3, 3)).astype("float32")
+
+    def per_channel(low=-1.0, high=1.0):
+        return relax.const(rng.uniform(low, high, (1, c_out, 1, 1)).astype("float32"))
+
+    bb = relax.BlockBuilder()
+    with bb.function("main", [xv]):
+        with bb.dataflow():
+            out = bb.emit(relax.op.nn.conv2d(xv, relax.const(weight), strides=case["stride"],
+                                             padding=case["padding"], groups=groups))
+            out = bb.emit(relax.op.add(out, per_channel()))
+            out = bb.emit(relax.op.subtract(out, per_channel()))
+            out = bb.emit(relax.op.divide(out, per_channel(0.5, 2.0)))
+            out = bb.emit(relax.op.multiply(out, per_channel()))
+            out = bb.emit_output(relax.op.add(out, per_channel()))
+        bb.emit_func_output(out)
+    return bb.get()["main"]
+
+
+def _module(func):
+    import tvm
+
+    return tvm.IRModule({"main": func})
+
+
+# --------------------------------------------------------------------------- sibling convs
+
+def _merge_statement():
+    merged = V.conv2d(V.st, V.pd, 1, V.x, V.concat(0, V.w, V.v))
+    source = (V.conv2d(V.st, V.pd, 1, V.x, V.w), V.conv2d(V.st, V.pd, 1, V.x, V.v))
+    target = (V.split0(1, merged), V.split1(1, merged))
+    return z3.And(source[0] == target[0], source[1] == target[1]), True, ()
+
+
+def _merge_relax(case):
+    from tvm import relax
+
+    rng = np.random.default_rng(0)
+    w1 = rng.standard_normal((4, 3, 3, 3)).astype("float32")
+    w2 = rng.standard_normal((6, 3, 3, 3)).astype("float32")
+    kw = dict(strides=case["stride"], padding=case["padding"])
+    funcs = []
+    for merged in (False, True):
+        xv = relax.Var("x", relax.TensorType((1, 3, 9, 9), "float32"))
+        bb = relax.BlockBuilder()
+        with bb.function("main", [xv]):
+            with bb.dataflow():
+                if merged:
+                    both = bb.emit(relax.op.nn.conv2d(
+                        xv, relax.const(np.concatenate([w1, w2])), **kw))
+                    parts = bb.emit(relax.op.split(both, [4], axis=1))
+                    outs = [bb.emit(relax.TupleGetItem(parts, i)) for i in (0, 1)]
+                else:
+                    outs = [bb.emit(relax.op.nn.conv2d(xv, relax.const(wk), **kw))
+                            for wk in (w1, w2)]
+                out = bb.emit_output(relax.Tuple(outs))
+            bb.emit_func_output(out)
+        funcs.append(bb.get()["main"])
+    return tuple(funcs)
+
+
+# --------------------------------------------------------------------------- avg pool
+
+def _pool_statement(count_include_pad: int):
+    def statement():
+        source = V.avg_pool2d(V.k, V.st, V.pd, count_include_pad, V.x)
+        target = V.conv2d(V.st, V.pd, V.channels(V.x), V.x, V.depthwise_pool_weight(V.k))
+        return source, target, ()
+    return statement
+
+
+def _pool_relax(count_include_pad: bool):
+    def build(case):
+        from tvm import relax
+
+        k, channels = case["kernel"], 3
+        funcs = []
+        for as_conv in (False, True):
+            xv = relax.Var("x", relax.TensorType((1, channels, 8, 8), "float32"))
+            bb = relax.BlockBuilder()
+            with bb.function("main", [xv]):
+                with bb.dataflow():
+                    if as_conv:
+                        weight = np.full((channels, 1, k, k), 1.0 / (k * k), "float32")
+                        out = relax.op.nn.conv2d(xv, relax.const(weight),
+                                                 strides=case["stride"],
+                                                 padding=case["padding"], groups=channels)
+                    else:
+                        out = relax.op.nn.avg_pool2d(
+                            xv, k, strides=case["stride"], padding=case["padding"],
+                            count_include_pad=count_include_pad)
+                    out = bb.emit_output(out)
+                bb.emit_func_output(out)
+            funcs.append(bb.get()["main"])
+        return tuple(funcs)
+    return build
+
+
+SUBSTITUTIONS = (
+    Substitution(
+        "fold_conv_affine",
+        "a convolution followed by per-channel adds, subtracts, multiplies and divides by "
+        "constants (a bias and a batch norm decomposed for inference) becomes one "
+        "convolution with scaled weights and one bias add",
+        _fold_statement, _fold_relax,
+        _cases(stride=(1, 2), padding=(0, 1), groups=(1, 2))),
+    Substitution(
+        "merge_sibling_convs",
+        "two convolutions of one input with the same stride and padding become one "
+        "convolution over their stacked kernels, split along the channels",
+        _merge_statement, _merge_relax, _cases(stride=(1, 2), padding=(0, 1))),
+    Substitution(
+        "avg_pool_as_depthwise_conv",
+        "average pooling that counts the padding is a depthwise convolution with a constant "
+        "1/k^2 kernel",
+        _pool_statement(1), _pool_relax(True),
+        _cases(kernel=(2, 3), stride=(1, 2), padding=(0, 1))),
+)
+
+WRONG = (
+    Substitution(
+        "avg_pool_excluding_pad_as_depthwise_conv",
+        "WRONG: with count_include_pad=False the border windows divide by fewer elements",
+        _pool_statement(0), _pool_relax(False),
+        _cases(kernel=(3,), stride=(1,), padding=(1,))),
+)
+
+
+def by_name(name: str) -> Substitution:
+    for sub in SUBSTITUTIONS + WRONG:
+        if sub.name == name:
+            return sub
+    raise KeyError(f"no substitution {name!r}: one of "
+                   f"{', '.join(s.name for s in SUBSTITUTIONS + WRONG)}")
+
+
+def prove(sub: Substitution) -> V.Proof:
+    source, target, assumptions = sub.statement()
+    return V.prove(sub.name, source, target, assumptions)

@@ -1,0 +1,147 @@
+"""Graph rewrites (issue #18): substitutions proved by z3 and checked numerically; the
+convolution affine-tail fold as a Relax pass."""
+import collections
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import tvm
+import z3
+from tvm import relax
+
+import collage_tvm
+from collage_tvm.rewrite import SUBSTITUTIONS, WRONG, fold_conv_affine, prove
+from collage_tvm.rewrite import numeric
+from collage_tvm.rewrite import verify as V
+
+
+@pytest.mark.parametrize("sub", SUBSTITUTIONS, ids=lambda s: s.name)
+def test_every_shipped_substitution_is_proved_by_z3(sub):
+    proof = prove(sub)
+    assert proof.proved and proof.result == "unsat", proof
+
+
+@pytest.mark.parametrize("sub", SUBSTITUTIONS, ids=lambda s: s.name)
+def test_every_shipped_substitution_matches_numerically_in_every_attribute_case(sub):
+    assert len(sub.cases) >= 4
+    assert numeric.check(sub) == []
+
+
+def test_a_wrong_substitution_is_caught_avg_pool_without_the_padding_is_no_depthwise_conv():
+    (wrong,) = WRONG
+    source, target, facts = wrong.statement()
+    assert not V.prove(wrong.name, source, target, facts, timeout_ms=2000).proved
+    failures = numeric.check(wrong)
+    assert failures and failures[0][1] > 0.1  # the border windows
+
+
+def test_a_fold_with_a_wrong_bias_is_not_proved():
+    bias, mean, inv_std, gamma, beta = z3.Reals("bias mean inv_std gamma beta")
+    conv = V.conv2d(V.st, V.pd, V.g, V.x, V.w)
+    source = V.chadd(V.chmul(V.chmul(V.chadd(V.chadd(conv, bias), -mean), inv_std), gamma),
+                     beta)
+    scale = inv_std * gamma
+    wrong = V.chadd(V.conv2d(V.st, V.pd, V.g, V.x, V.wscale(V.w, scale)),
+                    (bias - mean) * scale)  # beta forgotten
+    assert not V.prove("wrong fold", source, wrong, timeout_ms=2000).proved
+
+
+def _ops(mod):
+    return collections.Counter(b.value.op.name for blk in mod["main"].body.blocks
+                               for b in blk.bindings
+                               if isinstance(b.value, relax.Call) and hasattr(b.value.op, "name"))
+
+
+class ConvBN(nn.Module):
+    def __init__(self, bias):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1, bias=bias)
+        self.bn = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 4, 1, groups=2)
+        self.bn2 = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return self.bn2(self.conv2(torch.relu(self.bn(self.conv(x)))))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fold_conv_affine_removes_decomposed_batch_norms_and_keeps_the_outputs(bias):
+    from collage_tvm.frontend.load import load_model, normalize_for_collage
+
+    torch.manual_seed(0)
+    m = ConvBN(bias).eval()
+    with torch.no_grad():
+        for bn in (m.bn, m.bn2):
+            bn.running_mean.uniform_(-0.5, 0.5)
+            bn.running_var.uniform_(0.5, 2.0)
+            bn.weight.uniform_(0.5, 1.5)
+            bn.bias.uniform_(-0.5, 0.5)
+    x = torch.randn(1, 3, 8, 8)
+    mod = normalize_for_collage(load_model(m, (x,)))
+    before = _ops(mod)
+    assert before["relax.divide"] == 2  # the batch norms, decomposed for inference
+    folded = fold_conv_affine(mod)
+    after = _ops(folded)
+    assert after["relax.nn.conv2d"] == 2 and after["relax.add"] == 2
+    assert not (after["relax.subtract"] or after["relax.divide"] or after["relax.multiply"])
+    with torch.no_grad():
+        want = m(x).numpy()
+    (got,) = numeric.run(folded["main"], [x.numpy()])
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def _conv_chain(second_use: bool, spatial: bool):
+    rng = np.random.default_rng(0)
+    xv = relax.Var("x", relax.TensorType((1, 2, 4, 4), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [xv]):
+        with bb.dataflow():
+            conv = bb.emit(relax.op.nn.conv2d(
+                xv, relax.const(rng.standard_normal((2, 2, 1, 1)).astype("float32"))))
+            shape = (1, 2, 4, 4) if spatial else (1, 2, 1, 1)
+            sub = bb.emit(relax.op.subtract(conv, relax.const(
+                rng.standard_normal(shape).astype("float32"))))
+            mul = bb.emit(relax.op.multiply(sub, relax.const(
+                rng.standard_normal((1, 2, 1, 1)).astype("float32"))))
+            out = bb.emit_output(relax.op.add(mul, sub) if second_use else mul)
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+@pytest.mark.parametrize("second_use,spatial", [(True, False), (False, True)],
+                         ids=["intermediate-used-twice", "constant-varies-in-space"])
+def test_fold_conv_affine_stops_where_it_cannot_fold(second_use, spatial):
+    mod = _conv_chain(second_use, spatial)
+    folded = fold_conv_affine(mod)
+    ops = _ops(folded)
+    if second_use:  # the subtract folds (conv + bias); its value has two users: chain ends
+        assert ops["relax.subtract"] == 0 and ops["relax.multiply"] == 1
+    else:  # a constant that varies over space is no per-channel bias
+        assert ops["relax.subtract"] == 1 and ops["relax.multiply"] == 1
+    x = np.random.default_rng(1).standard_normal((1, 2, 4, 4)).astype("float32")
+    np.testing.assert_allclose(numeric.run(folded["main"], [x])[0],
+                               numeric.run(mod["main"], [x])[0], rtol=1e-5)
+
+
+def test_fold_conv_affine_folds_the_chain_the_simple_case():
+    mod = _conv_chain(False, False)
+    folded = fold_conv_affine(mod)
+    assert dict(_ops(folded)) == {"relax.nn.conv2d": 1, "relax.add": 1}
+    x = np.random.default_rng(1).standard_normal((1, 2, 4, 4)).astype("float32")
+    np.testing.assert_allclose(numeric.run(folded["main"], [x])[0],
+                               numeric.run(mod["main"], [x])[0], rtol=1e-5, atol=1e-6)
+
+
+def test_optimize_with_rewrite_builds_the_folded_graph_and_matches(tmp_path):
+    torch.manual_seed(0)
+    m = ConvBN(False).eval()
+    x = torch.randn(1, 3, 8, 8)
+    res = collage_tvm.optimize(m, "llvm", ["tvm"], db=str(tmp_path / "c.db"), rewrite=True,
+                               example_inputs=(x,), isolate=False, progress=False,
+                               calibrate_rounds=0, refine_rounds=0)
+    assert res.report.ops_per_backend["tvm"] < 10  # 2 convs, 2 adds, a relu: chains folded
+    got = relax.VirtualMachine(res.executable, tvm.cpu())["main"](tvm.runtime.tensor(x.numpy()))
+    got = got[0] if not hasattr(got, "numpy") else got
+    with torch.no_grad():
+        np.testing.assert_allclose(got.numpy(), m(x).numpy(), rtol=1e-4, atol=1e-5)
