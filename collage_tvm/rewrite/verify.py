@@ -40,6 +40,7 @@ split0 = _fn("split0", Int, T, T)                       # first part of a split 
 split1 = _fn("split1", Int, T, T)                       # ... the first operand it was made of
 relu = _fn("relu", T, T)
 add = _fn("add", T, T, T)
+mul = _fn("mul", T, T, T)                               # elementwise
 matmul = _fn("matmul", T, T, T)
 transpose = _fn("transpose", T, T)
 chadd = _fn("chadd", T, Real, T)                        # + a per channel
@@ -58,6 +59,19 @@ def _axioms() -> dict:
         # elementwise algebra
         "add commutes": z3.ForAll([x, y], add(x, y) == add(y, x)),
         "add associates": z3.ForAll([x, y, z], add(x, add(y, z)) == add(add(x, y), z)),
+        "mul commutes": z3.ForAll([x, y], mul(x, y) == mul(y, x)),
+        "mul associates": z3.ForAll([x, y, z], mul(x, mul(y, z)) == mul(mul(x, y), z)),
+        "mul distributes over add": z3.ForAll(
+            [x, y, z], mul(add(x, y), z) == add(mul(x, z), mul(y, z))),
+        "transpose distributes over add": z3.ForAll(
+            [x, y], transpose(add(x, y)) == add(transpose(x), transpose(y))),
+        "transpose distributes over mul": z3.ForAll(
+            [x, y], transpose(mul(x, y)) == mul(transpose(x), transpose(y))),
+        "relu commutes with transpose": z3.ForAll([x], relu(transpose(x)) == transpose(relu(x))),
+        "matmul associates": z3.ForAll(
+            [x, y, z], matmul(x, matmul(y, z)) == matmul(matmul(x, y), z)),
+        "matmul distributes over add on the left": z3.ForAll(
+            [x, y, z], matmul(add(x, y), z) == add(matmul(x, z), matmul(y, z))),
         # per-channel affine maps compose
         "chadd composes": z3.ForAll([x, a, b], chadd(chadd(x, a), b) == chadd(x, a + b)),
         "chmul composes": z3.ForAll([x, a, b], chmul(chmul(x, a), b) == chmul(x, a * b)),
