@@ -167,3 +167,55 @@ def test_the_generator_finds_proves_and_reports_substitutions_of_two_operators()
     relu_of_sum = Expr("relu", (Expr("add", (x0, x1)),))
     sum_of_relus = Expr("add", (Expr("relu", (x0,)), Expr("relu", (x1,))))
     assert not np.allclose(evaluate(relu_of_sum, env, None), evaluate(sum_of_relus, env, None))
+
+
+# ------------------------------------------------------------------ search (fake costs)
+
+def _three_siblings():
+    rng = np.random.default_rng(0)
+    xv = relax.Var("x", relax.TensorType((1, 3, 8, 8), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [xv]):
+        with bb.dataflow():
+            outs = [bb.emit(relax.op.nn.conv2d(xv, relax.const(
+                rng.standard_normal((4, 3, 3, 3)).astype("float32")), padding=1))
+                for _ in range(3)]
+            out = bb.emit_output(relax.op.concat(outs, axis=1))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _fake_cost(split_ms):
+    def cost(mod):  # a fake table: a conv 10, a merged (wider) conv 12, a split split_ms
+        total = 0.0
+        for b in mod["main"].body.blocks[0].bindings:
+            name = getattr(getattr(b.value, "op", None), "name", "")
+            if name == "relax.nn.conv2d":
+                total += 12.0 if int(b.value.args[1].value.shape[0]) > 4 else 10.0
+            elif name == "relax.split":
+                total += split_ms
+        return total
+    return cost
+
+
+def test_search_with_relaxation_alpha_crosses_a_costlier_step_to_a_cheaper_graph():
+    from collage_tvm.rewrite.search import search
+
+    mod = _three_siblings()
+    cost = _fake_cost(8.5)  # one merge: 12 + 8.5 + 10 = 30.5 > 30; both: 12 + 2 x 8.5 = 29
+    greedy = search(mod, cost, alpha=1.0)
+    assert greedy.cost == 30.0 and greedy.applied == [] and greedy.pruned > 0
+    relaxed = search(mod, cost, alpha=1.05)
+    assert relaxed.cost == 29.0 and relaxed.applied == ["merge_sibling_convs"] * 2
+    x = np.random.default_rng(1).standard_normal((1, 3, 8, 8)).astype("float32")
+    got = numeric.run(relax.transform.Normalize()(relaxed.module)["main"], [x])[0]
+    np.testing.assert_allclose(got, numeric.run(mod["main"], [x])[0], rtol=1e-5, atol=1e-5)
+
+
+def test_search_keeps_the_graph_when_no_rewrite_pays_and_stops_at_its_limits():
+    from collage_tvm.rewrite.search import search
+
+    mod = _three_siblings()
+    res = search(mod, _fake_cost(50.0))
+    assert res.module is mod and res.cost == res.start_cost == 30.0
+    assert search(mod, _fake_cost(8.5), max_graphs=2).stopped == "max_graphs"

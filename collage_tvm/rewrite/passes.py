@@ -142,3 +142,78 @@ def _uses(func) -> dict:
             relax.analysis.post_order_visit(b.value, visit)
     relax.analysis.post_order_visit(func.body.body, visit)
     return counts
+
+
+# --------------------------------------------------------------------------- sibling convs
+
+def sibling_conv_sites(mod: tvm.IRModule) -> list:
+    """Sites of ``merge_sibling_convs`` in ``main``'s dataflow block: pairs (i, j) of
+    binding indices of two ``conv2d`` with one input, constant weights of one input-channel
+    count and kernel size, and the same strides, padding, dilation, groups = 1 and layouts
+    (consecutive members of each such family)."""
+    bindings = _single_block(mod)
+    if bindings is None:
+        return []
+    families: dict = {}
+    for i, b in enumerate(bindings):
+        conv = _conv_with_constant_weight(b)
+        if conv is None or int(conv.attrs.groups) != 1:
+            continue
+        a = conv.attrs
+        shape = conv.args[1].value.shape
+        key = (conv.args[0], tuple(int(v) for v in a.strides), tuple(int(v) for v in a.padding),
+               tuple(int(v) for v in a.dilation), shape[1:], str(a.out_dtype))
+        families.setdefault(key, []).append(i)
+    return [(f[k], f[k + 1]) for f in families.values() for k in range(len(f) - 1)]
+
+
+def merge_sibling_convs(mod: tvm.IRModule, site: tuple) -> tvm.IRModule:
+    """Substitution ``merge_sibling_convs`` at ``site`` (from ``sibling_conv_sites``): one
+    convolution over the two kernels stacked, split along the channels; the two results
+    keep their vars (bound to the split's parts)."""
+    bindings = list(_single_block(mod))
+    i, j = site
+    first, second = bindings[i].value, bindings[j].value
+    w1, w2 = first.args[1].value.numpy(), second.args[1].value.numpy()
+    merged_call = relax.Call(first.op, [first.args[0], relax.const(np.concatenate([w1, w2]))],
+                             first.attrs)
+    bb = relax.BlockBuilder()
+    with bb.function("scratch", []):  # a scope to infer the new bindings' types in
+        with bb.dataflow():
+            merged_ty = bb.normalize(merged_call).ty
+            merged = relax.DataflowVar("merged_conv", merged_ty)
+            split_call = relax.op.split(merged, [w1.shape[0]], axis=1)
+            parts = relax.DataflowVar("merged_parts", bb.normalize(split_call).ty)
+            bb.emit_output(relax.const(0.0))
+        bb.emit_func_output(relax.const(0.0))
+    new = (bindings[:i]
+           + [relax.VarBinding(merged, merged_call), relax.VarBinding(parts, split_call),
+              relax.VarBinding(bindings[i].var, relax.TupleGetItem(parts, 0))]
+           + bindings[i + 1:j]
+           + [relax.VarBinding(bindings[j].var, relax.TupleGetItem(parts, 1))]
+           + bindings[j + 1:])
+    return _with_block(mod, new)
+
+
+def fold_conv_affine_sites(mod: tvm.IRModule) -> list:
+    """``fold_conv_affine`` as one site (it folds every chain at once: each fold only removes
+    work, so there is nothing to choose)."""
+    return [None] if fold_conv_affine(mod) is not mod else []
+
+
+def _single_block(mod):
+    main = mod["main"]
+    if not isinstance(main.body, relax.SeqExpr) or len(main.body.blocks) != 1:
+        return None
+    return list(main.body.blocks[0].bindings)
+
+
+def _with_block(mod, bindings) -> tvm.IRModule:
+    main = mod["main"]
+    block = main.body.blocks[0]
+    new_block = (relax.DataflowBlock(bindings) if isinstance(block, relax.DataflowBlock)
+                 else relax.BindingBlock(bindings))
+    func = relax.Function(main.params, relax.SeqExpr([new_block], main.body.body), main.ret_ty,
+                          main.is_pure, main.attrs)
+    return tvm.IRModule({gv: (func if gv.name_hint == "main" else f)
+                         for gv, f in mod.functions.items()}, attrs=mod.attrs)

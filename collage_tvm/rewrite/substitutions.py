@@ -6,8 +6,9 @@ A ``Substitution`` has
 - ``cases``: attribute cases (stride, padding, groups, ...) for the numeric check;
 - ``relax(case)``: (source, target) as Relax functions of the same inputs, compiled and run
   on random inputs by ``numeric.check``. Where the rewrite is implemented as a pass
-  (``passes.fold_conv_affine``), the target is what the pass makes of the source, so the
-  check covers the implementation, not a second hand-written copy of it.
+  (``passes.fold_conv_affine``, ``passes.merge_sibling_convs``), the target is what the
+  pass makes of the source, so the check covers the implementation, not a second
+  hand-written copy of it.
 
 ``WRONG`` holds substitutions that must fail: the tests show each one is caught.
 """
@@ -101,28 +102,21 @@ def _merge_statement():
 def _merge_relax(case):
     from tvm import relax
 
+    from .passes import merge_sibling_convs, sibling_conv_sites
+
     rng = np.random.default_rng(0)
-    w1 = rng.standard_normal((4, 3, 3, 3)).astype("float32")
-    w2 = rng.standard_normal((6, 3, 3, 3)).astype("float32")
     kw = dict(strides=case["stride"], padding=case["padding"])
-    funcs = []
-    for merged in (False, True):
-        xv = relax.Var("x", relax.TensorType((1, 3, 9, 9), "float32"))
-        bb = relax.BlockBuilder()
-        with bb.function("main", [xv]):
-            with bb.dataflow():
-                if merged:
-                    both = bb.emit(relax.op.nn.conv2d(
-                        xv, relax.const(np.concatenate([w1, w2])), **kw))
-                    parts = bb.emit(relax.op.split(both, [4], axis=1))
-                    outs = [bb.emit(relax.TupleGetItem(parts, i)) for i in (0, 1)]
-                else:
-                    outs = [bb.emit(relax.op.nn.conv2d(xv, relax.const(wk), **kw))
-                            for wk in (w1, w2)]
-                out = bb.emit_output(relax.Tuple(outs))
-            bb.emit_func_output(out)
-        funcs.append(bb.get()["main"])
-    return tuple(funcs)
+    xv = relax.Var("x", relax.TensorType((1, 3, 9, 9), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [xv]):
+        with bb.dataflow():
+            outs = [bb.emit(relax.op.nn.conv2d(xv, relax.const(
+                rng.standard_normal((c, 3, 3, 3)).astype("float32")), **kw)) for c in (4, 6)]
+            out = bb.emit_output(relax.Tuple(outs))
+        bb.emit_func_output(out)
+    source = bb.get()
+    (site,) = sibling_conv_sites(source)
+    return source["main"], relax.transform.Normalize()(merge_sibling_convs(source, site))["main"]
 
 
 # --------------------------------------------------------------------------- avg pool
