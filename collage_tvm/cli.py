@@ -43,6 +43,13 @@ def _optimize(args) -> int:
     if rep.switch:
         print("switching cost between runtimes (ms per change): " + ", ".join(
             f"{a}<->{b} {v:.3f}" for (a, b), v in sorted(rep.switch.items())))
+    rw = rep.rewrite
+    if rw:
+        folded = "affine tails folded into convolutions; " if rw["folded_affine_tails"] else ""
+        print(f"rewrite: {folded}{len(rw['applied'])} rewrite(s) applied "
+              f"({', '.join(rw['applied']) or 'none paid'}); op-level estimate "
+              f"{rw['start_ms']:.3f} -> {rw['best_ms']:.3f} ms; {rw['graphs']} graphs costed, "
+              f"stopped: {rw['stopped']}")
     gl = rep.graph_level
     if gl.get("history"):
         print(f"graph-level: {gl['eligible_groups']} groups could move to "

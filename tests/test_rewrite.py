@@ -219,3 +219,26 @@ def test_search_keeps_the_graph_when_no_rewrite_pays_and_stops_at_its_limits():
     res = search(mod, _fake_cost(50.0))
     assert res.module is mod and res.cost == res.start_cost == 30.0
     assert search(mod, _fake_cost(8.5), max_graphs=2).stopped == "max_graphs"
+
+
+def test_search_keeps_the_graph_when_the_gain_is_below_min_gain():
+    from collage_tvm.rewrite.search import search
+
+    mod = _three_siblings()
+    res = search(mod, _fake_cost(7.0), min_gain=0.5)  # merging gains 30 -> 26: 13%, not 50%
+    assert res.module is mod and res.applied == [] and res.cost == 30.0
+    assert search(mod, _fake_cost(7.0), min_gain=0.1).cost == 26.0
+
+
+def test_optimize_cli_rewrite_reports_the_fold_and_the_search(tmp_path, capsys):
+    from collage_tvm.cli import main
+
+    torch.manual_seed(0)
+    m = ConvBN(True).eval()
+    path = str(tmp_path / "m.onnx")
+    torch.onnx.export(m, (torch.randn(1, 3, 8, 8),), path, dynamo=False, opset_version=17,
+                      do_constant_folding=False)  # the batch norms stay in the file
+    assert main(["optimize", path, "--backends", "tvm", "--rewrite", "--in-process",
+                 "--calibrate", "0", "--refine", "0", "--db", str(tmp_path / "c.db")]) == 0
+    out = capsys.readouterr().out
+    assert "rewrite: affine tails folded into convolutions;" in out and "graphs costed" in out

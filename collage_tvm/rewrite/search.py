@@ -51,8 +51,10 @@ class SearchResult:
 
 
 def search(mod, cost, rewrites=REWRITES, alpha: float = 1.05, budget_s: float = 60.0,
-           max_graphs: int = 500) -> SearchResult:
-    """The best module found from ``mod`` (see the module doc)."""
+           max_graphs: int = 500, min_gain: float = 0.0) -> SearchResult:
+    """The best module found from ``mod`` (see the module doc); ``mod`` itself unless the
+    best costs at least ``min_gain`` (a fraction) less: measured costs carry noise, and a
+    rewrite that gains less than it is no gain."""
     t0 = time.perf_counter()
     start = cost(mod)
     best, best_cost, best_path = mod, start, []
@@ -86,6 +88,8 @@ def search(mod, cost, rewrites=REWRITES, alpha: float = 1.05, budget_s: float = 
                         best, best_cost, best_path = new, new_cost, path + [rw.name]
                 else:
                     result.pruned += 1
+    if best_cost > start * (1.0 - min_gain):
+        best, best_cost, best_path = mod, start, []
     result.module, result.cost, result.applied = best, best_cost, best_path
     result.seconds = time.perf_counter() - t0
     return result
