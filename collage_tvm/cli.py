@@ -154,7 +154,7 @@ def _bench(args, parser) -> int:
     options = SearchOptions(backends=args.backends, graph_level=args.graph_level,
                             budget=args.budget)
     results = bench.run(models, args.out, db=args.db, options=options, size=args.size,
-                        ablation=args.ablation)
+                        ablation=args.ablation, rewrite=args.rewrite)
     print("\n" + bench.markdown(results))
     print(f"\nwritten: {', '.join(f'{args.out}/{w}' for w in results['files'])}")
     return 0
@@ -277,6 +277,10 @@ def main(argv=None) -> int:
     b.add_argument("--graph-level", action="store_true", help="also run the two-level search")
     b.add_argument("--budget", type=float, default=300.0)
     b.add_argument("--db", default=None)
+    b.add_argument("--rewrite", action="store_true",
+                   help="also Collage placed-only beside rewritten+placed (the z3-verified "
+                        "graph rewrites, collage_tvm.rewrite), timed interleaved, outputs "
+                        "checked against placed-only")
     b.add_argument("--ablation", action="store_true",
                    help="also run Collage with --backends added one at a time in their order "
                         "(tvm; tvm,dnnl; ...: paper Fig. 11), the steps timed interleaved")

@@ -19,11 +19,12 @@ needs_ort = pytest.mark.skipif(not get_backend("onnxruntime").available()[0],
 
 @pytest.fixture(scope="module")
 def bench_run(tmp_path_factory):
-    """(output folder, its results.json) of ``bench dcgan --size small --ablation``."""
+    """(output folder, its results.json) of ``bench dcgan --size small --ablation
+    --rewrite``."""
     tmp = tmp_path_factory.mktemp("bench")
     out = str(tmp / "out")
     rc = main(["bench", "dcgan", "--size", "small", "--backends", "tvm,onnxruntime",
-               "--ablation", "--db", str(tmp / "c.db"), "--out", out])
+               "--ablation", "--rewrite", "--db", str(tmp / "c.db"), "--out", out])
     assert rc == 0
     return out, json.load(open(os.path.join(out, "results.json")))
 
@@ -70,6 +71,16 @@ def test_bench_ablation_adds_backends_one_at_a_time(bench_run):
     assert "| tvm, onnxruntime |" in open(os.path.join(out, "results.md")).read()
     with open(os.path.join(out, "results_ablation.png"), "rb") as f:
         assert f.read(8) == PNG_MAGIC
+
+
+@needs_ort
+def test_bench_rewrite_times_placed_only_beside_rewritten_and_placed(bench_run):
+    out, results = bench_run
+    steps = results["models"][0]["rewrite"]
+    assert [s["label"] for s in steps] == ["placed", "rewritten+placed"]
+    assert all(s["match"] and s["ms"] > 0 for s in steps), steps
+    assert "rewrite" not in steps[0] and steps[1]["rewrite"]["graphs"] >= 1
+    assert "| rewritten+placed |" in open(os.path.join(out, "results.md")).read()
 
 
 def test_plot_leaves_out_failed_entries_and_keeps_mismatched_ones(tmp_path):

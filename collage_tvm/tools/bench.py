@@ -221,17 +221,40 @@ def ablation_steps(onnx_path: str, options: SearchOptions, db) -> list:
     """Paper Fig. 11: Collage with ``options.backends`` added one at a time in their order.
 
     Step k searches with ``backends[:k]`` (``tvm`` is always among them), the other search
-    options as given, and keeps the
-    Collage placement itself (``compare=False``, and a placement log of its own: the
-    persistent one holds what the never-slower check shipped, possibly a single-library
-    build); every step reads and fills the same cost DB. The steps' executables are then
-    timed interleaved in one go, except a step whose first run took over
-    ``ABLATION_ONCE_MS``, which is timed once (untuned TVM on a paper-size model can take
-    minutes per run, and interleaved timing runs each step at least ten times). Each
-    step's output is checked against the first step's.
-
+    options as given (see ``variant_steps`` for how the steps are built, timed and checked).
     Returns one ``{"backends", "ms", "match", "max_err", "ops_per_backend", "search_s"}``
     per step (with ``"timed_once": True`` and ``"skipped"`` backends where they apply).
+    """
+    backends = options.backends
+    variants = [(f"Collage with {', '.join(backends[:k])}",
+                 SearchOptions.of(options, backends=tuple(backends[:k])))
+                for k in range(1, len(backends) + 1)]
+    steps = variant_steps(onnx_path, variants, db)
+    for k, step in enumerate(steps):
+        step["backends"] = list(backends[:k + 1])
+    return steps
+
+
+def rewrite_steps(onnx_path: str, options: SearchOptions, db) -> list:
+    """Issue #18: Collage placed-only beside rewritten-then-placed (``rewrite=True``), built,
+    timed and checked as ``variant_steps`` does; the second step carries the rewrite search's
+    report (``"rewrite"``)."""
+    return variant_steps(onnx_path, [
+        ("placed", SearchOptions.of(options, rewrite=False)),
+        ("rewritten+placed", SearchOptions.of(options, rewrite=True))], db)
+
+
+def variant_steps(onnx_path: str, variants: list, db) -> list:
+    """Collage once per ``(label, SearchOptions)`` of ``variants``, each keeping its own
+    placement (``compare=False``, and a placement log of its own: the persistent one holds
+    what the never-slower check shipped, possibly a single-library build); every step reads
+    and fills the same cost DB. The steps' executables are then timed interleaved in one go,
+    except a step whose first run took over ``ABLATION_ONCE_MS``, which is timed once
+    (untuned TVM on a paper-size model can take minutes per run, and interleaved timing runs
+    each step at least ten times). Each step's output is checked against the first step's.
+
+    Returns one ``{"label", "ms", "match", "max_err", "ops_per_backend", "search_s"}`` per
+    step (with ``"timed_once"``, ``"skipped"`` backends and ``"rewrite"`` where they apply).
     """
     import tvm
     from tvm import relax
@@ -244,18 +267,18 @@ def ablation_steps(onnx_path: str, options: SearchOptions, db) -> list:
 
     log = PlacementLog(None)
     dev = tvm.cpu()
-    backends = options.backends
     steps, runs, outputs = [], [], []
-    for k in range(1, len(backends) + 1):
-        prefix = list(backends[:k])
-        print(f"  step {k}/{len(backends)}: Collage with {', '.join(prefix)}", flush=True)
+    for k, (label, options) in enumerate(variants):
+        print(f"  step {k + 1}/{len(variants)}: {label}", flush=True)
         t0 = time.perf_counter()
         res = optimize(onnx_path, "llvm", db=db, placement_log=log,
-                       options=_with_progress(options, backends=tuple(prefix), compare=False))
-        step = {"backends": prefix, "ops_per_backend": res.report.ops_per_backend,
+                       options=_with_progress(options, compare=False))
+        step = {"label": label, "ops_per_backend": res.report.ops_per_backend,
                 "search_s": time.perf_counter() - t0}
         if res.report.skipped:
             step["skipped"] = res.report.skipped
+        if res.report.rewrite:
+            step["rewrite"] = res.report.rewrite
         vm = relax.VirtualMachine(res.executable, dev)
         args = [tvm.runtime.tensor(a, dev) for a in random_inputs(res.graph.params)]
         outputs.append(run_outputs(vm, args))
@@ -293,9 +316,10 @@ def _with_progress(options: SearchOptions, **changes) -> SearchOptions:
 
 
 def bench_model(name: str, out_dir: str, options: SearchOptions, db, glue: bool = True,
-                size: str = "paper", ablation: bool = False) -> dict:
+                size: str = "paper", ablation: bool = False, rewrite: bool = False) -> dict:
     """One model: the Collage search with ``options`` (and the never-slower comparison),
-    the frameworks, the glue check and, with ``ablation``, the ablation steps."""
+    the frameworks, the glue check; with ``ablation``, the ablation steps; with
+    ``rewrite``, placed-only beside rewritten+placed (``rewrite_steps``)."""
     from collage_tvm.build import optimize
 
     backends = options.backends
@@ -338,6 +362,12 @@ def bench_model(name: str, out_dir: str, options: SearchOptions, db, glue: bool 
         for step in entry["ablation"]:
             print(f"  {'+'.join(step['backends']):<40} {step['ms']:>10.3f} ms  "
                   f"match={step['match']}", flush=True)
+    if rewrite:
+        print(f"\n== {name}: placed-only beside rewritten+placed", flush=True)
+        entry["rewrite"] = rewrite_steps(path, options, db)
+        for step in entry["rewrite"]:
+            print(f"  {step['label']:<40} {step['ms']:>10.3f} ms  match={step['match']}"
+                  + (f"  {step['rewrite']}" if "rewrite" in step else ""), flush=True)
     return entry
 
 
@@ -414,6 +444,20 @@ def markdown(results: dict) -> str:
                 lines.append(f"| {', '.join(step['backends'])} | {step['ms']:.3f}{once} | "
                              f"{steps[0]['ms'] / step['ms']:.2f}x | "
                              f"{'yes' if step['match'] else 'NO'} | {ops} |")
+            lines.append("")
+        if "rewrite" in m:
+            steps = m["rewrite"]
+            lines += ["Graph rewrites (issue #18): placed-only beside rewritten+placed, timed "
+                      "interleaved:", "",
+                      "| build | latency ms | speedup | matches placed-only | rewrites applied |",
+                      "|---|---:|---:|---|---|"]
+            for step in steps:
+                rw = step.get("rewrite", {})
+                applied = ", ".join(rw.get("applied", [])) + (
+                    " (affine tails folded)" if rw.get("folded_affine_tails") else "")
+                lines.append(f"| {step['label']} | {step['ms']:.3f} | "
+                             f"{steps[0]['ms'] / step['ms']:.2f}x | "
+                             f"{'yes' if step['match'] else 'NO'} | {applied} |")
             lines.append("")
     return "\n".join(lines)
 
@@ -533,9 +577,11 @@ def plot_ablation(results: dict, path: str) -> str:
 
 
 def run(models, out_dir: str, backends=None, db=None, *, options: SearchOptions | None = None,
-        size: str = "paper", ablation: bool = False, **option_fields) -> dict:
+        size: str = "paper", ablation: bool = False, rewrite: bool = False,
+        **option_fields) -> dict:
     """Bench ``models``; writes results.json (after each model), results.md, results.png
-    and, with ``ablation``, results_ablation.png into ``out_dir``.
+    and, with ``ablation``, results_ablation.png into ``out_dir``; ``rewrite``: also
+    placed-only beside rewritten+placed (``rewrite_steps``).
 
     The search: ``options`` (a ``SearchOptions``) and/or its fields by name, as
     ``collage_tvm.optimize`` takes them (``backends``, ``graph_level=True``, ``budget=120``,
@@ -548,7 +594,8 @@ def run(models, out_dir: str, backends=None, db=None, *, options: SearchOptions 
     results = {"machine": machine(), "backends": list(options.backends), "models": []}
     for name in models:
         try:
-            entry = bench_model(name, out_dir, options, db, size=size, ablation=ablation)
+            entry = bench_model(name, out_dir, options, db, size=size, ablation=ablation,
+                                rewrite=rewrite)
         except Exception as err:  # noqa: BLE001 - one model's failure must not lose the others
             logger.exception("bench: %s failed", name)
             entry = {"model": name, "size": size, "error": _why(err)}
