@@ -433,33 +433,34 @@ def markdown(results: dict) -> str:
                           f"through collage-tvm {g['collage_ms']:.3f} ms "
                           f"({g['overhead'] * 100:+.1f}%)", ""]
         if "ablation" in m:
-            steps = m["ablation"]
-            lines += ["Ablation (paper Fig. 11): Collage with the backends added one at a time, "
-                      "timed interleaved; speedup over the first step:", "",
-                      "| backends | latency ms | speedup | matches first step | ops per backend |",
-                      "|---|---:|---:|---|---|"]
-            for step in steps:
-                once = " (timed once)" if step.get("timed_once") else ""
-                ops = ", ".join(f"{b} {n}" for b, n in step["ops_per_backend"].items())
-                lines.append(f"| {', '.join(step['backends'])} | {step['ms']:.3f}{once} | "
-                             f"{steps[0]['ms'] / step['ms']:.2f}x | "
-                             f"{'yes' if step['match'] else 'NO'} | {ops} |")
-            lines.append("")
+            lines += _steps_table(
+                m["ablation"], "Ablation (paper Fig. 11): Collage with the backends added one "
+                "at a time, timed interleaved; speedup over the first step:",
+                ["backends", "matches first step", "ops per backend"],
+                lambda step: [", ".join(step["backends"]), ", ".join(
+                    f"{b} {n}" for b, n in step["ops_per_backend"].items())])
         if "rewrite" in m:
-            steps = m["rewrite"]
-            lines += ["Graph rewrites (issue #18): placed-only beside rewritten+placed, timed "
-                      "interleaved:", "",
-                      "| build | latency ms | speedup | matches placed-only | rewrites applied |",
-                      "|---|---:|---:|---|---|"]
-            for step in steps:
-                rw = step.get("rewrite", {})
-                applied = ", ".join(rw.get("applied", [])) + (
-                    " (affine tails folded)" if rw.get("folded_affine_tails") else "")
-                lines.append(f"| {step['label']} | {step['ms']:.3f} | "
-                             f"{steps[0]['ms'] / step['ms']:.2f}x | "
-                             f"{'yes' if step['match'] else 'NO'} | {applied} |")
-            lines.append("")
+            lines += _steps_table(
+                m["rewrite"], "Graph rewrites (issue #18): placed-only beside "
+                "rewritten+placed, timed interleaved:",
+                ["build", "matches placed-only", "rewrites applied"],
+                lambda step: [step["label"], ", ".join(step.get("rewrite", {}).get(
+                    "applied", [])) + (" (affine tails folded)" if step.get(
+                        "rewrite", {}).get("folded_affine_tails") else "")])
     return "\n".join(lines)
+
+
+def _steps_table(steps: list, title: str, heads: list, cells) -> list:
+    """Markdown lines: a table of ``variant_steps``' steps; ``heads`` = (first column,
+    match column, last column); ``cells(step)`` -> (first cell, last cell)."""
+    lines = [title, "", f"| {heads[0]} | latency ms | speedup | {heads[1]} | {heads[2]} |",
+             "|---|---:|---:|---|---|"]
+    for step in steps:
+        first, last = cells(step)
+        once = " (timed once)" if step.get("timed_once") else ""
+        lines.append(f"| {first} | {step['ms']:.3f}{once} | {steps[0]['ms'] / step['ms']:.2f}x"
+                     f" | {'yes' if step['match'] else 'NO'} | {last} |")
+    return lines + [""]
 
 
 FRAMEWORK_LABELS = {"pytorch": "PyTorch eager", "torch.compile": "torch.compile",
