@@ -224,3 +224,18 @@ def test_refine_takes_the_largest_stakes_first_and_keeps_to_its_budget(tmp_path)
         assert again == refined
     finally:
         m.close()
+
+
+def test_a_measuring_child_over_its_memory_limit_is_replaced_and_measuring_goes_on(tmp_path):
+    graph = _conv_relu_graph()
+    tvm_b = get_backend("tvm")
+    cands = generate_candidates(graph, [tvm_b])
+    m = Measurer(make_target("llvm"), CostDB(str(tmp_path / "c.db")), candidate_vm,
+                 isolate=True, progress=False)
+    m._worker.rss_limit = 1  # every child is over it after its first answer
+    try:
+        costs = m.costs(graph, cands, {"tvm": tvm_b})
+    finally:
+        m.close()
+    assert len(costs) == len(cands) and all(math.isfinite(v) and v > 0 for v in costs.values())
+    assert m._worker.restarts >= 2 and m.failures == []

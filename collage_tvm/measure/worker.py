@@ -60,11 +60,35 @@ def _serve() -> None:
         out.flush()
 
 
-class Worker:
-    """One child process (``python -m collage_tvm.measure.worker``); restarted when it dies."""
+def _default_rss_limit() -> int:
+    """A quarter of the machine's memory, at least 4 GiB."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        total = 16 << 30
+    return max(4 << 30, total // 4)
 
-    def __init__(self, timeout_s: float = _TIMEOUT_S):
+
+def _rss(pid: int) -> int:
+    """Resident memory of process ``pid`` in bytes (0 when it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+class Worker:
+    """One child process (``python -m collage_tvm.measure.worker``); restarted when it dies,
+    and after a request that leaves it holding more than ``rss_limit`` bytes: each
+    candidate arrives with its weights, and the freed memory of large ones (a 150 MB
+    fully connected layer in every candidate around it) is not returned to the system -- a
+    child measuring AlexNet's candidates grew to 9 GB. A fresh child takes over."""
+
+    def __init__(self, timeout_s: float = _TIMEOUT_S, rss_limit: int | None = None):
         self.timeout_s = timeout_s
+        self.rss_limit = _default_rss_limit() if rss_limit is None else rss_limit
+        self.restarts = 0  # for memory
         self._proc = None
 
     def _start(self) -> None:
@@ -96,6 +120,9 @@ class Worker:
             code = self._proc.returncode
             self._kill()
             return math.inf, f"measurement process died ({_describe(code)})", {}
+        if _rss(self._proc.pid) > self.rss_limit:
+            self.close()
+            self.restarts += 1
         if reply[0] == "ok":
             return reply[1], reply[2], reply[3]
         return math.inf, reply[1], {"traceback": reply[2]}
