@@ -384,3 +384,14 @@ def test_transformers_vision_models_construct_beside_the_installed_torchvision()
         model, inputs = transformers_model(name)
         with torch.no_grad():
             assert model(*inputs).ndim == 3
+
+
+def test_a_suite_run_on_named_models_keeps_the_earlier_rows_of_the_others(tmp_path):
+    from collage_tvm.tools import suites
+
+    done = [{"model": "squeezenet1_1", "build": {"status": "built", "match": True}, "s": 1.0}]
+    seen = []
+    rows = suites.run("onnx-files", ["tvm"], str(tmp_path / "c.db"), str(tmp_path),
+                      only=["test_AvgPool1d"], done=done, on_row=seen.append)
+    assert [r["model"] for r in rows] == ["test_AvgPool1d", "squeezenet1_1"]
+    assert seen and seen[-1] == rows

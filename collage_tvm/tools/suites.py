@@ -476,8 +476,15 @@ def run(suite: str, backends, db, out_dir: str, full: bool = False, limit: int |
         rows.append(row)
         log(f"  {name}: {line(row)}")
         if on_row is not None:
-            on_row(rows)
+            on_row(rows + _others(earlier, rows))
+    rows += _others(earlier, rows)
     return rows
+
+
+def _others(earlier: dict, rows: list) -> list:
+    """The rows of an earlier run for models this run did not choose (kept, not lost)."""
+    have = {r["model"] for r in rows}
+    return [r for name, r in earlier.items() if name not in have]
 
 
 def torch_model_check(make, name: str, backends, db, out_dir: str, graph_level: bool = False,
