@@ -418,7 +418,8 @@ def run(suite: str, backends, db, out_dir: str, full: bool = False, limit: int |
     Collage search over ``backends``. ``transformers``: each model exported to ONNX, the
     whole Collage search over ``backends``, outputs against PyTorch's. ``graph_level``: the
     search runs both levels (the graph-level one for at most ``budget`` seconds a model).
-    ``only``: just the models (cases) of these names. ``done``: rows of an earlier,
+    ``only``: just the models (cases) of these names (a torch suite's in the order given).
+    ``done``: rows of an earlier,
     interrupted run of the same suite, kept and not run again. ``on_row(rows)`` after each
     model (the CLI writes the table so far: an interrupted run keeps what it found)."""
     import os
@@ -448,8 +449,9 @@ def run(suite: str, backends, db, out_dir: str, full: bool = False, limit: int |
                     + (f"; search {row['build']['status']}" if "build" in row else ""))
     else:
         names, make = TORCH_SUITES[suite]
-        chosen = [n for n in names() if not only or n in only]
-        unknown = sorted(set(only or ()) - set(chosen))
+        every = names()
+        chosen = [n for n in only if n in every] if only else every  # named: in that order
+        unknown = sorted(set(only or ()) - set(every))
         if unknown:
             raise ValueError(f"not in the {suite} suite: {', '.join(unknown)}")
         items = ((n, n) for n in chosen)
