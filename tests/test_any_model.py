@@ -395,3 +395,19 @@ def test_a_suite_run_on_named_models_keeps_the_earlier_rows_of_the_others(tmp_pa
                       only=["test_AvgPool1d"], done=done, on_row=seen.append)
     assert [r["model"] for r in rows] == ["test_AvgPool1d", "squeezenet1_1"]
     assert seen and seen[-1] == rows
+
+
+def test_suite_outputs_are_compared_relative_to_their_scale(tmp_path):
+    from collage_tvm.tools.suites import torch_model_check
+
+    def make(name):  # outputs of ~1e-9: any absolute tolerance would call anything a match
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten())
+        with torch.no_grad():
+            m[0].weight.mul_(1e-9)
+            m[0].bias.zero_()
+        return m.eval(), (torch.randn(1, 3, 6, 6),)
+
+    row = torch_model_check(make, "tiny", ["tvm"], str(tmp_path / "c.db"), str(tmp_path))
+    assert row["status"] == "built" and row["match"] and 0 < row["scale"] < 1e-7, row
+    assert row["max_err"] < 1e-3 * row["scale"]
