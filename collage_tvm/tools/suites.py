@@ -532,7 +532,8 @@ def _build_cell(b: dict) -> list:
     if b["status"] != "built":
         return [f"{b['status']}: {b['error']}", "", "", "", "", ""]
     best = f"{b['best'][0]} {b['best'][1]:.3f}" if b.get("best") else ""
-    return ["built", "yes" if b["match"] else "**NO**", f"{b['max_err']:.1e}",
+    err = f"{b['max_err']:.1e}" + (f" of {b['scale']:.1e}" if "scale" in b else "")
+    return ["built", "yes" if b["match"] else "**NO**", err,
             f"{b['search_s']:.0f}", f"{b['collage_ms']:.3f}", best]
 
 
@@ -575,7 +576,8 @@ def markdown(suite: str, rows: list) -> str:
         return "\n".join(lines) + "\n"
     built = [r for r in rows if r["build"]["status"] == "built" and r["build"]["match"]]
     lines.append(f"{len(rows)} models; {len(built)} built and match PyTorch.\n")
-    head = ["model", "status", "match", "max err", "search s", "collage ms", "best single ms",
+    head = ["model", "status", "match", "max err (of output scale)", "search s", "collage ms",
+            "best single ms",
             "shipped"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
