@@ -577,8 +577,7 @@ def markdown(suite: str, rows: list) -> str:
     built = [r for r in rows if r["build"]["status"] == "built" and r["build"]["match"]]
     lines.append(f"{len(rows)} models; {len(built)} built and match PyTorch.\n")
     head = ["model", "status", "match", "max err (of output scale)", "search s", "collage ms",
-            "best single ms",
-            "shipped"]
+            "best single ms", "shipped"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         b = r["build"]
