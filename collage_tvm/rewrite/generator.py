@@ -142,7 +142,8 @@ def generate(max_ops: int = 2, inputs: int = 2, size: int = 3, seed: int = 0,
     for g in graphs:
         groups.setdefault(fingerprint(g, envs), []).append(g)
     pairs = [(a, b) for members in groups.values() if len(members) > 1
-             for a, b in itertools.combinations(sorted(members, key=lambda e: (e.size(), str(e))), 2)]
+             for a, b in itertools.combinations(
+                 sorted(members, key=lambda e: (e.size(), str(e))), 2)]
     counts = {"graphs": len(graphs), "fingerprint groups of 2+": sum(
         len(m) > 1 for m in groups.values()), "candidate pairs": len(pairs)}
 
