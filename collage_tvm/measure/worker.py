@@ -81,9 +81,9 @@ def _rss(pid: int) -> int:
 class Worker:
     """One child process (``python -m collage_tvm.measure.worker``); restarted when it dies,
     and after a request that leaves it holding more than ``rss_limit`` bytes: each
-    candidate arrives with its weights, and the freed memory of large ones (a 150 MB
-    fully connected layer in every candidate around it) is not returned to the system -- a
-    child measuring AlexNet's candidates grew to 9 GB. A fresh child takes over."""
+    candidate arrives with its weights (AlexNet's 150 MB fully connected layer in every
+    candidate around it), and a child measuring AlexNet's candidates was seen holding 9 GB
+    (why it keeps that much is not known yet). A fresh child takes over."""
 
     def __init__(self, timeout_s: float = _TIMEOUT_S, rss_limit: int | None = None):
         self.timeout_s = timeout_s

@@ -18,7 +18,7 @@ def fold_conv_affine(mod: tvm.IRModule) -> tvm.IRModule:
     if not isinstance(main.body, relax.SeqExpr):
         return mod
     uses = _uses(main)
-    blocks, changed = [], False
+    blocks, changed = [], False  # blocks: each block's new bindings
     for block in main.body.blocks:
         bindings = list(block.bindings)
         by_input = {}
@@ -61,16 +61,10 @@ def fold_conv_affine(mod: tvm.IRModule) -> tvm.IRModule:
             replace[chain[-1]] = relax.VarBinding(cur, relax.op.add(b.var, bias))
             drop.update(chain[:-1])
             changed = True
-        new = [replace.get(i, bnd) for i, bnd in enumerate(bindings) if i not in drop]
-        blocks.append(relax.DataflowBlock(new) if isinstance(block, relax.DataflowBlock)
-                      else relax.BindingBlock(new))
+        blocks.append([replace.get(i, bnd) for i, bnd in enumerate(bindings) if i not in drop])
     if not changed:
         return mod
-    func = relax.Function(main.params, relax.SeqExpr(blocks, main.body.body), main.ret_ty,
-                          main.is_pure, main.attrs)
-    out = mod.functions.items()
-    return relax.transform.Normalize()(tvm.IRModule(
-        {gv: (func if gv.name_hint == "main" else f) for gv, f in out}, attrs=mod.attrs))
+    return relax.transform.Normalize()(_with_blocks(mod, blocks))
 
 
 def _op_name(binding) -> str | None:
@@ -192,7 +186,7 @@ def merge_sibling_convs(mod: tvm.IRModule, site: tuple) -> tvm.IRModule:
            + bindings[i + 1:j]
            + [relax.VarBinding(bindings[j].var, relax.TupleGetItem(parts, 1))]
            + bindings[j + 1:])
-    return _with_block(mod, new)
+    return _with_blocks(mod, [new])
 
 
 def fold_conv_affine_sites(mod: tvm.IRModule) -> list:
@@ -208,12 +202,13 @@ def _single_block(mod):
     return list(main.body.blocks[0].bindings)
 
 
-def _with_block(mod, bindings) -> tvm.IRModule:
+def _with_blocks(mod, blocks: list) -> tvm.IRModule:
+    """``mod`` with ``main``'s binding blocks given new bindings (one list per block, each
+    block keeping its kind)."""
     main = mod["main"]
-    block = main.body.blocks[0]
-    new_block = (relax.DataflowBlock(bindings) if isinstance(block, relax.DataflowBlock)
-                 else relax.BindingBlock(bindings))
-    func = relax.Function(main.params, relax.SeqExpr([new_block], main.body.body), main.ret_ty,
+    new_blocks = [relax.DataflowBlock(b) if isinstance(old, relax.DataflowBlock)
+                  else relax.BindingBlock(b) for old, b in zip(main.body.blocks, blocks)]
+    func = relax.Function(main.params, relax.SeqExpr(new_blocks, main.body.body), main.ret_ty,
                           main.is_pure, main.attrs)
     return tvm.IRModule({gv: (func if gv.name_hint == "main" else f)
                          for gv, f in mod.functions.items()}, attrs=mod.attrs)

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .zoo import _image  # a seeded random input (seed 1), as the zoo makes them
+
 ONNX_SUITES = ("node", "pytorch-converted", "pytorch-operator", "simple")
 
 
@@ -266,30 +268,26 @@ def torchvision_model(name: str):
     kwargs = {"image_size": size} if name.startswith("vit_") else {}
     torch.manual_seed(0)
     model = models.get_model(name, weights=None, **kwargs).eval()
-    return model, (torch.randn(1, 3, size, size, generator=torch.Generator().manual_seed(1)),)
+    return model, (_image((1, 3, size, size)),)
 
 
-# At least one architecture of each family the issue names, and more (50 in all); the small
-# variant of each (the family's operators, not its size, is what coverage is about). The
-# input side is 64 unless the architecture needs more.
-TIMM = {
-    "convnext_atto": 64, "convnextv2_atto": 64, "efficientnet_b0": 64,
-    "tf_efficientnetv2_b0": 64, "mobilenetv3_small_050": 64, "mobilenetv3_large_100": 64,
-    "mobilenetv4_conv_small": 64, "regnetx_002": 64, "regnety_002": 64, "regnetz_b16": 64,
-    "resnest14d": 64, "ghostnet_100": 64, "ghostnetv2_100": 64, "mixnet_s": 64,
-    "vit_tiny_patch16_224": 64, "deit_tiny_patch16_224": 64,
-    "swin_tiny_patch4_window7_224": 64, "levit_128s": 64, "coatnet_nano_rw_224": 64,
-    "resnet18": 64, "resnet50d": 64, "resnext26ts": 64, "seresnext26d_32x4d": 64,
-    "densenet121": 64, "dla34": 64, "dpn68": 64, "hrnet_w18_small": 64, "inception_v3": 96,
-    "xception41": 64, "mnasnet_small": 64, "fbnetc_100": 64, "lcnet_050": 64,
-    "hardcorenas_a": 64, "tinynet_e": 64, "rexnet_100": 64, "cspdarknet53": 64,
-    "ese_vovnet19b_dw": 64, "res2net50_14w_8s": 64, "efficientformerv2_s0": 64,
-    "mobilevit_xxs": 64, "edgenext_xx_small": 64, "poolformer_s12": 64, "pit_ti_224": 64,
-    "cait_xxs24_224": 64, "xcit_nano_12_p16_224": 64, "mixer_s16_224": 64,
-    "resmlp_12_224": 64, "pvt_v2_b0": 64, "repvgg_a0": 64, "fastvit_t8": 64,
-    "efficientvit_b0": 64, "mobileone_s0": 64, "maxvit_nano_rw_256": 64, "botnet26t_256": 64,
-    "coat_lite_tiny": 64, "inception_next_atto": 64, "sequencer2d_s": 64,
-}
+# At least one architecture of each family the issue names, and more (57 in all); the small
+# variant of each (the family's operators, not its size, is what coverage is about).
+TIMM = (
+    "convnext_atto", "convnextv2_atto", "efficientnet_b0", "tf_efficientnetv2_b0",
+    "mobilenetv3_small_050", "mobilenetv3_large_100", "mobilenetv4_conv_small", "regnetx_002",
+    "regnety_002", "regnetz_b16", "resnest14d", "ghostnet_100", "ghostnetv2_100", "mixnet_s",
+    "vit_tiny_patch16_224", "deit_tiny_patch16_224", "swin_tiny_patch4_window7_224", "levit_128s",
+    "coatnet_nano_rw_224", "resnet18", "resnet50d", "resnext26ts", "seresnext26d_32x4d",
+    "densenet121", "dla34", "dpn68", "hrnet_w18_small", "inception_v3", "xception41",
+    "mnasnet_small", "fbnetc_100", "lcnet_050", "hardcorenas_a", "tinynet_e", "rexnet_100",
+    "cspdarknet53", "ese_vovnet19b_dw", "res2net50_14w_8s", "efficientformerv2_s0",
+    "mobilevit_xxs", "edgenext_xx_small", "poolformer_s12", "pit_ti_224", "cait_xxs24_224",
+    "xcit_nano_12_p16_224", "mixer_s16_224", "resmlp_12_224", "pvt_v2_b0", "repvgg_a0",
+    "fastvit_t8", "efficientvit_b0", "mobileone_s0", "maxvit_nano_rw_256", "botnet26t_256",
+    "coat_lite_tiny", "inception_next_atto", "sequencer2d_s",
+)
+TIMM_SIZES = {"inception_v3": 96}  # input side: 64 unless the architecture needs more
 
 
 def timm_model(name: str):
@@ -301,14 +299,13 @@ def timm_model(name: str):
 
     if name not in TIMM:
         raise ValueError(f"unknown timm model {name!r}: one of {', '.join(TIMM)}")
-    size = TIMM[name]
+    size = TIMM_SIZES.get(name, 64)
     torch.manual_seed(0)
     try:
         model = timm.create_model(name, pretrained=False, img_size=size)
     except TypeError:  # a convolutional net: no fixed input size to set
         model = timm.create_model(name, pretrained=False)
-    return model.eval(), (torch.randn(1, 3, size, size,
-                                      generator=torch.Generator().manual_seed(1)),)
+    return model.eval(), (_image((1, 3, size, size)),)
 
 
 def _last_hidden_cls():
