@@ -7,6 +7,7 @@ stages together; each stage lives in its own package and knows nothing of the la
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -21,7 +22,7 @@ from .check import first_line, latency_evaluator, never_slower
 from .frontend import dynamic_input, load_model, normalize_for_collage
 from .graph import DataflowGraph, NotDataflow
 from .graph.subgraph import function_key
-from .lower import candidate_vm, compile_placement, lower_placement, placement_runner
+from .lower import candidate_vm, compile_module, compile_placement, lower_placement, placement_runner
 from .measure.db import CostDB
 from .measure.measurer import Measurer
 from .options import SearchOptions
@@ -34,6 +35,7 @@ from .placer.graph_level import GraphLevelSearch
 from .placer.op_level import ensure_cover, place
 from .registry import get_backend
 from .target import make_target
+from .tuning import active_database, default_dir, open_tuning_db, use_tuning_db
 
 logger = logging.getLogger("collage_tvm")
 
@@ -62,6 +64,7 @@ class BuildReport:
     shipped: str = "collage"                         # which build was shipped
     graph_level: dict = field(default_factory=dict)  # the evolutionary search: history, counts
     rewrite: dict = field(default_factory=dict)      # the rewrite search: applied, costs, counts
+    tuning: dict = field(default_factory=dict)       # the tuning database used: path, records
 
     def summary(self) -> str:
         if self.placement_from_log:
@@ -82,6 +85,7 @@ class SearchResult:
     report: BuildReport
     target: tvm.target.Target
     module: tvm.IRModule        # the imported, normalized model
+    tuning: object = None       # the TuningDB whose records TVM's kernels use, else None
 
 
 @dataclass
@@ -120,10 +124,13 @@ def resolve_backends(names, target) -> tuple[dict, dict]:
 
 
 def placement_key(main: relax.Function, target, backends: dict,
-                  options: SearchOptions | None = None) -> str:
-    """The placement-log key: the model, the target, each backend's library version and
-    every option that changes the search (``SearchOptions.key_variant``)."""
+                  options: SearchOptions | None = None, tuning: str = "") -> str:
+    """The placement-log key: the model, the target, each backend's library version, every
+    option that changes the search (``SearchOptions.key_variant``) and the tuning records
+    TVM's kernels use (``TuningDB.digest``; "" when untuned)."""
     parts = [function_key(main), str(target)] + sorted(f"{n}={b.version()}" for n, b in backends.items())
+    if tuning:
+        parts.append(f"tuning={tuning}")
     key = hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
     variant = (options or SearchOptions()).key_variant()
     return hashlib.sha256(f"{key}{variant}".encode()).hexdigest()[:32] if variant else key
@@ -153,12 +160,26 @@ def open_placement_log(log, db: CostDB) -> PlacementLog:
     return PlacementLog(log)
 
 
+def open_tuning(options: SearchOptions, cost_db: CostDB, target, tuning_db=None):
+    """The tuning database a build applies: ``tuning_db`` (a path or a ``TuningDB``), else
+    the one next to the cost DB for this target (``collage-tvm tune`` fills it); None when
+    ``options.tuning`` is off or the database holds no record."""
+    if not options.tuning:
+        return None
+    if tuning_db is None:
+        tuning_db = default_dir(getattr(cost_db, "path", None), target)
+    db = tuning_db if hasattr(tuning_db, "database") else open_tuning_db(tuning_db, target)
+    return db if db is not None and len(db) else None
+
+
 def search(model, target="llvm", options: SearchOptions | None = None, db=None,
-           placement_log=None, example_inputs=None, input_shapes=None) -> SearchResult:
+           placement_log=None, example_inputs=None, input_shapes=None,
+           tuning_db=None) -> SearchResult:
     """Import, generate candidates, measure (or reuse) costs, place; see ``SearchOptions``.
 
-    A placement found in the placement log (same model, target, backend versions and
-    search options) is used as it is: nothing is measured.
+    A placement found in the placement log (same model, target, backend versions, search
+    options and tuning records) is used as it is: nothing is measured. ``tuning_db``: see
+    ``open_tuning``.
     """
     options = options or SearchOptions()
     t_start = time.perf_counter()
@@ -180,7 +201,11 @@ def search(model, target="llvm", options: SearchOptions | None = None, db=None,
         return SearchResult(None, Placement([], math.nan), backends, report, target, mod)
     cost_db = open_db(db)
     log = open_placement_log(placement_log, cost_db)
-    key = placement_key(graph.func, target, backends, options)
+    tuning = open_tuning(options, cost_db, target, tuning_db)
+    if tuning is not None:
+        report.tuning = {"path": tuning.path, "records": len(tuning)}
+    key = placement_key(graph.func, target, backends, options,
+                        tuning.digest() if tuning is not None else "")
     report.times["import"] = time.perf_counter() - t_start
 
     logged = log.get(key)
@@ -192,13 +217,14 @@ def search(model, target="llvm", options: SearchOptions | None = None, db=None,
         report.shipped = logged.get("shipped", "collage")
         report.graph_level = logged.get("graph_level", {})
     else:
-        placement = _search(graph, backends, target, cost_db, options, report)
+        with use_tuning_db(tuning):
+            placement = _search(graph, backends, target, cost_db, options, report)
         log.put(key, placement_record(placement, graph, target, report.comparison,
                                       report.shipped, report.graph_level))
     for g in placement.groups:
         report.ops_per_backend[g.backend] = report.ops_per_backend.get(g.backend, 0) + len(g.nodes)
     logger.info("collage: %s", report.summary())
-    return SearchResult(graph, placement, backends, report, target, mod)
+    return SearchResult(graph, placement, backends, report, target, mod, tuning)
 
 
 def _rewrite(mod, backends, target, db, options: SearchOptions, report) -> tvm.IRModule:
@@ -266,8 +292,11 @@ def _op_level(graph, backends, target, cost_db, options: SearchOptions, report) 
     t0 = time.perf_counter()
     candidates = generate_candidates(graph, backends.values())
     report.candidates = len(candidates)
-    measurer = Measurer(target, cost_db, candidate_vm, isolate=options.isolate,
-                        progress=options.progress)
+    tuning = active_database()
+    build_vm = candidate_vm if tuning is None else functools.partial(candidate_vm,
+                                                                      tuning=tuning.path)
+    measurer = Measurer(target, cost_db, build_vm, isolate=options.isolate,
+                        progress=options.progress, tuning=tuning)
     t_search = 0.0
     try:
         eps = measurer.epsilon(backends.values())
@@ -331,7 +360,7 @@ def _graph_level(graph, placement, backends, target, report, options: SearchOpti
 
 
 def optimize(model, target="llvm", backends=None, db=None, *, options: SearchOptions | None = None,
-             placement_log=None, example_inputs=None, input_shapes=None,
+             placement_log=None, example_inputs=None, input_shapes=None, tuning_db=None,
              **option_fields) -> CollageResult:
     """Search a placement for ``model`` and build it.
 
@@ -339,13 +368,23 @@ def optimize(model, target="llvm", backends=None, db=None, *, options: SearchOpt
     ``db``: cost DB path (default ``~/.cache/collage-tvm/costs.db``) or a ``CostDB``.
     ``placement_log``: path or ``PlacementLog`` (default: next to the DB).
     ``input_shapes``: input name -> static shape, for an ONNX model with dynamic inputs.
+    ``tuning_db``: the tuning database TVM's kernels use (default: the one next to the cost
+    DB, see ``collage_tvm.tune``).
     Search options (``SearchOptions``): ``options=`` and/or its fields by name
     (``backends``, ``graph_level=True``, ``budget=120``, ``compare=True``, ...).
     """
     options = SearchOptions.of(options, backends=backends, **option_fields)
-    found = search(model, target, options, db, placement_log, example_inputs, input_shapes)
+    found = search(model, target, options, db, placement_log, example_inputs, input_shapes,
+                   tuning_db)
+    with use_tuning_db(found.tuning):
+        executable, lowered = _compile(found)
+    return CollageResult(executable, lowered, found.placement, found.graph, found.report)
+
+
+def _compile(found: SearchResult) -> tuple:
+    """(executable, lowered module) of the search's placement; TVM alone if it fails."""
     t0 = time.perf_counter()
-    executable = None
+    executable = lowered = None
     if found.graph is not None:
         try:
             executable, lowered = compile_placement(found.graph, found.placement.groups,
@@ -356,9 +395,9 @@ def optimize(model, target="llvm", backends=None, db=None, *, options: SearchOpt
             found.report.kept_on_tvm.append(f"the whole model: the placement failed to compile: {why}")
             found.report.shipped = "tvm-only"
     if executable is None:
-        executable, lowered = tvm.compile(found.module, found.target), found.module
+        executable, lowered = compile_module(found.module, found.target), found.module
     found.report.times["compile"] = time.perf_counter() - t0
-    return CollageResult(executable, lowered, found.placement, found.graph, found.report)
+    return executable, lowered
 
 
 def optimize_module(mod, target, options: SearchOptions, db=None, placement_log=None):

@@ -43,6 +43,10 @@ class SearchOptions:
     # Before placement, the verified graph rewrites (``collage_tvm.rewrite``; today: a
     # convolution's per-channel affine tail folded into its weights).
     rewrite: bool = _flag("|rewrite", False)
+    # TVM's kernels built with the tuning database's records (``collage-tvm tune``), when
+    # it has any; False: untuned TVM, as if no tuning had happened. The records themselves
+    # are in the key too (``build.placement_key``).
+    tuning: bool = field(default=True, metadata={"key": lambda v: "" if v else "|untuned"})
     # Rounds of side-by-side re-timing of the op-level placement's close calls, each
     # followed by a DP re-run (``placer.alternatives.refine``); 0 turns it off.
     refine_rounds: int = _rounds("|refined", 2)

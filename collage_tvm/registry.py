@@ -115,7 +115,9 @@ class Backend:
         if self.lowering is None:
             import tvm
 
-            return f"tvm-{tvm.__version__}"
+            # "+fused": built through TVM's CPU pipeline, fused operators one kernel
+            # (collage_tvm.tuning.kernels); costs measured before that are not reused.
+            return f"tvm-{tvm.__version__}+fused"
         return self.get_lowering().version()
 
     @property

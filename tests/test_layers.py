@@ -25,6 +25,7 @@ STAGES = [
     ["collage_tvm.frontend"],
     ["collage_tvm.rewrite"],
     ["collage_tvm.graph"],
+    ["collage_tvm.tuning"],  # TVM's kernels, the tuning database, MetaSchedule in process
     ["collage_tvm.placement"],
     ["collage_tvm.patterns"],
     ["collage_tvm.backends", "collage_tvm._patterns"],  # the built-in lowerings and pattern files

@@ -9,6 +9,7 @@ from ..graph.subgraph import random_inputs
 from ..partition import partition
 from ..placement import Candidate
 from ..target import target_device
+from ..tuning import active_database, use_tuning_db
 from .external import lower_external, release_with
 
 
@@ -25,18 +26,30 @@ def compile_placement(graph, groups, backends: dict, target, timings: dict | Non
     The external callables (and the weights they hold) are freed with the executable unless
     ``keep`` (the build handed to the user, who may make VMs from a jitted module later)."""
     mod = lower_placement(graph, groups, backends, timings)
-    executable = tvm.compile(mod, target)
+    executable = compile_module(mod, target)
     if not keep:
         release_with(executable, mod)
     return executable, mod
 
 
-def candidate_vm(func: relax.Function, backend, target) -> relax.VirtualMachine:
+def compile_module(mod: tvm.IRModule, target):
+    """``tvm.compile`` through Collage's TVM pipeline (fused kernels), with the active
+    tuning database's records applied (``collage_tvm.tuning``)."""
+    from ..tuning import compile_module as compile_with
+
+    db = active_database()
+    return compile_with(mod, target, db.database if db is not None else None)
+
+
+def candidate_vm(func: relax.Function, backend, target,
+                 tuning: str | None = None) -> relax.VirtualMachine:
     """A VM running ``func`` as one group on ``backend``, exactly as the final build would
-    run that group (the measurer's ``build_vm``)."""
+    run that group (the measurer's ``build_vm``). ``tuning``: the tuning database's path
+    (a measuring child process opens it once), else whatever database is active here."""
     graph = DataflowGraph(func)
     group = Candidate(backend.name, frozenset(range(len(graph))), "measure")
-    executable, _ = compile_placement(graph, [group], {backend.name: backend}, target)
+    with use_tuning_db(tuning, target):
+        executable, _ = compile_placement(graph, [group], {backend.name: backend}, target)
     return relax.VirtualMachine(executable, target_device(target))
 
 
@@ -55,5 +68,5 @@ def placement_runner(graph, backends: dict, target, seed: int = 0):
     return make_run
 
 
-__all__ = ["candidate_vm", "compile_placement", "lower_external", "lower_placement",
+__all__ = ["candidate_vm", "compile_module", "compile_placement", "lower_external", "lower_placement",
            "placement_runner", "release_with"]

@@ -83,10 +83,14 @@ class Measurer:
     """Looks costs up in ``db`` and measures the misses (in a child process when ``isolate``)."""
 
     def __init__(self, target, db: CostDB, build_vm, isolate: bool = True,
-                 progress: bool = True, cutoff_factor: float = 4.0, second_pass: bool = True):
+                 progress: bool = True, cutoff_factor: float = 4.0, second_pass: bool = True,
+                 tuning=None):
         """``build_vm(func, backend, target) -> VirtualMachine`` builds a candidate exactly
         as the final build runs it (``collage_tvm.lower.candidate_vm``); a top-level
-        function, so the measurement worker receives it by pickle."""
+        function (or a partial of one), so the measurement worker receives it by pickle.
+        ``tuning``: the ``TuningDB`` the builds apply; a TVM candidate's DB key then names
+        the tuning records its kernels use (``TuningDB.signature``), so a kernel tuned
+        since is measured again and an untouched one is not."""
         self.target = target
         self.build_vm = build_vm
         self.db = db
@@ -103,6 +107,7 @@ class Measurer:
         self._func_of: dict = {}  # candidate -> (DB key, standalone function), from costs()
         self.side_by_side = 0  # sets of candidates re-timed side by side (retime)
         self.second_pass = second_pass
+        self.tuning = tuning
 
     def close(self) -> None:
         if self._worker is not None:
@@ -211,7 +216,11 @@ class Measurer:
         by_key: dict = {}
         for cand in candidates:
             func = extract_function(graph, cand.nodes)[0]
-            by_key.setdefault((cand.backend, function_key(func)), (func, []))[1].append(cand)
+            key = function_key(func)
+            if self.tuning is not None and not backends[cand.backend].is_external:
+                sig = self.tuning.signature(func, key)
+                key = f"{key}|tuned:{sig}" if sig else key
+            by_key.setdefault((cand.backend, key), (func, []))[1].append(cand)
         order = sorted(by_key, key=lambda bk: (
             (0, min(min(c.nodes) for c in by_key[bk][1]), min(len(c.nodes) for c in by_key[bk][1]))
             if backends[bk[0]].is_external else (1, min(len(c.nodes) for c in by_key[bk][1]), 0)))

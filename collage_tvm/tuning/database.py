@@ -1,0 +1,189 @@
+"""The tuning database: MetaSchedule's records for one target and TVM version, on disk.
+
+A directory holding MetaSchedule's ``JSONDatabase`` (``database_workload.json``,
+``database_tuning_record.json``) and ``meta.json`` naming the TVM version, target and
+device it was tuned for. The default directory sits next to the cost DB
+(``<costs>.tuning/<target id>/``), one per target: tuning for another CPU or TVM version
+lands in another directory. A directory whose ``meta.json`` names another target or TVM
+version is ignored with a message, never mixed in.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+
+import tvm
+
+from ..target import device_fingerprint
+from .kernels import kernel_key, kernels, workload
+
+logger = logging.getLogger("collage_tvm")
+
+META = "meta.json"
+
+
+def _meta(target) -> dict:
+    return {"tvm": tvm.__version__, "target": str(target), "device": device_fingerprint(target)}
+
+
+def target_id(target) -> str:
+    """A directory name for ``target`` on this machine and TVM version."""
+    meta = _meta(target)
+    digest = hashlib.sha1(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:10]
+    cpu = re.sub(r"[^A-Za-z0-9]+", "-", str(target.attrs.get("mcpu", "") or target.kind.name))
+    return f"{cpu}-{digest}"
+
+
+def default_dir(cost_db_path, target) -> str | None:
+    """``<cost DB without extension>.tuning/<target id>``; None for an in-memory cost DB."""
+    if cost_db_path in (None, ":memory:"):
+        return None
+    base = os.path.splitext(os.fspath(cost_db_path))[0]
+    return os.path.join(f"{base}.tuning", target_id(target))
+
+
+class TuningDB:
+    """MetaSchedule records for one target, with what Collage asks of them.
+
+    ``TuningDB(path, target)`` opens (or creates) ``path``; :func:`open_tuning_db` is the
+    forgiving entry point (a mismatched directory is reported and ignored)."""
+
+    def __init__(self, path: str, target):
+        from tvm.s_tir import meta_schedule as ms
+
+        self.path = os.fspath(path)
+        self.target = target
+        meta_path = os.path.join(self.path, META)
+        if os.path.exists(meta_path):
+            with open(meta_path) as f:
+                found = json.load(f)
+            want = _meta(target)
+            diff = [k for k in ("tvm", "target") if found.get(k) != want[k]]
+            if diff:
+                raise ValueError(f"tuning database {self.path} was made for "
+                                 + ", ".join(f"{k} {found.get(k)!r}" for k in diff)
+                                 + "; this build uses "
+                                 + ", ".join(f"{k} {want[k]!r}" for k in diff))
+        else:
+            os.makedirs(self.path, exist_ok=True)
+            with open(meta_path, "w") as f:
+                json.dump(_meta(target), f, indent=1)
+        self.database = ms.database.JSONDatabase(work_dir=self.path)
+        self._signatures: dict = {}
+
+    def __len__(self) -> int:
+        return len(self.database)
+
+    def reload(self) -> None:
+        """Re-read the files (another process may have tuned meanwhile)."""
+        from tvm.s_tir import meta_schedule as ms
+
+        self.database = ms.database.JSONDatabase(work_dir=self.path)
+        self._signatures.clear()
+
+    def trials(self, kernel) -> int:
+        """Records (measured schedules) held for ``kernel``; 0 when never tuned."""
+        mod = workload(kernel)
+        if not self.database.has_workload(mod):
+            return 0
+        return len(self.database.get_top_k(self.database.commit_workload(mod), 1 << 30))
+
+    def best(self, kernel):
+        """``(record, seconds)`` of ``kernel``'s best measured schedule, else None."""
+        mod = workload(kernel)
+        if not self.database.has_workload(mod):
+            return None
+        top = self.database.get_top_k(self.database.commit_workload(mod), 1)
+        if not top or not top[0].run_secs:
+            return None
+        secs = [float(s) for s in top[0].run_secs]
+        return top[0], sum(secs) / len(secs)
+
+    def signature(self, func, key: str | None = None) -> str:
+        """What of this database a build of ``func`` uses: a hash of the best record of each
+        of its kernels that has one; ``""`` when none has (the build is untuned). ``key``
+        (the function's own key) caches the answer."""
+        if key is not None and key in self._signatures:
+            return self._signatures[key]
+        parts = []
+        for _, kernel in kernels(func, self.target):
+            found = self.best(kernel)
+            if found is not None:
+                parts.append(f"{kernel_key(kernel)}:{found[0].trace}")
+        sig = hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16] if parts else ""
+        if key is not None:
+            self._signatures[key] = sig
+        return sig
+
+    def digest(self) -> str:
+        """A hash of the best record of every workload: changes when tuning found anything
+        new; ``""`` for an empty database."""
+        parts = []
+        for rec in self.database.get_all_tuning_records():
+            parts.append(f"{kernel_key(rec.workload.mod)}:{rec.run_secs}")
+        return hashlib.sha1("\n".join(sorted(parts)).encode()).hexdigest()[:16] if parts else ""
+
+    def stats(self) -> dict:
+        """``{"path", "workloads", "records", "tvm", "target"}`` for ``db stats``."""
+        workloads = {kernel_key(rec.workload.mod)
+                     for rec in self.database.get_all_tuning_records()}
+        return {"path": self.path, "workloads": len(workloads), "records": len(self),
+                "tvm": tvm.__version__, "target": str(self.target)}
+
+
+def open_tuning_db(path, target, create: bool = False) -> TuningDB | None:
+    """The tuning database at ``path`` for ``target``; None when there is none (and not
+    ``create``), or when it belongs to another target or TVM version (logged: it is left
+    as it is, not used)."""
+    if path is None:
+        return None
+    if not create and not os.path.exists(os.path.join(os.fspath(path), META)):
+        return None
+    try:
+        return TuningDB(path, target)
+    except (ValueError, OSError, tvm.TVMError) as err:
+        logger.warning("tuning database ignored: %s", err)
+        return None
+
+
+# ----------------------------------------------------------------- the active database
+# Every TVM build of a search applies the same records: the build sets the database once
+# (``use_tuning_db``) and the compile step reads it (``active_database``); a measuring child
+# process gets its path through ``candidate_vm`` and opens it once.
+
+_ACTIVE: list = []
+_OPENED: dict = {}  # path -> TuningDB, in a process that was handed paths
+
+
+def active_database() -> TuningDB | None:
+    """The tuning database of the build in progress, else None (untuned)."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+class use_tuning_db:  # noqa: N801 - used as a context manager, like tvm's ``with target:``
+    """``with use_tuning_db(db_or_path, target):`` TVM builds inside apply ``db``'s records.
+    ``None`` leaves the active database as it is."""
+
+    def __init__(self, db, target=None):
+        if isinstance(db, (str, os.PathLike)):
+            path = os.fspath(db)
+            if path not in _OPENED:
+                _OPENED[path] = open_tuning_db(path, target)
+            db = _OPENED[path]
+            self.keep = db is None
+        else:
+            self.keep = db is None
+        self.db = db
+
+    def __enter__(self):
+        if not self.keep:
+            _ACTIVE.append(self.db)
+        return self.db
+
+    def __exit__(self, *exc):
+        if not self.keep:
+            _ACTIVE.pop()
+        return False

@@ -1,0 +1,79 @@
+"""TVM's kernels of a Relax function, and the compile pipeline that may apply tuned schedules.
+
+Every TVM build Collage makes (a candidate being measured, a single-backend build, the final
+placement) goes through :func:`compile_module`: TVM's CPU pipeline (legalize, then fuse
+operators into kernels, then lower), plus, when a tuning database is given, its records
+applied to the kernels after fusion (``MetaScheduleApplyDatabase``). :func:`kernels` runs
+the same legalize-and-fuse steps, so a kernel found there is the kernel the build compiles:
+what the tuner tunes and what a candidate's tuning signature names.
+
+``tvm.compile``'s own default pipeline for CPU does not fuse: each operator is its own
+kernel, and the ``tvm`` backend's fused candidates ran as separate loops. Using the CPU
+pipeline is what makes a fused TVM candidate one kernel.
+"""
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+from tvm_ffi.structural import structural_hash
+
+
+def _cpu_passes(target):
+    from tvm.relax.backend.cpu_generic import pipeline as cpu_generic
+
+    return cpu_generic, cpu_generic.library_dispatch_passes(target) + \
+        cpu_generic.legalize_passes(target)
+
+
+def fuse(mod: tvm.IRModule, target) -> tvm.IRModule:
+    """``mod`` legalized and fused into TIR kernels, as :func:`compile_module` does it."""
+    with target:
+        return tvm.transform.Sequential(_cpu_passes(target)[1])(mod)
+
+
+def pipeline(target, database=None):
+    """TVM's CPU pipeline, with ``database``'s tuning records applied after fusion."""
+    cpu_generic, front = _cpu_passes(target)
+
+    @tvm.transform.module_pass(opt_level=0, name="CollageTVMPipeline")
+    def _pipeline(mod, _ctx):
+        with target:
+            mod = tvm.transform.Sequential(front)(mod)
+            if database is not None:
+                with database:
+                    mod = relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(mod)
+            return tvm.transform.Sequential(cpu_generic.dataflow_lower_passes(target)
+                                            + cpu_generic.finalize_passes(target))(mod)
+
+    return _pipeline
+
+
+def compile_module(mod: tvm.IRModule, target, database=None):
+    """``tvm.compile`` of ``mod`` for a CPU target through :func:`pipeline`; other targets
+    (CUDA) through TVM's default pipeline."""
+    if target.kind.name != "llvm":
+        return tvm.compile(mod, target)
+    return tvm.compile(mod, target, relax_pipeline=pipeline(target, database))
+
+
+def kernels(func: relax.Function, target) -> list:
+    """``[(name, kernel), ...]``: the TIR kernels (fused PrimFuncs) TVM compiles ``func``
+    into, in a stable order; ``kernel_key`` identifies one across models."""
+    if "global_symbol" not in (func.attrs or {}):
+        func = func.with_attr("global_symbol", "main")  # else fusion drops it as dead code
+    fused = fuse(tvm.IRModule({"main": func}), target)
+    out = [(gv.name_hint, f) for gv, f in fused.functions.items()
+           if isinstance(f, tvm.tirx.PrimFunc)]
+    return sorted(out, key=lambda nf: nf[0])
+
+
+def kernel_key(kernel) -> str:
+    """A kernel's structural hash (names of the function and its buffers aside), as hex."""
+    return f"{structural_hash(kernel) & (2 ** 64 - 1):016x}"
+
+
+def workload(kernel) -> tvm.IRModule:
+    """The kernel as MetaSchedule keys its workloads: one function named ``main``."""
+    from tvm.s_tir.meta_schedule.tune_context import _normalize_mod
+
+    return _normalize_mod(kernel)

@@ -1,0 +1,165 @@
+"""Tune a list of TVM kernels with MetaSchedule, within a time budget, into a TuningDB.
+
+Kernels are tuned one at a time, in the order given (the caller puts the largest expected
+gain first): MetaSchedule's evolutionary search with its XGBoost cost model, candidate
+schedules built and timed in this process (``inprocess``). Each record is written to the
+database as it is measured, so an interrupted tune keeps what it found; a kernel whose
+tuning fails is reported and skipped; a kernel the database already holds ``trials``
+records for is not tuned again.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+from .database import TuningDB
+from .kernels import kernel_key, workload
+
+logger = logging.getLogger("collage_tvm")
+
+UNTUNED = "untuned.json"  # kernel key -> untuned ms, beside the MetaSchedule files
+MIN_TRIALS = 16  # one round of the evolutionary search
+
+
+@dataclass
+class KernelToTune:
+    name: str
+    kernel: object            # tvm.tirx.PrimFunc
+    stake_ms: float = 0.0     # what the placement spends on it today (see collage_tvm.tune)
+    count: int = 1            # occurrences in the model
+    best_library_ms: float = math.nan
+    info: dict = field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        return kernel_key(self.kernel)
+
+
+@dataclass
+class KernelResult:
+    name: str
+    key: str
+    status: str               # "tuned", "cached" (enough records already), "failed", "skipped"
+    trials: int = 0           # trials run now
+    untuned_ms: float = math.nan
+    tuned_ms: float = math.nan
+    best_library_ms: float = math.nan
+    seconds: float = 0.0
+    reason: str = ""
+
+
+def _untuned_ms(db: TuningDB, item: KernelToTune, table: dict) -> float:
+    """The kernel's time as TVM builds it without a schedule (cached in ``untuned.json``)."""
+    if item.key in table:
+        return table[item.key]
+    from tvm.s_tir.meta_schedule.arg_info import ArgInfo
+
+    from .inprocess import build_kernel, time_kernel
+
+    mod = workload(item.kernel)
+    secs = time_kernel(build_kernel(mod, db.target),
+                       [a.as_json() for a in ArgInfo.from_prim_func(mod["main"])])
+    table[item.key] = ms = 1e3 * sorted(secs)[len(secs) // 2]
+    return ms
+
+
+def _save_untuned(db: TuningDB, table: dict) -> None:
+    from .._files import write_json_atomic
+    from pathlib import Path
+
+    write_json_atomic(Path(db.path) / UNTUNED, table)
+
+
+def _load_untuned(db: TuningDB) -> dict:
+    try:
+        with open(os.path.join(db.path, UNTUNED)) as f:
+            return {str(k): float(v) for k, v in json.load(f).items()}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def _tune_one(db: TuningDB, item: KernelToTune, trials: int, seed: int) -> None:
+    from tvm.s_tir import meta_schedule as ms
+
+    from .inprocess import InProcessBuilder, InProcessRunner
+
+    quiet = logging.getLogger("collage_tvm.metaschedule")
+    quiet.setLevel(logging.WARNING)
+    ctx = ms.TuneContext(mod=workload(item.kernel), target=db.target,
+                         space_generator="post-order-apply", search_strategy="evolutionary",
+                         task_name=item.name, logger=quiet, rand_state=seed,
+                         num_threads="physical").clone()
+    with tempfile.TemporaryDirectory(prefix="collage-tune-") as work_dir:
+        ms.tune.tune_tasks(tasks=[ctx], task_weights=[1.0], work_dir=work_dir,
+                           max_trials_global=trials, num_trials_per_iter=MIN_TRIALS,
+                           builder=InProcessBuilder(), runner=InProcessRunner(),
+                           database=db.database, cost_model="xgb",
+                           measure_callbacks=[ms.measure_callback.AddToDatabase(),
+                                              ms.measure_callback.UpdateCostModel()])
+
+
+def tune_kernels(db: TuningDB, items: list, budget_s: float, trials: int = 64,
+                 progress: bool = True, on_kernel=None) -> list:
+    """Tune ``items`` (``KernelToTune``, in order) into ``db`` for at most about
+    ``budget_s`` seconds; ``trials`` per kernel at most. Returns a ``KernelResult`` per item
+    (kernels the budget did not reach are "skipped"). ``on_kernel(result)`` after each."""
+    from tqdm import tqdm
+
+    trials = max(MIN_TRIALS, int(trials))
+    deadline = time.perf_counter() + budget_s
+    per_trial = 1.5  # seconds, until a kernel has been tuned here
+    untuned = _load_untuned(db)
+    results = []
+    bar = tqdm(total=len(items), desc="tuning TVM kernels", unit="kernel", disable=not progress,
+               dynamic_ncols=True)
+    try:
+        for i, item in enumerate(items):
+            res = KernelResult(item.name, item.key, "skipped",
+                               best_library_ms=item.best_library_ms)
+            results.append(res)
+            t0 = time.perf_counter()
+            try:
+                res.untuned_ms = _untuned_ms(db, item, untuned)
+            except Exception as err:  # noqa: BLE001 - reported, the next kernel goes on
+                res.status, res.reason = "failed", f"untuned build/run: {type(err).__name__}: {err}"
+                logger.warning("kernel %s: %s", item.name, res.reason)
+                bar.update(1)
+                continue
+            have = db.trials(item.kernel)
+            left = deadline - time.perf_counter()
+            if have >= trials:
+                res.status = "cached"
+            elif left < MIN_TRIALS * per_trial:
+                res.reason = "out of budget"
+            else:
+                n = min(trials - have, int(left / per_trial) // MIN_TRIALS * MIN_TRIALS)
+                n = max(MIN_TRIALS, n)
+                try:
+                    _tune_one(db, item, n, seed=i)
+                    res.status, res.trials = "tuned", n
+                    per_trial = 0.5 * per_trial + 0.5 * (time.perf_counter() - t0) / n
+                except KeyboardInterrupt:
+                    res.status, res.reason = "failed", "interrupted"
+                    raise
+                except Exception as err:  # noqa: BLE001 - reported, the next kernel goes on
+                    res.status, res.reason = "failed", f"{type(err).__name__}: {str(err)[:300]}"
+                    logger.warning("tuning kernel %s failed: %s", item.name, res.reason)
+            best = db.best(item.kernel)
+            if best is not None:
+                res.tuned_ms = 1e3 * best[1]
+            res.seconds = time.perf_counter() - t0
+            bar.set_postfix_str(f"{item.name[:40]} {res.untuned_ms:.3g} -> {res.tuned_ms:.3g} ms, "
+                                f"{max(0.0, deadline - time.perf_counter()):.0f} s left",
+                                refresh=False)
+            bar.update(1)
+            if on_kernel is not None:
+                on_kernel(res)
+    finally:
+        bar.close()
+        _save_untuned(db, untuned)
+    return results
