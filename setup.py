@@ -24,6 +24,11 @@ setup(
         "deap==1.4.4",
         "z3-solver==5.4.0.0",
         "tqdm>=4.66",
+        # MetaSchedule (collage-tvm tune): its XGBoost cost model (the CPU-only wheel: the
+        # plain xgboost wheel pulls 470 MB of NCCL), its pickling and process helpers.
+        "xgboost-cpu==3.2.0",
+        "cloudpickle==3.1.2",
+        "psutil==7.2.2",
     ],
     extras_require={
         "plot": ["matplotlib==3.11.2"],  # bench plots, `collage-tvm show` PNG (collage_tvm.tools)

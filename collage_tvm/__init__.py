@@ -12,6 +12,7 @@ _os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
 from .build import CollageResult, build, optimize  # noqa: E402
 from .options import SearchOptions  # noqa: E402
 from .pipeline import pipeline  # noqa: E402
+from .tune import TuneReport, tune  # noqa: E402
 from .placement import Candidate, Placement  # noqa: E402
 from .lowering import Lowering  # noqa: E402
 from .registry import (add_backend_pattern, add_backend_pattern_rule,  # noqa: E402
@@ -19,7 +20,7 @@ from .registry import (add_backend_pattern, add_backend_pattern_rule,  # noqa: E
                        load_pattern_file, register_backend)
 
 __version__ = "0.1.0"
-__all__ = ["build", "optimize", "pipeline", "SearchOptions", "CollageResult", "Candidate",
+__all__ = ["build", "optimize", "pipeline", "tune", "TuneReport", "SearchOptions", "CollageResult", "Candidate",
            "Placement", "Lowering", "register_backend", "add_backend_pattern",
            "add_backend_pattern_rule", "add_backend_patterns_from_tvm", "load_pattern_file",
            "get_backend", "list_backends"]

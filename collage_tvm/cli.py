@@ -103,7 +103,32 @@ def _options(args, backends):
                          compare=not args.no_compare, graph_level=args.graph_level,
                          budget=args.budget, switching=not args.no_switching,
                          calibrate_rounds=args.calibrate, refine_rounds=args.refine,
-                         rewrite=args.rewrite)
+                         rewrite=args.rewrite, tuning=not args.no_tuning)
+
+
+def _tune(args) -> int:
+    from .frontend.load import parse_input_shapes
+    from .tune import tune
+
+    backends = [b for b in args.backends.split(",") if b]
+
+    def on_kernel(r):
+        if r.status in ("tuned", "failed"):
+            print(f"  {r.name}: {r.status}, untuned {r.untuned_ms:.3f} ms -> tuned "
+                  f"{r.tuned_ms:.3f} ms (best library {r.best_library_ms:.3f} ms), "
+                  f"{r.trials} trials, {r.seconds:.0f} s{' ' + r.reason if r.reason else ''}",
+                  flush=True)
+
+    print(f"tuning {args.model}: budget {args.budget:.0f} s, at most {args.trials} trials a "
+          f"kernel; the costs of {', '.join(backends)} decide which kernels", flush=True)
+    rep = tune(args.model, args.target, backends, db=args.db, tuning_db=args.tuning_db,
+               budget=args.budget, trials=args.trials,
+               input_shapes=parse_input_shapes(args.input_shape), progress=True,
+               isolate=not args.in_process, on_kernel=on_kernel)
+    print("\n" + rep.markdown())
+    print(f"collage tune: {rep.summary()}; took {rep.times.get('total', 0):.0f} s ("
+          + ", ".join(f"{k} {v:.0f} s" for k, v in rep.times.items() if k != "total") + ")")
+    return 0
 
 
 def _print_ops(res) -> None:
@@ -120,12 +145,36 @@ def _print_ops(res) -> None:
         print(f"  {backend:<8} {sum(ops.values()):>4} ops in {kernels:>4} kernels: {detail}")
 
 
+def _tuning_stats(db_path) -> list:
+    """Every tuning database next to the cost DB (one per target): workloads, records."""
+    import os
+
+    from .tuning import TuningDB
+
+    base = os.path.splitext(os.fspath(db_path))[0] + ".tuning"
+    out = []
+    for name in sorted(os.listdir(base)) if os.path.isdir(base) else []:
+        path = os.path.join(base, name)
+        try:
+            with open(os.path.join(path, "meta.json")) as f:
+                meta = json.load(f)
+            import tvm
+
+            db = TuningDB(path, tvm.target.Target(json.loads(meta["target"])))
+            out.append({**db.stats(), "device": meta.get("device", "")})
+        except (OSError, ValueError, KeyError) as err:
+            out.append({"path": path, "error": str(err)})
+    return out
+
+
 def _db(args) -> int:
     from .measure.db import CostDB
 
     db = CostDB(args.db)
     if args.action == "stats":
-        print(json.dumps(db.stats(), indent=1))
+        stats = db.stats()
+        stats["tuning"] = _tuning_stats(args.db)
+        print(json.dumps(stats, indent=1))
     elif args.action == "export":
         print(f"exported {db.export_json(args.file)} records to {args.file}")
     elif args.action == "import":
@@ -248,7 +297,29 @@ def main(argv=None) -> int:
                    help="time budget of the graph-level search in seconds (default 300)")
     o.add_argument("--in-process", action="store_true",
                    help="measure in this process (faster start, no crash isolation)")
+    o.add_argument("--no-tuning", action="store_true",
+                   help="build TVM's kernels untuned, even where `collage-tvm tune` has "
+                        "records for them")
     o.add_argument("-v", "--verbose", action="store_true")
+    t = sub.add_parser("tune", help="tune (MetaSchedule) the TVM kernels a model's placement "
+                                    "could use; later builds apply the records")
+    t.add_argument("model", help="an .onnx file")
+    t.add_argument("--target", default="llvm")
+    t.add_argument("--backends", default="tvm,dnnl",
+                   help="the backends optimize will use (default tvm,dnnl): their measured "
+                        "costs decide which TVM kernels are worth tuning")
+    t.add_argument("--budget", type=float, default=600.0,
+                   help="seconds of tuning (default 600; measuring the candidates first is "
+                        "not counted)")
+    t.add_argument("--trials", type=int, default=64,
+                   help="at most this many schedules measured per kernel (default 64)")
+    t.add_argument("--db", default=None, help="cost DB path (default ~/.cache/collage-tvm/costs.db)")
+    t.add_argument("--tuning-db", default=None,
+                   help="tuning database directory (default: next to the cost DB, one per "
+                        "target: <db>.tuning/<cpu>-<id>)")
+    t.add_argument("--input-shape", action="append", metavar="NAME=D1xD2x...")
+    t.add_argument("--in-process", action="store_true")
+    t.add_argument("-v", "--verbose", action="store_true")
     b = sub.add_parser("bench", help="Collage beside single-backend builds on bundled models")
     b.add_argument("models", nargs="*", help="model names: the zoo (collage_tvm.tools.zoo: bert, "
                    "dcgan, nasnet, resnet3d, resnext50, resnet50, inception_v3, squeezenet) "
@@ -314,7 +385,7 @@ def main(argv=None) -> int:
     if args.cmd == "show":
         return _show(args)
     try:
-        return _optimize(args)
+        return _tune(args) if args.cmd == "tune" else _optimize(args)
     except (ValueError, KeyError, FileNotFoundError) as err:
         from .frontend.load import ModelError
         from .registry import PatternFileError

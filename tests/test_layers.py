@@ -34,7 +34,7 @@ STAGES = [
     ["collage_tvm.partition"],
     ["collage_tvm.lower"],
     ["collage_tvm.check"],
-    ["collage_tvm.build", "collage_tvm.pipeline", "collage_tvm"],
+    ["collage_tvm.build", "collage_tvm.pipeline", "collage_tvm.tune", "collage_tvm"],
     # on top: never imported by the engine
     ["collage_tvm.cli", "collage_tvm.tools"],
 ]

@@ -144,7 +144,7 @@ def open_tuning_db(path, target, create: bool = False) -> TuningDB | None:
         return None
     try:
         return TuningDB(path, target)
-    except (ValueError, OSError, tvm.TVMError) as err:
+    except (ValueError, OSError, RuntimeError) as err:  # RuntimeError: a damaged JSON file
         logger.warning("tuning database ignored: %s", err)
         return None
 

@@ -34,6 +34,9 @@ class KernelToTune:
     count: int = 1            # occurrences in the model
     best_library_ms: float = math.nan
     info: dict = field(default_factory=dict)
+    # 0: a kernel of TVM's own fusion of the whole model (a TVM-only build runs it); the
+    # budget is spread evenly over these first. 1: another fusion variant, in order.
+    tier: int = 0
 
     @property
     def key(self) -> str:
@@ -51,6 +54,7 @@ class KernelResult:
     best_library_ms: float = math.nan
     seconds: float = 0.0
     reason: str = ""
+    info: dict = field(default_factory=dict)  # what chose it: stake, uses (collage_tvm.tune)
 
 
 def _untuned_ms(db: TuningDB, item: KernelToTune, table: dict) -> float:
@@ -88,8 +92,11 @@ def _tune_one(db: TuningDB, item: KernelToTune, trials: int, seed: int) -> None:
 
     from .inprocess import InProcessBuilder, InProcessRunner
 
+    # MetaSchedule reports every round at INFO (tables, XGBoost fits): kept out of the
+    # user's log; our progress bar says what happened.
     quiet = logging.getLogger("collage_tvm.metaschedule")
     quiet.setLevel(logging.WARNING)
+    logging.getLogger("tvm.s_tir.meta_schedule").setLevel(logging.WARNING)
     ctx = ms.TuneContext(mod=workload(item.kernel), target=db.target,
                          space_generator="post-order-apply", search_strategy="evolutionary",
                          task_name=item.name, logger=quiet, rand_state=seed,
@@ -123,6 +130,13 @@ def tune_kernels(db: TuningDB, items: list, budget_s: float, trials: int = 64,
                                best_library_ms=item.best_library_ms)
             results.append(res)
             t0 = time.perf_counter()
+            have = db.trials(item.kernel)
+            left = deadline - time.perf_counter()
+            if have < trials and left < MIN_TRIALS * per_trial:
+                res.reason = "out of budget"  # not even its untuned time is measured
+                res.untuned_ms = untuned.get(item.key, math.nan)
+                bar.update(1)
+                continue
             try:
                 res.untuned_ms = _untuned_ms(db, item, untuned)
             except Exception as err:  # noqa: BLE001 - reported, the next kernel goes on
@@ -130,14 +144,17 @@ def tune_kernels(db: TuningDB, items: list, budget_s: float, trials: int = 64,
                 logger.warning("kernel %s: %s", item.name, res.reason)
                 bar.update(1)
                 continue
-            have = db.trials(item.kernel)
             left = deadline - time.perf_counter()
             if have >= trials:
                 res.status = "cached"
             elif left < MIN_TRIALS * per_trial:
                 res.reason = "out of budget"
             else:
-                n = min(trials - have, int(left / per_trial) // MIN_TRIALS * MIN_TRIALS)
+                # Tier 0 shares what is left evenly (a TVM-only build needs every one of
+                # them tuned); after it, each kernel takes what it may.
+                share = sum(1 for later in items[i:] if later.tier == 0) if item.tier == 0 else 1
+                n = min(trials - have,
+                        int(left / per_trial / max(1, share)) // MIN_TRIALS * MIN_TRIALS)
                 n = max(MIN_TRIALS, n)
                 try:
                     _tune_one(db, item, n, seed=i)

@@ -1,0 +1,208 @@
+"""TVM's kernels tuned with MetaSchedule (issue #16): the compile pipeline, the tuning
+database, the tuner's control flow, Collage's choice of kernels, and the whole loop on a
+small model (tune, build tuned, tune again: nothing new)."""
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+import collage_tvm
+from collage_tvm import tuning
+from collage_tvm.build import placement_key
+from collage_tvm.graph import DataflowGraph
+from collage_tvm.placement import Candidate
+from collage_tvm.target import make_target
+from collage_tvm.tune import plan
+from collage_tvm.tuning import tuner
+
+TARGET = make_target()
+
+
+def _conv_block(channels=8, size=16, seed=0):
+    """conv2d + bias + relu, weights as constants."""
+    rng = np.random.default_rng(seed)
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, channels, size, size), "float32"))
+    w = rng.standard_normal((channels, channels, 3, 3)).astype("float32")
+    b = rng.standard_normal((1, channels, 1, 1)).astype("float32")
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.nn.conv2d(x, relax.const(w), padding=1))
+            y = bb.emit(relax.op.add(y, relax.const(b)))
+            y = bb.emit(relax.op.nn.relu(y))
+            out = bb.emit_output(y)
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _matmul(m=16, k=32, n=32, seed=0):
+    rng = np.random.default_rng(seed)
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((m, k), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.matmul(x, relax.const(rng.standard_normal((k, n)).astype("float32"))))
+            out = bb.emit_output(y)
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _run(executable, *arrays):
+    vm = relax.VirtualMachine(executable, tvm.cpu())
+    return vm["main"](*[tvm.runtime.tensor(a) for a in arrays]).numpy()
+
+
+def test_a_fused_candidate_is_one_kernel_and_computes_what_tvm_computes():
+    mod = _conv_block()
+    ks = tuning.kernels(mod["main"], TARGET)
+    assert [name for name, _ in ks] == ["fused_conv2d_add_relu"]
+    # Without global_symbol (an extracted candidate) the function is not dropped as dead.
+    assert len(tuning.kernels(mod["main"].without_attr("global_symbol"), TARGET)) == 1
+    x = np.random.default_rng(1).standard_normal((1, 8, 16, 16)).astype("float32")
+    np.testing.assert_allclose(_run(tuning.compile_module(mod, TARGET), x),
+                               _run(tvm.compile(mod, TARGET), x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_database_of_another_tvm_version_or_target_is_ignored_with_a_message(tmp_path, caplog):
+    path = tmp_path / "t"
+    tuning.TuningDB(str(path), TARGET)
+    meta = json.loads((path / "meta.json").read_text())
+    (path / "meta.json").write_text(json.dumps({**meta, "tvm": "0.1.0"}))
+    with caplog.at_level("WARNING", logger="collage_tvm"):
+        assert tuning.open_tuning_db(str(path), TARGET) is None
+    assert "0.1.0" in caplog.text and "tuning database ignored" in caplog.text
+    # A missing directory is no database (and is not created unless asked).
+    assert tuning.open_tuning_db(str(tmp_path / "none"), TARGET) is None
+    assert not (tmp_path / "none").exists()
+
+
+def test_default_directory_sits_next_to_the_cost_db_one_per_target(tmp_path):
+    d = tuning.default_dir(str(tmp_path / "costs.db"), TARGET)
+    assert d.startswith(str(tmp_path / "costs.tuning")) and tuning.target_id(TARGET) in d
+    assert tuning.default_dir(":memory:", TARGET) is None
+    other = tvm.target.Target({"kind": "llvm", "num-cores": 1})
+    assert tuning.target_id(other) != tuning.target_id(TARGET)
+
+
+def test_tuner_goes_on_after_a_failing_kernel_and_stops_at_the_budget(tmp_path, monkeypatch):
+    db = tuning.TuningDB(str(tmp_path / "t"), TARGET)
+    items = [tuning.KernelToTune(f"k{i}", tuning.kernels(_matmul(16 + i)["main"], TARGET)[0][1])
+             for i in range(3)]
+    calls = []
+
+    def fake_tune(db_, item, trials, seed):
+        calls.append((item.name, trials))
+        if item.name == "k0":
+            raise RuntimeError("schedule space is empty")
+
+    monkeypatch.setattr(tuner, "_tune_one", fake_tune)
+    res = tuning.tune_kernels(db, items, budget_s=1e6, trials=32, progress=False)
+    assert [r.status for r in res] == ["failed", "tuned", "tuned"]
+    assert "schedule space is empty" in res[0].reason
+    assert all(r.untuned_ms > 0 for r in res)  # each kernel's untuned time, measured
+    assert calls == [("k0", 32), ("k1", 32), ("k2", 32)]
+    # No budget left for even one round: nothing is tuned, each kernel says why.
+    res = tuning.tune_kernels(db, items, budget_s=1.0, trials=32, progress=False)
+    assert [r.status for r in res] == ["skipped"] * 3 and res[0].reason == "out of budget"
+    # Untuned times are kept beside the records.
+    assert set(json.loads((tmp_path / "t" / tuner.UNTUNED).read_text())) == {i.key for i in items}
+
+
+def test_tuning_a_kernel_records_schedules_the_build_applies(tmp_path):
+    """Real MetaSchedule: 16 trials of one matmul, built tuned, same outputs; the
+    candidate's signature names the record; tuning again with enough records: cached."""
+    mod = _matmul(64, 128, 128)
+    (name, kernel), = tuning.kernels(mod["main"], TARGET)
+    db = tuning.TuningDB(str(tmp_path / "t"), TARGET)
+    assert db.signature(mod["main"]) == "" and db.digest() == ""
+    res, = tuning.tune_kernels(db, [tuning.KernelToTune(name, kernel)], budget_s=120,
+                               trials=16, progress=False)
+    assert res.status == "tuned" and res.trials == 16, res
+    assert db.trials(kernel) >= 8 and math.isfinite(res.tuned_ms)
+    assert res.tuned_ms < res.untuned_ms  # a tiled matmul beats the naive loop nest
+    sig = db.signature(mod["main"])
+    assert sig and db.digest()
+    assert db.signature(_conv_block()["main"]) == ""  # another kernel: untouched
+    x = np.random.default_rng(2).standard_normal((64, 128)).astype("float32")
+    np.testing.assert_allclose(_run(tuning.compile_module(mod, TARGET, db.database), x),
+                               _run(tuning.compile_module(mod, TARGET), x), rtol=1e-4, atol=1e-4)
+    # Re-opened from disk: the same records; enough of them, so nothing is tuned again.
+    again = tuning.TuningDB(str(tmp_path / "t"), TARGET)
+    assert again.signature(mod["main"]) == sig
+    res, = tuning.tune_kernels(again, [tuning.KernelToTune(name, kernel)], budget_s=120,
+                               trials=db.trials(kernel), progress=False)
+    assert res.status == "cached" and res.trials == 0
+
+
+class _Backend:
+    def __init__(self, external):
+        self.is_external = external
+
+
+def test_plan_stakes_what_the_placement_spends_on_each_kernel():
+    """A kernel's stake is min(untuned TVM, best library) summed over its places: a conv a
+    library runs fast stakes the library's time, an op only TVM runs stakes all of its.
+    (Fake costs: this checks the arithmetic, not a measurement.)"""
+    graph = DataflowGraph(_conv_block()["main"])
+    assert [n.op_name for n in graph.nodes[:3]] == ["relax.nn.conv2d", "relax.add", "relax.nn.relu"]
+    conv, add, relu = (frozenset([i]) for i in range(3))
+    tail = frozenset([1, 2])
+    whole = frozenset([0, 1, 2])
+    cands = {Candidate("tvm", whole): 0.05, Candidate("lib", whole): 3.0,  # TVM's own fusion
+             Candidate("tvm", conv): 100.0, Candidate("lib", conv): 1.0,
+             Candidate("tvm", tail): 0.5,  # no library candidate for add+relu
+             Candidate("tvm", add): 0.3, Candidate("lib", add): 0.2,
+             Candidate("tvm", relu): math.inf}  # failed: no stake
+    items = plan(graph, list(cands), cands, {"tvm": _Backend(False), "lib": _Backend(True)},
+                 TARGET)
+    by_name = {i.name: i for i in items}
+    assert by_name["conv2d"].stake_ms == pytest.approx(1.0)
+    assert by_name["conv2d"].best_library_ms == pytest.approx(1.0)
+    assert by_name["fused_add_relu"].stake_ms == pytest.approx(0.5)
+    assert math.isinf(by_name["fused_add_relu"].best_library_ms)
+    assert by_name["add"].stake_ms == pytest.approx(0.2)
+    assert "relu" not in by_name
+    # TVM's own fusion of the model first, whatever its stake; then largest stake first.
+    assert by_name["fused_conv2d_add_relu"].tier == 0 and by_name["conv2d"].tier == 1
+    assert [i.name for i in items] == ["fused_conv2d_add_relu", "conv2d", "fused_add_relu", "add"]
+
+
+def test_placement_key_names_the_tuning_records():
+    func = _conv_block()["main"]
+    backends = {"tvm": collage_tvm.get_backend("tvm")}
+    plain = placement_key(func, TARGET, backends)
+    assert placement_key(func, TARGET, backends, tuning="") == plain
+    assert placement_key(func, TARGET, backends, tuning="abc") != plain
+    untuned = collage_tvm.SearchOptions(tuning=False)
+    assert placement_key(func, TARGET, backends, untuned) != plain
+
+
+def test_tune_then_build_uses_tuned_kernels_and_a_second_tune_measures_nothing(tmp_path):
+    """The whole loop on a matmul (tvm alone: one kernel): tune, then optimize applies the
+    records (tune re-measured the tuned TVM candidate: a DB hit), outputs match the
+    untuned build; a second tune finds everything done and says so."""
+    mod = _matmul(64, 128, 128)
+    db = str(tmp_path / "costs.db")
+    rep = collage_tvm.tune(mod, backends=["tvm"], db=db, budget=120, trials=16,
+                           progress=False, isolate=False)
+    assert [r.status for r in rep.results] == ["tuned"] and rep.remeasured == 1, rep.summary()
+    assert os.path.dirname(rep.tuning_db) == str(tmp_path / "costs.tuning")
+    assert "| matmul | 1 |" in rep.markdown()
+    res = collage_tvm.optimize(mod, backends=["tvm"], db=db, progress=False, isolate=False)
+    assert res.report.tuning["records"] == rep.records_after > 0
+    assert res.report.distinct_measured == 0, res.report  # tune measured everything
+    plain = collage_tvm.optimize(mod, backends=["tvm"], db=db, progress=False, isolate=False,
+                                 tuning=False)
+    assert not plain.report.tuning
+    x = np.random.default_rng(3).standard_normal((64, 128)).astype("float32")
+    np.testing.assert_allclose(_run(res.executable, x), _run(plain.executable, x),
+                               rtol=1e-4, atol=1e-4)
+    again = collage_tvm.tune(mod, backends=["tvm"], db=db, budget=120, trials=16,
+                             progress=False, isolate=False)
+    assert [r.status for r in again.results] == ["cached"]
+    assert again.measured == 0 and again.remeasured == 0
+    assert again.summary().startswith("measured nothing new")
