@@ -203,7 +203,7 @@ def _bench(args, parser) -> int:
     options = SearchOptions(backends=args.backends, graph_level=args.graph_level,
                             budget=args.budget)
     results = bench.run(models, args.out, db=args.db, options=options, size=args.size,
-                        ablation=args.ablation, rewrite=args.rewrite)
+                        ablation=args.ablation, rewrite=args.rewrite, tune=args.tune)
     print("\n" + bench.markdown(results))
     print(f"\nwritten: {', '.join(f'{args.out}/{w}' for w in results['files'])}")
     return 0
@@ -352,6 +352,10 @@ def main(argv=None) -> int:
                    help="also Collage placed-only beside rewritten+placed (the z3-verified "
                         "graph rewrites, collage_tvm.rewrite), timed interleaved, outputs "
                         "checked against placed-only")
+    b.add_argument("--tune", type=float, default=0.0, metavar="SECONDS",
+                   help="first tune each model's TVM kernels for SECONDS (collage-tvm tune; "
+                        "a warm tuning DB makes it quick), then also time the search with "
+                        "untuned TVM beside tuned TVM, interleaved, outputs checked")
     b.add_argument("--ablation", action="store_true",
                    help="also run Collage with --backends added one at a time in their order "
                         "(tvm; tvm,dnnl; ...: paper Fig. 11), the steps timed interleaved")

@@ -201,8 +201,48 @@ def test_tune_then_build_uses_tuned_kernels_and_a_second_tune_measures_nothing(t
     x = np.random.default_rng(3).standard_normal((64, 128)).astype("float32")
     np.testing.assert_allclose(_run(res.executable, x), _run(plain.executable, x),
                                rtol=1e-4, atol=1e-4)
+    # The bench's variant: untuned beside tuned, interleaved, outputs checked.
+    from collage_tvm.tools.bench import tuning_steps
+
+    steps = tuning_steps(mod, collage_tvm.SearchOptions(backends=("tvm",), isolate=False,
+                                                        progress=False), db)
+    assert [s["label"] for s in steps] == ["untuned TVM", "tuned TVM"]
+    assert all(s["match"] and s["ms"] > 0 for s in steps)
     again = collage_tvm.tune(mod, backends=["tvm"], db=db, budget=120, trials=16,
                              progress=False, isolate=False)
     assert [r.status for r in again.results] == ["cached"]
     assert again.measured == 0 and again.remeasured == 0
     assert again.summary().startswith("measured nothing new")
+
+
+def _matmul_onnx(path):
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((32, 32)).astype("float32"), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8, 32])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [8, 32])], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, path)
+    return path
+
+
+def test_cli_tune_reports_per_kernel_and_db_stats_lists_the_tuning_db(tmp_path, capsys):
+    """``collage-tvm tune`` with no time to tune: the candidates are measured, the kernel is
+    planned and reported as out of budget; ``db stats`` lists the tuning database."""
+    from collage_tvm.cli import main
+
+    path = _matmul_onnx(str(tmp_path / "mm.onnx"))
+    db = str(tmp_path / "costs.db")
+    assert main(["tune", path, "--backends", "tvm", "--db", db, "--budget", "1",
+                 "--in-process"]) == 0
+    out = capsys.readouterr().out
+    assert "| matmul | 1 |" in out and "out of budget" in out and "1 kernel(s) planned" in out
+    assert main(["db", "stats", "--db", db]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert len(stats["tuning"]) == 1 and stats["tuning"][0]["records"] == 0
+    assert stats["tuning"][0]["path"].startswith(str(tmp_path / "costs.tuning"))
+    assert main(["tune", str(tmp_path / "missing.onnx"), "--db", db]) == 2
+    assert "missing.onnx" in capsys.readouterr().err

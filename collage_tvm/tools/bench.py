@@ -244,6 +244,30 @@ def rewrite_steps(onnx_path: str, options: SearchOptions, db) -> list:
         ("rewritten+placed", SearchOptions.of(options, rewrite=True))], db)
 
 
+def tuning_steps(onnx_path: str, options: SearchOptions, db) -> list:
+    """Issue #16: the same search with TVM's kernels untuned (``tuning=False``) beside it
+    with the tuning database's records, built, timed interleaved and checked as
+    ``variant_steps`` does."""
+    return variant_steps(onnx_path, [
+        ("untuned TVM", SearchOptions.of(options, tuning=False)),
+        ("tuned TVM", SearchOptions.of(options, tuning=True))], db)
+
+
+def tune_model(onnx_path: str, options: SearchOptions, db, budget: float) -> dict:
+    """``collage_tvm.tune`` on the model with the bench's backends: the summary and the
+    per-kernel rows (``TuneReport``) for results.json; the table is printed."""
+    from collage_tvm.tune import tune
+
+    rep = tune(onnx_path, "llvm", list(options.backends), db=db, budget=budget,
+               progress=options.progress)
+    print(rep.markdown() + f"  {rep.summary()}", flush=True)
+    return {"summary": rep.summary(), "times": rep.times, "tuning_db": rep.tuning_db,
+            "kernels": [{"name": r.name, "status": r.status, "trials": r.trials,
+                         "untuned_ms": r.untuned_ms, "tuned_ms": r.tuned_ms,
+                         "best_library_ms": r.best_library_ms, "reason": r.reason, **r.info}
+                        for r in rep.results]}
+
+
 def variant_steps(onnx_path: str, variants: list, db) -> list:
     """Collage once per ``(label, SearchOptions)`` of ``variants``, each keeping its own
     placement (``compare=False``, and a placement log of its own: the persistent one holds
@@ -316,15 +340,21 @@ def _with_progress(options: SearchOptions, **changes) -> SearchOptions:
 
 
 def bench_model(name: str, out_dir: str, options: SearchOptions, db, glue: bool = True,
-                size: str = "paper", ablation: bool = False, rewrite: bool = False) -> dict:
+                size: str = "paper", ablation: bool = False, rewrite: bool = False,
+                tune: float = 0.0) -> dict:
     """One model: the Collage search with ``options`` (and the never-slower comparison),
     the frameworks, the glue check; with ``ablation``, the ablation steps; with
-    ``rewrite``, placed-only beside rewritten+placed (``rewrite_steps``)."""
+    ``rewrite``, placed-only beside rewritten+placed (``rewrite_steps``); with ``tune``
+    seconds, first ``collage_tvm.tune`` (the search then uses tuned TVM), and at the end
+    the search untuned beside tuned (``tuning_steps``)."""
     from collage_tvm.build import optimize
 
     backends = options.backends
     path = model_onnx(name, size, out_dir)
     entry: dict = {"model": name, "size": size}
+    if tune > 0:
+        print(f"\n== {name}: tuning TVM's kernels ({tune:.0f} s)", flush=True)
+        entry["tuning"] = tune_model(path, options, db, tune)
     # The two-level run's comparison already holds the op-level placement ("collage-op-level")
     # whenever the graph-level search changed it: one run covers both levels.
     for gl in [options.graph_level]:
@@ -368,6 +398,12 @@ def bench_model(name: str, out_dir: str, options: SearchOptions, db, glue: bool 
         for step in entry["rewrite"]:
             print(f"  {step['label']:<40} {step['ms']:>10.3f} ms  match={step['match']}"
                   + (f"  {step['rewrite']}" if "rewrite" in step else ""), flush=True)
+    if tune > 0:
+        print(f"\n== {name}: the search with untuned TVM beside tuned TVM", flush=True)
+        entry["tuned"] = tuning_steps(path, options, db)
+        for step in entry["tuned"]:
+            print(f"  {step['label']:<40} {step['ms']:>10.3f} ms  match={step['match']}  "
+                  f"{step['ops_per_backend']}", flush=True)
     return entry
 
 
@@ -438,6 +474,13 @@ def markdown(results: dict) -> str:
                 "at a time, timed interleaved; speedup over the first step:",
                 ["backends", "matches first step", "ops per backend"],
                 lambda step: [", ".join(step["backends"]), ", ".join(
+                    f"{b} {n}" for b, n in step["ops_per_backend"].items())])
+        if "tuned" in m:
+            lines += _steps_table(
+                m["tuned"], "Tuned TVM (issue #16): the search with untuned TVM beside the "
+                "same search with the tuning database, timed interleaved:",
+                ["build", "matches untuned", "ops per backend"],
+                lambda step: [step["label"], ", ".join(
                     f"{b} {n}" for b, n in step["ops_per_backend"].items())])
         if "rewrite" in m:
             lines += _steps_table(
@@ -579,10 +622,11 @@ def plot_ablation(results: dict, path: str) -> str:
 
 def run(models, out_dir: str, backends=None, db=None, *, options: SearchOptions | None = None,
         size: str = "paper", ablation: bool = False, rewrite: bool = False,
-        **option_fields) -> dict:
+        tune: float = 0.0, **option_fields) -> dict:
     """Bench ``models``; writes results.json (after each model), results.md, results.png
     and, with ``ablation``, results_ablation.png into ``out_dir``; ``rewrite``: also
-    placed-only beside rewritten+placed (``rewrite_steps``).
+    placed-only beside rewritten+placed (``rewrite_steps``); ``tune``: seconds of
+    ``collage_tvm.tune`` per model first, and untuned beside tuned (``tuning_steps``).
 
     The search: ``options`` (a ``SearchOptions``) and/or its fields by name, as
     ``collage_tvm.optimize`` takes them (``backends``, ``graph_level=True``, ``budget=120``,
@@ -596,7 +640,7 @@ def run(models, out_dir: str, backends=None, db=None, *, options: SearchOptions 
     for name in models:
         try:
             entry = bench_model(name, out_dir, options, db, size=size, ablation=ablation,
-                                rewrite=rewrite)
+                                rewrite=rewrite, tune=tune)
         except Exception as err:  # noqa: BLE001 - one model's failure must not lose the others
             logger.exception("bench: %s failed", name)
             entry = {"model": name, "size": size, "error": _why(err)}
