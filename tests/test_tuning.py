@@ -105,11 +105,24 @@ def test_tuner_goes_on_after_a_failing_kernel_and_stops_at_the_budget(tmp_path, 
     assert "schedule space is empty" in res[0].reason
     assert all(r.untuned_ms > 0 for r in res)  # each kernel's untuned time, measured
     assert calls == [("k0", 32), ("k1", 32), ("k2", 32)]
-    # No budget left for even one round: nothing is tuned, each kernel says why.
+    # No budget left for even one round: nothing is tuned, each kernel says why; the kernel
+    # that failed is remembered and not tried again.
     res = tuning.tune_kernels(db, items, budget_s=1.0, trials=32, progress=False)
-    assert [r.status for r in res] == ["skipped"] * 3 and res[0].reason == "out of budget"
+    assert [r.status for r in res] == ["failed", "skipped", "skipped"]
+    assert res[0].reason.startswith("in an earlier tune: RuntimeError: schedule space is empty")
+    assert res[1].reason == "out of budget"
     # Untuned times are kept beside the records.
     assert set(json.loads((tmp_path / "t" / tuner.UNTUNED).read_text())) == {i.key for i in items}
+    # Interrupted (Ctrl-C): the interruption goes through, what was measured is kept.
+    (tmp_path / "t" / tuner.UNTUNED).unlink()
+
+    def interrupted(db_, item, trials, seed):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tuner, "_tune_one", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        tuning.tune_kernels(db, items[1:], budget_s=1e6, trials=32, progress=False)
+    assert items[1].key in json.loads((tmp_path / "t" / tuner.UNTUNED).read_text())
 
 
 def test_tuning_a_kernel_records_schedules_the_build_applies(tmp_path):

@@ -4,8 +4,8 @@ Kernels are tuned one at a time, in the order given (the caller puts the largest
 gain first): MetaSchedule's evolutionary search with its XGBoost cost model, candidate
 schedules built and timed in this process (``inprocess``). Each record is written to the
 database as it is measured, so an interrupted tune keeps what it found; a kernel whose
-tuning fails is reported and skipped; a kernel the database already holds ``trials``
-records for is not tuned again.
+tuning fails is reported, remembered (``failed.json``: not tried again) and skipped; a
+kernel the database already holds ``trials`` records for is not tuned again.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from .kernels import kernel_key, workload
 logger = logging.getLogger("collage_tvm")
 
 UNTUNED = "untuned.json"  # kernel key -> untuned ms, beside the MetaSchedule files
+FAILED = "failed.json"    # kernel key -> why tuning it failed (not tried again; delete to retry)
 MIN_TRIALS = 16  # one round of the evolutionary search
 
 
@@ -72,18 +73,20 @@ def _untuned_ms(db: TuningDB, item: KernelToTune, table: dict) -> float:
     return ms
 
 
-def _save_untuned(db: TuningDB, table: dict) -> None:
-    from .._files import write_json_atomic
+def _save(db: TuningDB, name: str, table: dict) -> None:
     from pathlib import Path
 
-    write_json_atomic(Path(db.path) / UNTUNED, table)
+    from .._files import write_json_atomic
+
+    write_json_atomic(Path(db.path) / name, table)
 
 
-def _load_untuned(db: TuningDB) -> dict:
+def _load(db: TuningDB, name: str, kind) -> dict:
+    """A side table of the database directory; a missing or damaged one is empty."""
     try:
-        with open(os.path.join(db.path, UNTUNED)) as f:
-            return {str(k): float(v) for k, v in json.load(f).items()}
-    except (OSError, ValueError, AttributeError):
+        with open(os.path.join(db.path, name)) as f:
+            return {str(k): kind(v) for k, v in json.load(f).items()}
+    except (OSError, ValueError, AttributeError, TypeError):
         return {}
 
 
@@ -120,7 +123,7 @@ def tune_kernels(db: TuningDB, items: list, budget_s: float, trials: int = 64,
     trials = max(MIN_TRIALS, int(trials))
     deadline = time.perf_counter() + budget_s
     per_trial = 1.5  # seconds, until a kernel has been tuned here
-    untuned = _load_untuned(db)
+    untuned, failed = _load(db, UNTUNED, float), _load(db, FAILED, str)
     results = []
     bar = tqdm(total=len(items), desc="tuning TVM kernels", unit="kernel", disable=not progress,
                dynamic_ncols=True)
@@ -132,6 +135,11 @@ def tune_kernels(db: TuningDB, items: list, budget_s: float, trials: int = 64,
             t0 = time.perf_counter()
             have = db.trials(item.kernel)
             left = deadline - time.perf_counter()
+            if item.key in failed:
+                res.status, res.reason = "failed", f"in an earlier tune: {failed[item.key]}"
+                res.untuned_ms = untuned.get(item.key, math.nan)
+                bar.update(1)
+                continue
             if have < trials and left < MIN_TRIALS * per_trial:
                 res.reason = "out of budget"  # not even its untuned time is measured
                 res.untuned_ms = untuned.get(item.key, math.nan)
@@ -141,6 +149,7 @@ def tune_kernels(db: TuningDB, items: list, budget_s: float, trials: int = 64,
                 res.untuned_ms = _untuned_ms(db, item, untuned)
             except Exception as err:  # noqa: BLE001 - reported, the next kernel goes on
                 res.status, res.reason = "failed", f"untuned build/run: {type(err).__name__}: {err}"
+                failed[item.key] = res.reason
                 logger.warning("kernel %s: %s", item.name, res.reason)
                 bar.update(1)
                 continue
@@ -165,6 +174,7 @@ def tune_kernels(db: TuningDB, items: list, budget_s: float, trials: int = 64,
                     raise
                 except Exception as err:  # noqa: BLE001 - reported, the next kernel goes on
                     res.status, res.reason = "failed", f"{type(err).__name__}: {str(err)[:300]}"
+                    failed[item.key] = res.reason
                     logger.warning("tuning kernel %s failed: %s", item.name, res.reason)
             best = db.best(item.kernel)
             if best is not None:
@@ -178,5 +188,6 @@ def tune_kernels(db: TuningDB, items: list, budget_s: float, trials: int = 64,
                 on_kernel(res)
     finally:
         bar.close()
-        _save_untuned(db, untuned)
+        _save(db, UNTUNED, untuned)
+        _save(db, FAILED, failed)
     return results
