@@ -239,3 +239,26 @@ def test_a_measuring_child_over_its_memory_limit_is_replaced_and_measuring_goes_
         m.close()
     assert len(costs) == len(cands) and all(math.isfinite(v) and v > 0 for v in costs.values())
     assert m._worker.restarts >= 2 and m.failures == []
+
+
+def test_a_child_that_drops_its_pipe_but_lingers_is_a_failed_measurement_not_a_crash():
+    """Seen on densenet169: the child's pipe closed while the process took over 5 s to go
+    (a large heap being freed); waiting for it raised out of the search. Now it is killed
+    and the measurement is an infinite cost with the reason."""
+    import subprocess
+    import sys
+
+    from collage_tvm.measure.worker import Worker
+
+    class Lingering(Worker):
+        def _start(self):
+            self._proc = subprocess.Popen(
+                [sys.executable, "-c", "import os, time; os.close(1); time.sleep(60)"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+
+    w = Lingering()
+    try:
+        cost, reason, _ = w._ask(("measure_function", [], "{}", None, ()))
+    finally:
+        w.close()
+    assert math.isinf(cost) and "measurement process died" in reason

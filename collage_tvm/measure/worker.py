@@ -116,7 +116,10 @@ class Worker:
                 return math.inf, f"timed out after {self.timeout_s:.0f} s", {}
             reply = pickle.load(self._proc.stdout)
         except (EOFError, BrokenPipeError, ConnectionResetError, OSError, pickle.UnpicklingError):
-            self._proc.wait(5)
+            try:
+                self._proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass  # its pipe is gone but it lingers (a large heap being freed): killed below
             code = self._proc.returncode
             self._kill()
             return math.inf, f"measurement process died ({_describe(code)})", {}
@@ -130,7 +133,7 @@ class Worker:
     def _kill(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
             self._proc.kill()
-            self._proc.wait(5)
+            self._proc.wait()  # SIGKILL cannot be ignored; freeing gigabytes may take seconds
         self._proc = None
 
     def close(self) -> None:
