@@ -116,7 +116,7 @@ class Backend:
             import tvm
 
             # "+fused": built through TVM's CPU pipeline, fused operators one kernel
-            # (collage_tvm.tuning.kernels); costs measured before that are not reused.
+            # (collage_tvm.tuning.compile); costs measured before that are not reused.
             return f"tvm-{tvm.__version__}+fused"
         return self.get_lowering().version()
 

@@ -1,7 +1,8 @@
 """TVM's own kernels, tuned: MetaSchedule in process, a tuning database per target, and the
 compile pipeline every TVM build of Collage goes through (issue #16).
 
-``kernels``: what TVM compiles a function into, and the pipeline applying tuned records.
+``compile``: what TVM compiles a function into (``kernels``), and the pipeline applying
+tuned records (``compile_module``).
 ``database``: the records on disk (``TuningDB``), per target and TVM version.
 ``inprocess``: MetaSchedule's builder and runner in this process.
 ``tuner``: tuning a list of kernels within a time budget. Which kernels to tune is
@@ -9,7 +10,7 @@ Collage's decision (``collage_tvm.tune``).
 """
 from .database import (TuningDB, active_database, default_dir, open_tuning_db, target_id,
                        use_tuning_db)
-from .kernels import compile_module, fuse, kernel_key, kernels, pipeline, workload
+from .compile import compile_module, fuse, kernel_key, kernels, pipeline, workload
 from .tuner import KernelResult, KernelToTune, tune_kernels
 
 __all__ = ["KernelResult", "KernelToTune", "TuningDB", "active_database", "compile_module",

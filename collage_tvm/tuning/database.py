@@ -18,7 +18,7 @@ import re
 import tvm
 
 from ..target import device_fingerprint
-from .kernels import kernel_key, kernels, workload
+from .compile import kernel_key, kernels, workload
 
 logger = logging.getLogger("collage_tvm")
 

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 from .database import TuningDB
-from .kernels import kernel_key, workload
+from .compile import kernel_key, workload
 
 logger = logging.getLogger("collage_tvm")
 
