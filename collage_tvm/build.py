@@ -401,11 +401,12 @@ def _compile(found: SearchResult) -> tuple:
 
 
 def optimize_module(mod, target, options: SearchOptions, db=None, placement_log=None):
-    """The partitioned module with external groups lowered (for ``collage_tvm.pipeline``)."""
+    """(the partitioned module with external groups lowered, the tuning database whose
+    records its TVM kernels use or None), for ``collage_tvm.pipeline``."""
     found = search(mod, target, options, db, placement_log)
     if found.graph is None:
-        return found.module
-    return lower_placement(found.graph, found.placement.groups, found.backends)
+        return found.module, found.tuning
+    return lower_placement(found.graph, found.placement.groups, found.backends), found.tuning
 
 
 def build(model, target="llvm", backends=None, db=None, **kwargs):

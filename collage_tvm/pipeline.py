@@ -6,12 +6,14 @@ from tvm import relax
 
 from .build import optimize_module
 from .options import SearchOptions
+from .tuning import pipeline as tuning_pipeline
 
 
 def pipeline(backends=None, db=None, placement_log=None, *, options: SearchOptions | None = None,
              **option_fields):
-    """A module pass: Collage partition + external lowering, then TVM's default pipeline.
-    Arguments as ``collage_tvm.optimize``."""
+    """A module pass: Collage partition + external lowering, then TVM's default pipeline
+    (on CPU with the tuning database's records applied, as ``optimize`` builds). Arguments
+    as ``collage_tvm.optimize``."""
     options = SearchOptions.of(options, backends=backends, **option_fields)
 
     @tvm.transform.module_pass(opt_level=0, name="CollagePipeline")
@@ -19,7 +21,9 @@ def pipeline(backends=None, db=None, placement_log=None, *, options: SearchOptio
         target = tvm.target.Target.current()
         if target is None:
             raise ValueError("collage_tvm.pipeline needs a target (tvm.compile passes it)")
-        lowered = optimize_module(mod, target, options, db, placement_log)
+        lowered, tuned = optimize_module(mod, target, options, db, placement_log)
+        if target.kind.name == "llvm":
+            return tuning_pipeline(target, tuned.database if tuned is not None else None)(lowered)
         return relax.get_default_pipeline(target)(lowered)
 
     return _collage
