@@ -309,8 +309,9 @@ def main(argv=None) -> int:
                    help="the backends optimize will use (default tvm,dnnl): their measured "
                         "costs decide which TVM kernels are worth tuning")
     t.add_argument("--budget", type=float, default=600.0,
-                   help="seconds of tuning (default 600; measuring the candidates first is "
-                        "not counted)")
+                   help="seconds of tuning this model gets, earlier tunes of it included "
+                        "(default 600: running the same command again tunes nothing; a "
+                        "larger budget tunes more; measuring the candidates is not counted)")
     t.add_argument("--trials", type=int, default=64,
                    help="at most this many schedules measured per kernel (default 64)")
     t.add_argument("--db", default=None, help="cost DB path (default ~/.cache/collage-tvm/costs.db)")

@@ -33,8 +33,10 @@ from .lower import candidate_vm
 from .measure.measurer import Measurer
 from .patterns import generate_candidates
 from .target import make_target
-from .tuning import (KernelToTune, TuningDB, default_dir, kernel_key, kernels, tune_kernels,
-                     use_tuning_db)
+from .graph.subgraph import function_key
+from .tuning import (KernelResult, KernelToTune, TuningDB, default_dir, kernel_key, kernels,
+                     tune_kernels, use_tuning_db)
+from .tuning.tuner import MIN_TRIALS
 
 logger = logging.getLogger("collage_tvm")
 
@@ -48,6 +50,8 @@ class TuneReport:
     remeasured: int = 0             # TVM candidates measured again with the new records
     records_before: int = 0
     records_after: int = 0
+    budget: float = 0.0
+    spent_before: float = 0.0       # seconds earlier tunes of this model took
     times: dict = field(default_factory=dict)
 
     @property
@@ -60,9 +64,11 @@ class TuneReport:
             counts[r.status] = counts.get(r.status, 0) + 1
         what = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
         if not self.tuned and self.measured == 0 and self.remeasured == 0:
-            return (f"measured nothing new: {self.planned} kernel(s) planned ({what}); "
-                    f"the tuning database {self.tuning_db} already holds "
-                    f"{self.records_after} records")
+            spent = (f"this model has had {self.spent_before:.0f} s of tuning (budget "
+                     f"{self.budget:.0f} s; a larger budget tunes more); "
+                     if self.spent_before else "")
+            return (f"measured nothing new: {spent}{self.planned} kernel(s) planned ({what}); "
+                    f"the tuning database {self.tuning_db} holds {self.records_after} records")
         return (f"{self.planned} kernel(s) planned ({what}); {self.measured} candidate(s) "
                 f"measured, {self.remeasured} TVM candidate(s) re-measured tuned; "
                 f"records {self.records_before} -> {self.records_after} in {self.tuning_db}")
@@ -117,9 +123,10 @@ def plan(graph, candidates, costs: dict, backends: dict, target) -> list:
 def tune(model, target="llvm", backends=None, db=None, tuning_db=None, budget: float = 600.0,
          trials: int = 64, example_inputs=None, input_shapes=None, progress: bool = True,
          isolate: bool = True, on_kernel=None) -> TuneReport:
-    """Tune the TVM kernels ``model``'s placement could use, for about ``budget`` seconds
-    of tuning (measuring the candidates first is not counted), at most ``trials`` schedules
-    per kernel. ``db``: the cost DB (path or ``CostDB``; default as ``optimize``).
+    """Tune the TVM kernels ``model``'s placement could use until the model has had about
+    ``budget`` seconds of tuning, earlier tunes of it included (the same call twice tunes
+    once; a larger budget tunes more; measuring the candidates is not counted), at most
+    ``trials`` schedules per kernel. ``db``: the cost DB (path or ``CostDB``; default as ``optimize``).
     ``tuning_db``: where the records go (default: next to the cost DB, one directory per
     target). ``backends``: as ``optimize`` (default ``tvm,dnnl``): the libraries whose
     costs decide what is worth tuning. Returns a ``TuneReport``."""
@@ -153,7 +160,18 @@ def tune(model, target="llvm", backends=None, db=None, tuning_db=None, budget: f
     items = plan(graph, candidates, costs, backends, target)
     report.planned = len(items)
     t0 = time.perf_counter()
-    report.results = tune_kernels(tdb, items, budget, trials, progress, on_kernel)
+    model_key = function_key(graph.func)
+    report.budget, report.spent_before = budget, tdb.spent(model_key)
+    left = budget - report.spent_before
+    if report.spent_before > 0 and left < MIN_TRIALS:  # the budget went on earlier tunes
+        report.results = [KernelResult(
+            i.name, i.key, "cached" if tdb.trials(i.kernel) >= trials else "skipped",
+            best_library_ms=i.best_library_ms,
+            reason="" if tdb.trials(i.kernel) >= trials else "budget spent by earlier tunes")
+            for i in items]
+    else:
+        report.results = tune_kernels(tdb, items, left, trials, progress, on_kernel)
+        tdb.add_spent(model_key, time.perf_counter() - t0)
     for item, res in zip(items, report.results):
         res.info = {"stake_ms": item.stake_ms, "count": item.count}
     report.times["tune"] = time.perf_counter() - t0

@@ -226,6 +226,13 @@ def test_tune_then_build_uses_tuned_kernels_and_a_second_tune_measures_nothing(t
     assert [r.status for r in again.results] == ["cached"]
     assert again.measured == 0 and again.remeasured == 0
     assert again.summary().startswith("measured nothing new")
+    # The budget is per model and cumulative: what earlier tunes took counts.
+    assert again.spent_before >= rep.times["tune"] * 0.99 > 0
+    spent = collage_tvm.tune(mod, backends=["tvm"], db=db, budget=1, trials=64,
+                             progress=False, isolate=False)
+    assert [r.status for r in spent.results] == ["skipped"]
+    assert spent.results[0].reason == "budget spent by earlier tunes"
+    assert "this model has had" in spent.summary()
 
 
 def _matmul_onnx(path):

@@ -126,6 +126,32 @@ class TuningDB:
             parts.append(f"{kernel_key(rec.workload.mod)}:{rec.run_secs}")
         return hashlib.sha1("\n".join(sorted(parts)).encode()).hexdigest()[:16] if parts else ""
 
+    # What each model has had: tune's budget is cumulative, so the same command twice
+    # tunes once (the second measures nothing new) and a larger budget tunes the rest.
+    MODELS = "models.json"
+
+    def spent(self, model_key: str) -> float:
+        """Seconds of tuning earlier tunes gave the model ``model_key``."""
+        try:
+            with open(os.path.join(self.path, self.MODELS)) as f:
+                return float(json.load(f).get(model_key, {}).get("seconds", 0.0))
+        except (OSError, ValueError, AttributeError, TypeError):
+            return 0.0
+
+    def add_spent(self, model_key: str, seconds: float) -> None:
+        from pathlib import Path
+
+        from .._files import write_json_atomic
+
+        try:
+            with open(os.path.join(self.path, self.MODELS)) as f:
+                doc = json.load(f)
+        except (OSError, ValueError):
+            doc = {}
+        entry = doc.get(model_key, {}) if isinstance(doc.get(model_key), dict) else {}
+        doc[model_key] = {"seconds": float(entry.get("seconds", 0.0)) + seconds}
+        write_json_atomic(Path(self.path) / self.MODELS, doc)
+
     def stats(self) -> dict:
         """``{"path", "workloads", "records", "tvm", "target"}`` for ``db stats``."""
         workloads = {kernel_key(rec.workload.mod)
