@@ -74,12 +74,13 @@ class TuneReport:
                 f"records {self.records_before} -> {self.records_after} in {self.tuning_db}")
 
     def markdown(self) -> str:
-        """Per kernel: uses in the model, stake (what the placement spends on it untuned),
+        """Per kernel (``key``: its structure; names repeat across shapes): uses in the
+        model, stake (what the placement spends on it untuned),
         untuned, tuned and best library time (ms, one use), trials run now, status."""
-        lines = ["| kernel | uses | stake ms | untuned ms | tuned ms | best library ms | trials "
-                 "| status |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+        lines = ["| kernel | key | uses | stake ms | untuned ms | tuned ms | best library ms "
+                 "| trials | status |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]
         for r in self.results:
-            lines.append(f"| {r.name} | {r.info.get('count', '')} | "
+            lines.append(f"| {r.name} | {r.key[:8]} | {r.info.get('count', '')} | "
                          f"{r.info.get('stake_ms', math.nan):.3f} | {r.untuned_ms:.3f} | "
                          f"{r.tuned_ms:.3f} | {r.best_library_ms:.3f} | {r.trials} | "
                          f"{r.status}{': ' + r.reason if r.reason else ''} |")
