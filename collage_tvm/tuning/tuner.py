@@ -166,9 +166,19 @@ def tune_kernels(db: TuningDB, items: list, budget_s: float, trials: int = 64,
                         int(left / per_trial / max(1, share)) // MIN_TRIALS * MIN_TRIALS)
                 n = max(MIN_TRIALS, n)
                 try:
-                    _tune_one(db, item, n, seed=i)
-                    res.status, res.trials = "tuned", n
-                    per_trial = 0.5 * per_trial + 0.5 * (time.perf_counter() - t0) / n
+                    # One round first: its time per trial (a large kernel's trials take
+                    # seconds each) decides how many more fit this kernel's share.
+                    t1 = time.perf_counter()
+                    _tune_one(db, item, MIN_TRIALS, seed=i)
+                    res.status, res.trials = "tuned", MIN_TRIALS
+                    mine = (time.perf_counter() - t1) / MIN_TRIALS
+                    per_trial = 0.5 * per_trial + 0.5 * mine
+                    share_s = (deadline - time.perf_counter()) / max(1, share)
+                    more = min(n - MIN_TRIALS,
+                               int(share_s / max(mine, 1e-3)) // MIN_TRIALS * MIN_TRIALS)
+                    if more >= MIN_TRIALS:
+                        _tune_one(db, item, more, seed=i + 7919)
+                        res.trials += more
                 except KeyboardInterrupt:
                     res.status, res.reason = "failed", "interrupted"
                     raise
