@@ -60,6 +60,9 @@ def _optimize(args) -> int:
             print(f"  invalid: {reason}")
     print(f"\ncollage: {rep.summary()}; took {time.perf_counter() - t0:.1f} s "
           f"({', '.join(f'{k} {v:.1f} s' for k, v in rep.times.items())})")
+    if rep.tuning:
+        print(f"  TVM's kernels built with {rep.tuning['records']} tuning records from "
+              f"{rep.tuning['path']} (--no-tuning builds them untuned)")
     for name, why in rep.skipped.items():
         print(f"  backend {name} skipped: {why}")
     for backend, label, reason in rep.failures[:10]:
