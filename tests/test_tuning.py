@@ -268,3 +268,20 @@ def test_cli_tune_reports_per_kernel_and_db_stats_lists_the_tuning_db(tmp_path, 
     assert stats["tuning"][0]["path"].startswith(str(tmp_path / "costs.tuning"))
     assert main(["tune", str(tmp_path / "missing.onnx"), "--db", db]) == 2
     assert "missing.onnx" in capsys.readouterr().err
+
+
+def test_measuring_in_process_uses_the_records_the_build_sees_now(tmp_path):
+    """A candidate built in this process with the database's path applies the active
+    database, not a copy opened earlier from the same path (which would miss records added
+    since, while the candidate's key names them)."""
+    path = str(tmp_path / "t")
+    first = tuning.TuningDB(path, TARGET)
+    with tuning.use_tuning_db(path, TARGET) as opened:  # a copy, opened from the path
+        assert opened is not None and opened is not first
+    again = tuning.TuningDB(path, TARGET)  # e.g. reloaded after a tune
+    with tuning.use_tuning_db(again):
+        with tuning.use_tuning_db(path, TARGET) as used:
+            assert used is again and tuning.active_database() is again
+    assert tuning.active_database() is None
+    with tuning.use_tuning_db(None) as none:
+        assert none is None and tuning.active_database() is None

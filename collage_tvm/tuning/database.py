@@ -191,25 +191,28 @@ def active_database() -> TuningDB | None:
 
 class use_tuning_db:  # noqa: N801 - used as a context manager, like tvm's ``with target:``
     """``with use_tuning_db(db_or_path, target):`` TVM builds inside apply ``db``'s records.
-    ``None`` leaves the active database as it is."""
+    ``None`` leaves the active database as it is. A path names the active database when it
+    is that one (measuring in this process: the records as the build sees them now), else
+    the copy this process opened from it first (a measuring child, one per search)."""
 
     def __init__(self, db, target=None):
         if isinstance(db, (str, os.PathLike)):
             path = os.fspath(db)
-            if path not in _OPENED:
-                _OPENED[path] = open_tuning_db(path, target)
-            db = _OPENED[path]
-            self.keep = db is None
-        else:
-            self.keep = db is None
+            active = active_database()
+            if active is not None and active.path == path:
+                db = active
+            else:
+                if path not in _OPENED:
+                    _OPENED[path] = open_tuning_db(path, target)
+                db = _OPENED[path]
         self.db = db
 
     def __enter__(self):
-        if not self.keep:
+        if self.db is not None:
             _ACTIVE.append(self.db)
         return self.db
 
     def __exit__(self, *exc):
-        if not self.keep:
+        if self.db is not None:
             _ACTIVE.pop()
         return False
