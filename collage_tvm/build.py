@@ -7,7 +7,6 @@ stages together; each stage lives in its own package and knows nothing of the la
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import math
@@ -22,7 +21,8 @@ from .check import first_line, latency_evaluator, never_slower
 from .frontend import dynamic_input, load_model, normalize_for_collage
 from .graph import DataflowGraph, NotDataflow
 from .graph.subgraph import function_key
-from .lower import candidate_vm, compile_module, compile_placement, lower_placement, placement_runner
+from .lower import (candidate_vm, candidate_vm_for, compile_module, compile_placement,
+                    lower_placement, placement_runner)
 from .measure.db import CostDB
 from .measure.measurer import Measurer
 from .options import SearchOptions
@@ -35,7 +35,7 @@ from .placer.graph_level import GraphLevelSearch
 from .placer.op_level import ensure_cover, place
 from .registry import get_backend
 from .target import make_target
-from .tuning import active_database, default_dir, open_tuning_db, use_tuning_db
+from .tuning import TuningDB, active_database, default_dir, open_tuning_db, use_tuning_db
 
 logger = logging.getLogger("collage_tvm")
 
@@ -168,7 +168,7 @@ def open_tuning(options: SearchOptions, cost_db: CostDB, target, tuning_db=None)
         return None
     if tuning_db is None:
         tuning_db = default_dir(getattr(cost_db, "path", None), target)
-    db = tuning_db if hasattr(tuning_db, "database") else open_tuning_db(tuning_db, target)
+    db = tuning_db if isinstance(tuning_db, TuningDB) else open_tuning_db(tuning_db, target)
     return db if db is not None and len(db) else None
 
 
@@ -293,9 +293,7 @@ def _op_level(graph, backends, target, cost_db, options: SearchOptions, report) 
     candidates = generate_candidates(graph, backends.values())
     report.candidates = len(candidates)
     tuning = active_database()
-    build_vm = candidate_vm if tuning is None else functools.partial(candidate_vm,
-                                                                      tuning=tuning.path)
-    measurer = Measurer(target, cost_db, build_vm, isolate=options.isolate,
+    measurer = Measurer(target, cost_db, candidate_vm_for(tuning), isolate=options.isolate,
                         progress=options.progress, tuning=tuning)
     t_search = 0.0
     try:

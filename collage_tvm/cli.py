@@ -152,17 +152,17 @@ def _tuning_stats(db_path) -> list:
     """Every tuning database next to the cost DB (one per target): workloads, records."""
     import os
 
-    from .tuning import TuningDB
+    import tvm
 
-    base = os.path.splitext(os.fspath(db_path))[0] + ".tuning"
+    from .tuning import TuningDB, tuning_root
+
+    base = tuning_root(db_path)
     out = []
     for name in sorted(os.listdir(base)) if os.path.isdir(base) else []:
         path = os.path.join(base, name)
         try:
             with open(os.path.join(path, "meta.json")) as f:
                 meta = json.load(f)
-            import tvm
-
             db = TuningDB(path, tvm.target.Target(json.loads(meta["target"])))
             out.append({**db.stats(), "device": meta.get("device", "")})
         except (OSError, ValueError, KeyError) as err:

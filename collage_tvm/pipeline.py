@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import tvm
-from tvm import relax
 
 from .build import optimize_module
 from .options import SearchOptions
@@ -22,8 +21,6 @@ def pipeline(backends=None, db=None, placement_log=None, *, options: SearchOptio
         if target is None:
             raise ValueError("collage_tvm.pipeline needs a target (tvm.compile passes it)")
         lowered, tuned = optimize_module(mod, target, options, db, placement_log)
-        if target.kind.name == "llvm":
-            return tuning_pipeline(target, tuned.database if tuned is not None else None)(lowered)
-        return relax.get_default_pipeline(target)(lowered)
+        return tuning_pipeline(target, tuned.database if tuned is not None else None)(lowered)
 
     return _collage

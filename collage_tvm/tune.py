@@ -18,7 +18,6 @@ Which kernels to tune is Collage's decision, made from the costs the search meas
 """
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import os
@@ -28,12 +27,11 @@ from dataclasses import dataclass, field
 from .build import open_db, resolve_backends
 from .frontend import load_model, normalize_for_collage
 from .graph import DataflowGraph
-from .graph.subgraph import extract_function
-from .lower import candidate_vm
+from .graph.subgraph import extract_function, function_key
+from .lower import candidate_vm, candidate_vm_for
 from .measure.measurer import Measurer
 from .patterns import generate_candidates
 from .target import make_target
-from .graph.subgraph import function_key
 from .tuning import (KernelResult, KernelToTune, TuningDB, default_dir, kernel_key, kernels,
                      tune_kernels, use_tuning_db)
 from .tuning.tuner import MIN_TRIALS
@@ -108,17 +106,25 @@ def plan(graph, candidates, costs: dict, backends: dict, target) -> list:
         name, kernel = ks[0]
         key = kernel_key(kernel)
         lib = best_lib.get(c.nodes, math.inf)
-        item = found.setdefault(key, KernelToTune(name, kernel, count=0))
+        item = found.setdefault(key, KernelToTune(name, kernel, count=0,
+                                                  best_library_ms=math.inf))
         if c.nodes not in places.setdefault(key, set()):
             places[key].add(c.nodes)
             item.stake_ms += min(cost, lib)
             item.count += 1
-        if not lib >= item.best_library_ms:  # a nan best (none yet) is replaced
-            item.best_library_ms = lib
+        item.best_library_ms = min(item.best_library_ms, lib)
     own = {kernel_key(k) for _, k in kernels(graph.func, target)}
     for key, item in found.items():
         item.tier = 0 if key in own else 1
     return sorted(found.values(), key=lambda k: (k.tier, -k.stake_ms))
+
+
+def _budget_spent(tdb: TuningDB, item: KernelToTune, trials: int) -> KernelResult:
+    """What a tune with no budget left says of ``item``: cached, or not tuned."""
+    done = tdb.trials(item.kernel) >= trials
+    return KernelResult(item.name, item.key, "cached" if done else "skipped",
+                        best_library_ms=item.best_library_ms,
+                        reason="" if done else "budget spent by earlier tunes")
 
 
 def tune(model, target="llvm", backends=None, db=None, tuning_db=None, budget: float = 600.0,
@@ -165,11 +171,7 @@ def tune(model, target="llvm", backends=None, db=None, tuning_db=None, budget: f
     report.budget, report.spent_before = budget, tdb.spent(model_key)
     left = budget - report.spent_before
     if report.spent_before > 0 and left < MIN_TRIALS:  # the budget went on earlier tunes
-        report.results = [KernelResult(
-            i.name, i.key, "cached" if tdb.trials(i.kernel) >= trials else "skipped",
-            best_library_ms=i.best_library_ms,
-            reason="" if tdb.trials(i.kernel) >= trials else "budget spent by earlier tunes")
-            for i in items]
+        report.results = [_budget_spent(tdb, i, trials) for i in items]
     else:
         report.results = tune_kernels(tdb, items, left, trials, progress, on_kernel)
         tdb.add_spent(model_key, time.perf_counter() - t0)
@@ -183,8 +185,8 @@ def tune(model, target="llvm", backends=None, db=None, tuning_db=None, budget: f
         tdb.reload()
         tvm_cands = [c for c in candidates if not backends[c.backend].is_external]
         with use_tuning_db(tdb):
-            again = Measurer(target, cost_db, functools.partial(candidate_vm, tuning=tdb.path),
-                             isolate=isolate, progress=progress, tuning=tdb)
+            again = Measurer(target, cost_db, candidate_vm_for(tdb), isolate=isolate,
+                             progress=progress, tuning=tdb)
             try:
                 again.costs(graph, tvm_cands, backends)
             finally:

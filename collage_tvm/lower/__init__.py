@@ -1,6 +1,8 @@
 """Lowering of external groups and the build of a placement (or of one candidate)."""
 from __future__ import annotations
 
+import functools
+
 import tvm
 from tvm import relax
 
@@ -53,6 +55,13 @@ def candidate_vm(func: relax.Function, backend, target,
     return relax.VirtualMachine(executable, target_device(target))
 
 
+def candidate_vm_for(tuning):
+    """The measurer's ``build_vm`` for builds applying ``tuning`` (a ``TuningDB`` or None):
+    ``candidate_vm`` told the database's path, which a measuring child opens."""
+    return candidate_vm if tuning is None else functools.partial(candidate_vm,
+                                                                 tuning=tuning.path)
+
+
 def placement_runner(graph, backends: dict, target, seed: int = 0):
     """``make_run(groups, timings) -> run`` for in-context calibration: ``run()`` runs the
     placement once on fixed random inputs; external calls log their times in ``timings``."""
@@ -68,5 +77,5 @@ def placement_runner(graph, backends: dict, target, seed: int = 0):
     return make_run
 
 
-__all__ = ["candidate_vm", "compile_module", "compile_placement", "lower_external", "lower_placement",
+__all__ = ["candidate_vm", "candidate_vm_for", "compile_module", "compile_placement", "lower_external", "lower_placement",
            "placement_runner", "release_with"]

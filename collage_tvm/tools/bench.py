@@ -473,15 +473,13 @@ def markdown(results: dict) -> str:
                 m["ablation"], "Ablation (paper Fig. 11): Collage with the backends added one "
                 "at a time, timed interleaved; speedup over the first step:",
                 ["backends", "matches first step", "ops per backend"],
-                lambda step: [", ".join(step["backends"]), ", ".join(
-                    f"{b} {n}" for b, n in step["ops_per_backend"].items())])
+                lambda step: [", ".join(step["backends"]), _ops(step)])
         if "tuned" in m:
             lines += _steps_table(
                 m["tuned"], "Tuned TVM (issue #16): the search with untuned TVM beside the "
                 "same search with the tuning database, timed interleaved:",
                 ["build", "matches untuned", "ops per backend"],
-                lambda step: [step["label"], ", ".join(
-                    f"{b} {n}" for b, n in step["ops_per_backend"].items())])
+                lambda step: [step["label"], _ops(step)])
         if "rewrite" in m:
             lines += _steps_table(
                 m["rewrite"], "Graph rewrites (issue #18): placed-only beside "
@@ -491,6 +489,11 @@ def markdown(results: dict) -> str:
                     "applied", [])) + (" (affine tails folded)" if step.get(
                         "rewrite", {}).get("folded_affine_tails") else "")])
     return "\n".join(lines)
+
+
+def _ops(step: dict) -> str:
+    """A step's operators per backend, as a table cell."""
+    return ", ".join(f"{b} {n}" for b, n in step["ops_per_backend"].items())
 
 
 def _steps_table(steps: list, title: str, heads: list, cells) -> list:

@@ -9,11 +9,10 @@ tuned records (``compile_module``).
 Collage's decision (``collage_tvm.tune``).
 """
 from .database import (TuningDB, active_database, default_dir, open_tuning_db, target_id,
-                       use_tuning_db)
+                       tuning_root, use_tuning_db)
 from .compile import compile_module, fuse, kernel_key, kernels, pipeline, workload
 from .tuner import KernelResult, KernelToTune, tune_kernels
 
 __all__ = ["KernelResult", "KernelToTune", "TuningDB", "active_database", "compile_module",
-           "default_dir", "fuse", "use_tuning_db",
-           "kernel_key", "kernels", "open_tuning_db", "pipeline", "target_id", "tune_kernels",
-           "workload"]
+           "default_dir", "fuse", "kernel_key", "kernels", "open_tuning_db", "pipeline",
+           "target_id", "tune_kernels", "tuning_root", "use_tuning_db", "workload"]

@@ -32,7 +32,10 @@ def fuse(mod: tvm.IRModule, target) -> tvm.IRModule:
 
 
 def pipeline(target, database=None):
-    """TVM's CPU pipeline, with ``database``'s tuning records applied after fusion."""
+    """TVM's CPU pipeline, with ``database``'s tuning records applied after fusion; for
+    another target (CUDA), TVM's default pipeline for it."""
+    if target.kind.name != "llvm":
+        return relax.get_default_pipeline(target)
     cpu_generic, front = _cpu_passes(target)
 
     @tvm.transform.module_pass(opt_level=0, name="CollageTVMPipeline")
@@ -49,10 +52,7 @@ def pipeline(target, database=None):
 
 
 def compile_module(mod: tvm.IRModule, target, database=None):
-    """``tvm.compile`` of ``mod`` for a CPU target through :func:`pipeline`; other targets
-    (CUDA) through TVM's default pipeline."""
-    if target.kind.name != "llvm":
-        return tvm.compile(mod, target)
+    """``tvm.compile`` of ``mod`` through :func:`pipeline`."""
     return tvm.compile(mod, target, relax_pipeline=pipeline(target, database))
 
 

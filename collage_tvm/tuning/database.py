@@ -23,6 +23,7 @@ from .compile import kernel_key, kernels, workload
 logger = logging.getLogger("collage_tvm")
 
 META = "meta.json"
+RECORDS = "database_tuning_record.json"  # MetaSchedule's JSONDatabase, one record a line
 
 
 def _meta(target) -> dict:
@@ -37,12 +38,16 @@ def target_id(target) -> str:
     return f"{cpu}-{digest}"
 
 
+def tuning_root(cost_db_path) -> str:
+    """``<cost DB without extension>.tuning``: the tuning databases of every target."""
+    return os.path.splitext(os.fspath(cost_db_path))[0] + ".tuning"
+
+
 def default_dir(cost_db_path, target) -> str | None:
     """``<cost DB without extension>.tuning/<target id>``; None for an in-memory cost DB."""
     if cost_db_path in (None, ":memory:"):
         return None
-    base = os.path.splitext(os.fspath(cost_db_path))[0]
-    return os.path.join(f"{base}.tuning", target_id(target))
+    return os.path.join(tuning_root(cost_db_path), target_id(target))
 
 
 class TuningDB:
@@ -119,12 +124,14 @@ class TuningDB:
         return sig
 
     def digest(self) -> str:
-        """A hash of the best record of every workload: changes when tuning found anything
-        new; ``""`` for an empty database."""
-        parts = []
-        for rec in self.database.get_all_tuning_records():
-            parts.append(f"{kernel_key(rec.workload.mod)}:{rec.run_secs}")
-        return hashlib.sha1("\n".join(sorted(parts)).encode()).hexdigest()[:16] if parts else ""
+        """A hash of the records file (MetaSchedule appends each measured schedule to it):
+        changes whenever tuning recorded anything; ``""`` for an empty database."""
+        try:
+            with open(os.path.join(self.path, RECORDS), "rb") as f:
+                data = f.read()
+        except OSError:
+            return ""
+        return hashlib.sha1(data).hexdigest()[:16] if data.strip() else ""
 
     # What each model has had: tune's budget is cumulative, so the same command twice
     # tunes once (the second measures nothing new) and a larger budget tunes the rest.

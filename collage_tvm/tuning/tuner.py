@@ -121,9 +121,9 @@ def tune_kernels(db: TuningDB, items: list, budget_s: float, trials: int = 64,
     from tqdm import tqdm
 
     trials = max(MIN_TRIALS, int(trials))
-    deadline = time.perf_counter() + budget_s
-    per_trial = 1.5  # seconds, until a kernel has been tuned here
-    untuned, failed = _load(db, UNTUNED, float), _load(db, FAILED, str)
+    state = {"deadline": time.perf_counter() + budget_s,
+             "per_trial": 1.5,  # seconds, until a kernel has been tuned here
+             "untuned": _load(db, UNTUNED, float), "failed": _load(db, FAILED, str)}
     results = []
     bar = tqdm(total=len(items), desc="tuning TVM kernels", unit="kernel", disable=not progress,
                dynamic_ncols=True)
@@ -133,71 +133,73 @@ def tune_kernels(db: TuningDB, items: list, budget_s: float, trials: int = 64,
                                best_library_ms=item.best_library_ms)
             results.append(res)
             t0 = time.perf_counter()
-            have = db.trials(item.kernel)
-            left = deadline - time.perf_counter()
-            if item.key in failed:
-                res.status, res.reason = "failed", f"in an earlier tune: {failed[item.key]}"
-                res.untuned_ms = untuned.get(item.key, math.nan)
-                bar.update(1)
-                continue
-            if have < trials and left < MIN_TRIALS * per_trial:
-                res.reason = "out of budget"  # not even its untuned time is measured
-                res.untuned_ms = untuned.get(item.key, math.nan)
-                bar.update(1)
-                continue
-            try:
-                res.untuned_ms = _untuned_ms(db, item, untuned)
-            except Exception as err:  # noqa: BLE001 - reported, the next kernel goes on
-                res.status, res.reason = "failed", f"untuned build/run: {type(err).__name__}: {err}"
-                failed[item.key] = res.reason
-                logger.warning("kernel %s: %s", item.name, res.reason)
-                bar.update(1)
-                continue
-            left = deadline - time.perf_counter()
-            if have >= trials:
-                res.status = "cached"
-            elif left < MIN_TRIALS * per_trial:
-                res.reason = "out of budget"
-            else:
-                # Tier 0 shares what is left evenly (a TVM-only build needs every one of
-                # them tuned); after it, each kernel takes what it may.
-                share = sum(1 for later in items[i:] if later.tier == 0) if item.tier == 0 else 1
-                n = min(trials - have,
-                        int(left / per_trial / max(1, share)) // MIN_TRIALS * MIN_TRIALS)
-                n = max(MIN_TRIALS, n)
-                try:
-                    # One round first: its time per trial (a large kernel's trials take
-                    # seconds each) decides how many more fit this kernel's share.
-                    t1 = time.perf_counter()
-                    _tune_one(db, item, MIN_TRIALS, seed=i)
-                    res.status, res.trials = "tuned", MIN_TRIALS
-                    mine = (time.perf_counter() - t1) / MIN_TRIALS
-                    per_trial = 0.5 * per_trial + 0.5 * mine
-                    share_s = (deadline - time.perf_counter()) / max(1, share)
-                    more = min(n - MIN_TRIALS,
-                               int(share_s / max(mine, 1e-3)) // MIN_TRIALS * MIN_TRIALS)
-                    if more >= MIN_TRIALS:
-                        _tune_one(db, item, more, seed=i + 7919)
-                        res.trials += more
-                except KeyboardInterrupt:
-                    res.status, res.reason = "failed", "interrupted"
-                    raise
-                except Exception as err:  # noqa: BLE001 - reported, the next kernel goes on
-                    res.status, res.reason = "failed", f"{type(err).__name__}: {str(err)[:300]}"
-                    failed[item.key] = res.reason
-                    logger.warning("tuning kernel %s failed: %s", item.name, res.reason)
+            _tune_item(db, items, i, res, trials, state)
             best = db.best(item.kernel)
             if best is not None:
                 res.tuned_ms = 1e3 * best[1]
             res.seconds = time.perf_counter() - t0
+            left = max(0.0, state["deadline"] - time.perf_counter())
             bar.set_postfix_str(f"{item.name[:40]} {res.untuned_ms:.3g} -> {res.tuned_ms:.3g} ms, "
-                                f"{max(0.0, deadline - time.perf_counter()):.0f} s left",
-                                refresh=False)
+                                f"{left:.0f} s left", refresh=False)
             bar.update(1)
             if on_kernel is not None:
                 on_kernel(res)
     finally:
         bar.close()
-        _save(db, UNTUNED, untuned)
-        _save(db, FAILED, failed)
+        _save(db, UNTUNED, state["untuned"])
+        _save(db, FAILED, state["failed"])
     return results
+
+
+def _tune_item(db: TuningDB, items: list, i: int, res: KernelResult, trials: int,
+               state: dict) -> None:
+    """Kernel ``items[i]`` into ``db`` (``res`` says what happened); ``state``: the
+    deadline, the running time per trial, the untuned and failed tables."""
+    item, untuned, failed = items[i], state["untuned"], state["failed"]
+    res.untuned_ms = untuned.get(item.key, math.nan)
+    if item.key in failed:
+        res.status, res.reason = "failed", f"in an earlier tune: {failed[item.key]}"
+        return
+    have = db.trials(item.kernel)
+    if have < trials and state["deadline"] - time.perf_counter() < MIN_TRIALS * state["per_trial"]:
+        res.reason = "out of budget"  # not even its untuned time is measured
+        return
+    try:
+        res.untuned_ms = _untuned_ms(db, item, untuned)
+    except Exception as err:  # noqa: BLE001 - reported, the next kernel goes on
+        res.status, res.reason = "failed", f"untuned build/run: {type(err).__name__}: {err}"
+        failed[item.key] = res.reason
+        logger.warning("kernel %s: %s", item.name, res.reason)
+        return
+    left = state["deadline"] - time.perf_counter()
+    if have >= trials:
+        res.status = "cached"
+        return
+    if left < MIN_TRIALS * state["per_trial"]:
+        res.reason = "out of budget"
+        return
+    # Tier 0 shares what is left evenly (a TVM-only build needs every one of them tuned);
+    # after it, each kernel takes what it may.
+    share = max(1, sum(1 for later in items[i:] if later.tier == 0) if item.tier == 0 else 1)
+    n = max(MIN_TRIALS, min(trials - have, int(left / state["per_trial"] / share)
+                            // MIN_TRIALS * MIN_TRIALS))
+    try:
+        # One round first: its time per trial (a large kernel's trials take seconds each)
+        # decides how many more fit this kernel's share.
+        t1 = time.perf_counter()
+        _tune_one(db, item, MIN_TRIALS, seed=i)
+        res.status, res.trials = "tuned", MIN_TRIALS
+        mine = (time.perf_counter() - t1) / MIN_TRIALS
+        state["per_trial"] = 0.5 * state["per_trial"] + 0.5 * mine
+        share_s = (state["deadline"] - time.perf_counter()) / share
+        more = min(n - MIN_TRIALS, int(share_s / max(mine, 1e-3)) // MIN_TRIALS * MIN_TRIALS)
+        if more >= MIN_TRIALS:
+            _tune_one(db, item, more, seed=i + 7919)
+            res.trials += more
+    except KeyboardInterrupt:
+        res.status, res.reason = "failed", "interrupted"
+        raise
+    except Exception as err:  # noqa: BLE001 - reported, the next kernel goes on
+        res.status, res.reason = "failed", f"{type(err).__name__}: {str(err)[:300]}"
+        failed[item.key] = res.reason
+        logger.warning("tuning kernel %s failed: %s", item.name, res.reason)
