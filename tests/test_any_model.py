@@ -436,3 +436,20 @@ def test_suite_outputs_are_compared_relative_to_their_scale(tmp_path):
     row = torch_model_check(make, "tiny", ["tvm"], str(tmp_path / "c.db"), str(tmp_path))
     assert row["status"] == "built" and row["match"] and 0 < row["scale"] < 1e-7, row
     assert row["max_err"] < 1e-3 * row["scale"]
+
+
+def test_the_suite_tolerance_follows_the_output_scale_both_ways():
+    """Tiny outputs get a tiny atol (a fixed one would match anything); huge ones
+    (inception_v3 with random batch-norm statistics reaches 1e9) a proportional one, so
+    the float32 rounding of elements near zero passes and a wrong element does not."""
+    from collage_tvm.check import compare_outputs
+    from collage_tvm.tools.suites import scaled_atol
+
+    assert scaled_atol(1e-4, 1.0) == 1e-4 and scaled_atol(1e-4, 0.0) == 1e-4
+    assert scaled_atol(1e-4, 1e-9) == pytest.approx(1e-12)
+    ref = np.array([1e9, 3.0, -2.0], "float32")
+    rounding = ref + np.array([0.0, 3.5e3, -1.2e3], "float32")  # 3.5e-6 of the scale
+    wrong = ref + np.array([0.0, 3e6, 0.0], "float32")  # 3e-3 of the scale
+    atol = scaled_atol(1e-4, float(np.abs(ref).max()))
+    assert compare_outputs([rounding], [ref], 1e-3, atol)[0]
+    assert not compare_outputs([wrong], [ref], 1e-3, atol)[0]
