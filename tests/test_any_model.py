@@ -453,3 +453,67 @@ def test_the_suite_tolerance_follows_the_output_scale_both_ways():
     atol = scaled_atol(1e-4, float(np.abs(ref).max()))
     assert compare_outputs([rounding], [ref], 1e-3, atol)[0]
     assert not compare_outputs([wrong], [ref], 1e-3, atol)[0]
+
+
+def _tiny_swin():
+    """torchvision's Swin at a tiny size: its window partition, shift mask and padding are
+    computed from ``Shape`` at run time in the TorchScript export."""
+    from collage_tvm.tools.suites import import_torchvision
+
+    import_torchvision()
+    from torchvision.models.swin_transformer import SwinTransformer
+
+    torch.manual_seed(0)
+    model = SwinTransformer(patch_size=[4, 4], embed_dim=16, depths=[1, 1], num_heads=[1, 2],
+                            window_size=[3, 3], num_classes=10).eval()
+    return model, (torch.randn(1, 3, 32, 32),)
+
+
+def test_shape_computations_of_a_swin_export_fold_so_tvm_can_import_it(tmp_path):
+    """TVM's ONNX importer rejected torchvision's swin_t (``Reshape expects the input tensor
+    to have known shape``); with the shape computations folded it imports, every node has
+    a TVM candidate and the outputs match PyTorch."""
+    pytest.importorskip("torchvision")
+    import onnx
+
+    from collage_tvm.frontend.fold_shapes import fold_shapes
+    from collage_tvm.tools.suites import Case, export_onnx
+
+    model, inputs = _tiny_swin()
+    with torch.no_grad():
+        expected = [model(*inputs).numpy()]
+    proto = onnx.load(export_onnx(model, inputs, str(tmp_path / "swin.onnx")))
+    folded, n = fold_shapes(proto)
+    ops = {node.op_type for node in folded.graph.node}
+    assert n > 100 and not ops & {"Shape", "Range", "ConstantOfShape", "ScatterND"}, ops
+    assert "Shape" in {node.op_type for node in proto.graph.node}  # the caller's is untouched
+    case = Case("swin", proto, [i.numpy() for i in inputs], expected, rtol=1e-3, atol=1e-5,
+                floors=False)
+    r = tvm_only_check(case, make_target("llvm"))
+    assert r["collage"] == "match" and r["uncovered"] == [], r
+
+
+def test_a_shape_of_a_dynamic_input_is_not_folded_until_its_shape_is_given():
+    import onnx
+    from onnx import TensorProto, helper
+
+    from collage_tvm.frontend.fold_shapes import fold_shapes
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 6])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    nodes = [helper.make_node("Shape", ["x"], ["s"]),
+             helper.make_node("Gather", ["s", "zero"], ["b"], axis=0),
+             helper.make_node("Unsqueeze", ["b", "zero1"], ["b1"]),
+             helper.make_node("Concat", ["b1", "m1"], ["shape"], axis=0),
+             helper.make_node("Reshape", ["x", "shape"], ["y"])]
+    inits = [helper.make_tensor("zero", TensorProto.INT64, [], [0]),
+             helper.make_tensor("zero1", TensorProto.INT64, [1], [0]),
+             helper.make_tensor("m1", TensorProto.INT64, [1], [-1])]
+    proto = helper.make_model(helper.make_graph(nodes, "g", [x], [y], inits),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    same, n = fold_shapes(proto)
+    assert n == 0 and same is proto
+    static, n = fold_shapes(proto, {"x": (2, 6)})
+    assert n == 4 and [node.op_type for node in static.graph.node] == ["Reshape"]
+    shape = next(i for i in static.graph.initializer if i.name == "shape")
+    assert onnx.numpy_helper.to_array(shape).tolist() == [2, -1]

@@ -6,6 +6,7 @@ import os
 import tvm
 from tvm import relax
 
+from .fold_shapes import fold_shapes
 from .static_slices import static_slices
 
 
@@ -95,6 +96,7 @@ def _from_onnx(proto, input_shapes, where: str) -> tvm.IRModule:
     if unknown:
         raise ModelError(f"{where}: --input-shape names no input of the model: "
                          f"{', '.join(unknown)}; its inputs: {', '.join(names)}")
+    proto, _ = fold_shapes(proto, input_shapes)
     try:
         return from_onnx(proto, shape_dict=input_shapes, keep_params_in_input=False)
     except Exception as err:

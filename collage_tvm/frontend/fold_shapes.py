@@ -1,0 +1,211 @@
+"""Shape computations of an ONNX model, evaluated once before TVM imports it.
+
+PyTorch's exporters write many models with their reshapes, pads, masks and slices computed
+at run time from ``Shape`` of tensors whose shapes are in fact static: torchvision's Swin
+builds its window partition and attention mask from ``Shape -> Gather -> Concat ->
+Reshape`` chains, ``Range``/``ConstantOfShape``/``ScatterND``. TVM's ONNX importer keeps
+those computations, so the tensors after them have unknown shapes, and it then rejects
+the model (``Reshape expects the input tensor to have known shape``) or fails to compile
+it: TVM alone cannot build such a model.
+
+``fold_shapes`` does what onnx-simplifier does, with the onnx wheel's own parts: ONNX shape
+inference gives every tensor's static shape, ``Shape``/``Size`` of a static tensor become
+constants, and every node whose inputs are all constants is evaluated with the ONNX
+reference implementation and replaced by an initializer (outputs up to ``max_elements``;
+random, control-flow and sequence operators are never folded). Rounds repeat while
+something folded, since a reshape with a constant target makes the next shape static.
+Nodes left without a consumer are dropped. Folding is best effort: a node the reference
+cannot evaluate stays as it is, and a model shape inference cannot read is returned
+unchanged.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+_NEVER = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike",
+          "Multinomial", "Bernoulli", "If", "Loop", "Scan", "SequenceConstruct",
+          "SequenceEmpty", "SequenceInsert", "SequenceAt", "SequenceErase", "SequenceLength",
+          "SplitToSequence", "ConcatFromSequence", "SequenceMap", "Optional",
+          "OptionalGetElement", "OptionalHasElement", "Constant"}
+_MAX_ROUNDS = 16
+
+
+def fold_shapes(proto, input_shapes: dict | None = None, max_elements: int = 1 << 20):
+    """``(model, folded)``: a copy of the ONNX ``proto`` with its constant computations
+    evaluated (``folded`` nodes), or ``proto`` itself and 0 when nothing folded.
+    ``input_shapes``: input name -> static shape, applied before shape inference."""
+    import onnx
+
+    model = onnx.ModelProto()
+    model.CopyFrom(proto)
+    _set_input_shapes(model.graph, input_shapes or {})
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
+    folded = 0
+    for _ in range(_MAX_ROUNDS):
+        shapes = _static_shapes(model)
+        if shapes is None:
+            break
+        n = _fold_round(model.graph, shapes, opset, max_elements)
+        if not n:
+            break
+        folded += n
+    if not folded:
+        return proto, 0
+    _drop_dead_nodes(model.graph)
+    return model, folded
+
+
+def _set_input_shapes(graph, input_shapes: dict) -> None:
+    for inp in graph.input:
+        shape = input_shapes.get(inp.name)
+        if shape is None or not inp.type.HasField("tensor_type"):
+            continue
+        dims = inp.type.tensor_type.shape.dim
+        del dims[:]
+        for d in shape:
+            dims.add().dim_value = int(d)
+
+
+def _static_shapes(model) -> dict | None:
+    """Tensor name -> its static shape, for every tensor ONNX shape inference fully knows."""
+    import onnx
+
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    except Exception:  # noqa: BLE001 - folding is best effort
+        try:
+            inferred = onnx.shape_inference.infer_shapes(model)
+        except Exception:  # noqa: BLE001
+            return None
+    out = {}
+    g = inferred.graph
+    for vi in list(g.input) + list(g.value_info) + list(g.output):
+        if not vi.type.HasField("tensor_type") or not vi.type.tensor_type.HasField("shape"):
+            continue
+        dims = vi.type.tensor_type.shape.dim
+        if all(d.HasField("dim_value") for d in dims):
+            out[vi.name] = tuple(int(d.dim_value) for d in dims)
+    for init in g.initializer:
+        out[init.name] = tuple(init.dims)
+    return out
+
+
+def _fold_round(graph, shapes: dict, opset, max_elements: int) -> int:
+    """Fold what can be folded now; the number of nodes folded."""
+    from onnx import numpy_helper
+
+    inits = {i.name: i for i in graph.initializer}
+    constants = {n.output[0]: n for n in graph.node if n.op_type == "Constant" and n.output}
+    graph_outputs = {o.name for o in graph.output}
+    values: dict = {}
+
+    def value(name):
+        if name in values:
+            return values[name]
+        if name in inits:
+            values[name] = numpy_helper.to_array(inits[name])
+        elif name in constants:
+            values[name] = _evaluate(constants[name], [], opset)[0]
+        else:
+            return None
+        return values[name]
+
+    keep, new_inits, folded = [], [], 0
+    for node in graph.node:
+        outs = _fold_node(node, shapes, value, opset, graph_outputs, max_elements)
+        if outs is None:
+            keep.append(node)
+            continue
+        folded += 1
+        for name, arr in zip(node.output, outs):
+            values[name] = arr
+            new_inits.append(numpy_helper.from_array(arr, name))
+    if folded:
+        del graph.node[:]
+        graph.node.extend(keep)
+        graph.initializer.extend(new_inits)
+        folded_names = {t.name for t in new_inits}
+        kept_info = [vi for vi in graph.value_info if vi.name not in folded_names]
+        del graph.value_info[:]
+        graph.value_info.extend(kept_info)
+    return folded
+
+
+def _fold_node(node, shapes, value, opset, graph_outputs, max_elements):
+    """The output arrays of ``node`` if it folds, else None."""
+    if (node.domain not in ("", "ai.onnx") or node.op_type in _NEVER
+            or any(o in graph_outputs for o in node.output)
+            or any(a.type in (5, 10) for a in node.attribute)):  # GRAPH, GRAPHS
+        return None
+    if node.op_type in ("Shape", "Size"):
+        shape = shapes.get(node.input[0])
+        if shape is None:
+            return None
+        if node.op_type == "Size":
+            return [np.array(int(np.prod(shape, dtype=np.int64)), dtype=np.int64)]
+        attrs = {a.name: a.i for a in node.attribute}
+        start, end = attrs.get("start", 0), attrs.get("end", len(shape))
+        return [np.array(shape[start:end] if "end" in attrs else shape[start:],
+                         dtype=np.int64)]
+    inputs = []
+    for name in node.input:
+        if not name:  # an optional input left out
+            inputs.append(None)
+            continue
+        arr = value(name)
+        if arr is None:
+            return None
+        inputs.append(arr)
+    if not any(a is not None for a in inputs):
+        return None  # a generator with no inputs (ConstantOfShape needs one): leave it
+    try:
+        outs = _evaluate(node, inputs, opset)
+    except Exception:  # noqa: BLE001 - the reference cannot evaluate it: keep the node
+        return None
+    if (len(outs) != len([o for o in node.output if o])
+            or not all(isinstance(o, np.ndarray) and o.dtype != object for o in outs)
+            or sum(o.size for o in outs) > max_elements):
+        return None
+    return outs
+
+
+def _evaluate(node, inputs, opset) -> list:
+    from onnx.reference import ReferenceEvaluator
+
+    names = [n for n in node.input]
+    feeds = {n: a for n, a in zip(names, inputs) if n and a is not None}
+    ev = ReferenceEvaluator(node, opsets={"": opset} if opset else None)
+    return [np.asarray(o) for o in ev.run(None, feeds)]
+
+
+def _drop_dead_nodes(graph) -> None:
+    """Nodes and initializers that nothing reads any more are removed."""
+    used = {o.name for o in graph.output}
+    kept = []
+    for node in reversed(graph.node):
+        if any(o in used for o in node.output):
+            kept.append(node)
+            used.update(i for i in node.input if i)
+            for g in _subgraphs(node):  # subgraphs read outer names
+                used.update(_outer_names(g))
+    kept.reverse()
+    del graph.node[:]
+    graph.node.extend(kept)
+    inputs = {i.name for i in graph.input}  # an initializer listed as an input stays
+    inits = [i for i in graph.initializer if i.name in used or i.name in inputs]
+    del graph.initializer[:]
+    graph.initializer.extend(inits)
+
+
+def _outer_names(graph) -> set:
+    names = set()
+    for node in graph.node:
+        names.update(i for i in node.input if i)
+        for g in _subgraphs(node):
+            names |= _outer_names(g)
+    return names
+
+
+def _subgraphs(node) -> list:
+    return [g for a in node.attribute
+            for g in ([a.g] if a.HasField("g") else []) + list(a.graphs)]
