@@ -1,9 +1,11 @@
 """openvino backend (kind ``graph``): a Relax subgraph exported to ONNX, compiled by OpenVINO.
 
 The ONNX bytes are read by OpenVINO's ONNX frontend and compiled for the CPU plugin with
-the latency hint, as many inference threads as the process has cores, and f32 inference
-precision: on CPUs with AMX/AVX512-BF16 the plugin otherwise runs in bf16, which does
-not match the reference. Inputs and outputs are OpenVINO tensors sharing memory with the
+the latency hint, as many inference threads as the process has cores, and the backend's
+inference precision: ``openvino`` f32 (on CPUs with AMX/AVX512-BF16 the plugin otherwise
+runs in bf16, its default there, which does not match the f32 reference);
+``openvino_bf16`` bf16, placed only under an accuracy budget that allows it
+(``collage_tvm.precision``). Either takes and returns f32 tensors. Inputs and outputs are OpenVINO tensors sharing memory with the
 TVM buffers (``shared_memory=True``): nothing is copied.
 """
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collage_tvm.backends._graphlib import (GraphLibraryLowering, as_numpy, new_
 
 class OpenVinoLowering(GraphLibraryLowering):
     name = "openvino"
+    precision = "f32"
 
     def available(self) -> tuple[bool, str]:
         try:
@@ -30,13 +33,14 @@ class OpenVinoLowering(GraphLibraryLowering):
         try:
             import openvino as ov
 
-            return f"openvino-{ov.__version__.split('-')[0]}"
+            version = f"openvino-{ov.__version__.split('-')[0]}"
+            return version if self.precision == "f32" else f"{version}-{self.precision}"
         except Exception:  # noqa: BLE001
             return "openvino-unavailable"
 
     def config(self) -> dict:
         return {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": threads(),
-                "INFERENCE_PRECISION_HINT": "f32"}
+                "INFERENCE_PRECISION_HINT": self.precision}
 
     def compile_bytes(self, model_bytes: bytes):
         import openvino as ov
@@ -72,3 +76,10 @@ class OpenVinoLowering(GraphLibraryLowering):
 
         call.compiled = compiled  # keep the compiled model alive with the callable
         return call
+
+
+class OpenVinoBf16Lowering(OpenVinoLowering):
+    """OpenVINO in bf16 (its default on CPUs with bf16 instructions)."""
+
+    name = "openvino_bf16"
+    precision = "bf16"

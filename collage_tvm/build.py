@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import tvm
 from tvm import relax
 
-from .check import first_line, latency_evaluator, never_slower
+from .check import first_line, latency_evaluator, never_slower, outputs_on
 from .frontend import dynamic_input, load_model, normalize_for_collage
 from .graph import DataflowGraph, NotDataflow
 from .graph.subgraph import function_key
@@ -27,13 +27,14 @@ from .measure.db import CostDB
 from .measure.measurer import Measurer
 from .options import SearchOptions
 from .patterns import generate_candidates
-from .placement import Placement, placement_from_record, placement_record
+from .placement import Placement, placement_from_record, placement_record, single_ops
 from .placement_log import PlacementLog
 from .placer.alternatives import refine
 from .placer.calibrate import calibrate
 from .placer.graph_level import GraphLevelSearch
 from .placer.op_level import ensure_cover, place
-from .registry import get_backend
+from .precision import CHECK_SEEDS, parse_accuracy
+from .registry import get_backend, list_backends
 from .target import make_target
 from .tuning import TuningDB, active_database, default_dir, open_tuning_db, use_tuning_db
 
@@ -97,20 +98,30 @@ class CollageResult:
     report: BuildReport
 
 
-def resolve_backends(names, target) -> tuple[dict, dict]:
+def resolve_backends(names, target, accuracy=None) -> tuple[dict, dict]:
     """(available backends by name, skipped name -> reason). ``tvm`` is always included.
 
     A backend for another device than ``target``'s (a CUDA library on an ``llvm`` target)
-    is skipped with that reason.
+    is skipped with that reason. ``accuracy`` (``precision.Accuracy``, default strict f32):
+    the reduced-precision variants of the named libraries (``openvino_bf16`` of
+    ``openvino``) join when the budget allows their precision; naming one the budget does
+    not allow is an error that says which budget would.
     """
+    accuracy = parse_accuracy(accuracy)
     names = list(dict.fromkeys(["tvm", *names]))
+    for name in names:
+        b = _known_backend(name)
+        if not accuracy.allows(b.precision):
+            raise ValueError(f"backend {name!r} computes in {b.precision}; the accuracy budget "
+                             f"{accuracy} does not allow it (use --accuracy {b.precision}, "
+                             f"accuracy={b.precision!r} in Python)")
+    variants = [v for v in list_backends() if get_backend(v).variant_of in names
+                and accuracy.allows(get_backend(v).precision)]
+    names += [v for v in variants if v not in names]
     device = "cuda" if target.kind.name == "cuda" else "cpu"
     backends, skipped = {}, {}
     for name in names:
-        try:
-            b = get_backend(name)
-        except KeyError as err:
-            raise ValueError(str(err).strip("'\"")) from None
+        b = _known_backend(name)
         if name != "tvm" and b.device != device:
             ok, why = False, f"runs on {b.device}, the target is {device}"
         else:
@@ -121,6 +132,13 @@ def resolve_backends(names, target) -> tuple[dict, dict]:
             continue
         backends[name] = b
     return backends, skipped
+
+
+def _known_backend(name: str):
+    try:
+        return get_backend(name)
+    except KeyError as err:
+        raise ValueError(str(err).strip("'\"")) from None
 
 
 def placement_key(main: relax.Function, target, backends: dict,
@@ -185,7 +203,7 @@ def search(model, target="llvm", options: SearchOptions | None = None, db=None,
     t_start = time.perf_counter()
     target = make_target(target)
     mod = normalize_for_collage(load_model(model, example_inputs, input_shapes))
-    backends, skipped = resolve_backends(options.backends, target)
+    backends, skipped = resolve_backends(options.backends, target, options.accuracy)
     report = BuildReport(backends=list(backends), skipped=skipped)
     try:
         why = dynamic_input(mod["main"])
@@ -279,11 +297,47 @@ def _search(graph, backends, target, cost_db, options: SearchOptions, report) ->
         placement = _graph_level(graph, placement, backends, target, report, options)
     if options.compare:
         verdict = never_slower(graph, placement, backends, target,
-                               op_level if placement is not op_level else None)
+                               op_level if placement is not op_level else None,
+                               accuracy=options.accuracy)
         placement, report.shipped, report.comparison = (verdict.placement, verdict.shipped,
                                                         verdict.comparison)
         report.times["compare"] = verdict.seconds
+    elif _reduced(placement, backends):
+        placement = _within_budget(graph, placement, backends, target, cost_db, options,
+                                   report)
     return placement
+
+
+def _reduced(placement, backends) -> bool:
+    return any(backends[g.backend].precision != "f32" for g in placement.groups)
+
+
+def _within_budget(graph, placement, backends, target, cost_db, options: SearchOptions,
+                   report) -> Placement:
+    """A placement with reduced-precision groups, checked against TVM alone in f32 on the
+    random inputs of ``CHECK_SEEDS`` (``compare=True`` does this beside its timings). One
+    outside the accuracy budget is not shipped: the search runs again on f32 backends."""
+    t0 = time.perf_counter()
+    tvm_only = {"tvm": backends["tvm"]}
+    seeds = list(CHECK_SEEDS)
+    ref_exe, _ = compile_placement(graph, single_ops(graph), tvm_only, target)
+    reference = outputs_on(ref_exe, graph, target, seeds)
+    exe, _ = compile_placement(graph, placement.groups, backends, target)
+    checks = [options.accuracy.check(o, r)
+              for o, r in zip(outputs_on(exe, graph, target, seeds), reference)]
+    result = {"match": all(c["match"] for c in checks),
+              "max_err": max(c["max_err"] for c in checks),
+              "rel_err": max(c["rel_err"] for c in checks)}
+    report.comparison = {"collage": result}
+    report.times["accuracy"] = time.perf_counter() - t0
+    if result["match"]:
+        return placement
+    logger.warning("the placement's error (%.3g of the output scale) breaks the accuracy "
+                   "budget %s: searching again with f32 backends only", result["rel_err"],
+                   options.accuracy)
+    f32 = {n: b for n, b in backends.items() if b.precision == "f32"}
+    report.shipped = "f32 (the reduced-precision placement broke the accuracy budget)"
+    return _search(graph, f32, target, cost_db, options, report)
 
 
 def _op_level(graph, backends, target, cost_db, options: SearchOptions, report) -> tuple:
@@ -343,7 +397,8 @@ def _graph_level(graph, placement, backends, target, report, options: SearchOpti
         report.graph_level = {"skipped": "no graph library among the backends"}
         return placement
     t0 = time.perf_counter()
-    gl = GraphLevelSearch(graph, placement, libs, latency_evaluator(graph, backends, target))
+    gl = GraphLevelSearch(graph, placement, libs,
+                          latency_evaluator(graph, backends, target, options.accuracy))
     res = gl.run(budget_s=options.budget, on_generation=options.on_generation)
     report.times["graph-level"] = time.perf_counter() - t0
     report.graph_level = {"libraries": sorted(libs), "genes": gl.n_genes,

@@ -89,8 +89,10 @@ def _optimize(args) -> int:
                 continue
             same = f"  (same placement as {r['same_as']})" if r.get("same_as") else ""
             same += "  (timed once: >10x slower)" if r.get("timed_once") else ""
+            rel = (f", {r['rel_err']:.1e} of the scale" if "rel_err" in r
+                   and args.accuracy not in ("f32", "strict") else "")
             print(f"{name:<18}{r['ms']:>12.3f}{r['ms'] / base:>11.2f}x  "
-                  f"{'yes' if r['match'] else 'NO'} (max err {r['max_err']:.2e}){same}")
+                  f"{'yes' if r['match'] else 'NO'} (max err {r['max_err']:.2e}{rel}){same}")
         if rep.shipped != "collage":
             print(f"shipped: {rep.shipped} (faster than the collage placement in this run)")
         return 0 if all(r["match"] for n, r in rep.comparison.items()
@@ -106,7 +108,8 @@ def _options(args, backends):
                          compare=not args.no_compare, graph_level=args.graph_level,
                          budget=args.budget, switching=not args.no_switching,
                          calibrate_rounds=args.calibrate, refine_rounds=args.refine,
-                         rewrite=args.rewrite, tuning=not args.no_tuning)
+                         rewrite=args.rewrite, tuning=not args.no_tuning,
+                         accuracy=args.accuracy)
 
 
 def _tune(args) -> int:
@@ -204,7 +207,7 @@ def _bench(args, parser) -> int:
         parser.error(f"unknown model(s) {', '.join(unknown)}; "
                      f"known: {', '.join(bench.known_models())}")
     options = SearchOptions(backends=args.backends, graph_level=args.graph_level,
-                            budget=args.budget)
+                            budget=args.budget, accuracy=args.accuracy)
     results = bench.run(models, args.out, db=args.db, options=options, size=args.size,
                         ablation=args.ablation, rewrite=args.rewrite, tune=args.tune)
     print("\n" + bench.markdown(results))
@@ -300,6 +303,12 @@ def main(argv=None) -> int:
                    help="time budget of the graph-level search in seconds (default 300)")
     o.add_argument("--in-process", action="store_true",
                    help="measure in this process (faster start, no crash isolation)")
+    o.add_argument("--accuracy", default="f32", metavar="BUDGET",
+                   help="accuracy budget: f32 (default: strict, every candidate f32), bf16 "
+                        "(bf16 variants of the named libraries too, e.g. openvino_bf16, where "
+                        "the CPU has bf16 instructions; the build's error within 2e-2 of the "
+                        "output scale, checked against f32 on random inputs) or a tolerance "
+                        "such as 0.05 (bf16 allowed from 1e-2)")
     o.add_argument("--no-tuning", action="store_true",
                    help="build TVM's kernels untuned, even where `collage-tvm tune` has "
                         "records for them")
@@ -356,6 +365,12 @@ def main(argv=None) -> int:
                    help="also Collage placed-only beside rewritten+placed (the z3-verified "
                         "graph rewrites, collage_tvm.rewrite), timed interleaved, outputs "
                         "checked against placed-only")
+    b.add_argument("--accuracy", default="f32", metavar="BUDGET",
+                   help="accuracy budget: f32 (default: strict, every candidate f32), bf16 "
+                        "(bf16 variants of the named libraries too, e.g. openvino_bf16, where "
+                        "the CPU has bf16 instructions; the build's error within 2e-2 of the "
+                        "output scale, checked against f32 on random inputs) or a tolerance "
+                        "such as 0.05 (bf16 allowed from 1e-2)")
     b.add_argument("--tune", type=float, default=0.0, metavar="SECONDS",
                    help="first tune each model's TVM kernels for SECONDS (collage-tvm tune; "
                         "a warm tuning DB makes it quick), then also time the search with "

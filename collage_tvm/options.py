@@ -12,6 +12,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
+from .precision import parse_accuracy
+
 
 def _flag(token: str, default: bool):
     """A switch that changes the search; in the key as ``token`` when on."""
@@ -47,6 +49,10 @@ class SearchOptions:
     # it has any; False: untuned TVM, as if no tuning had happened. The records themselves
     # are in the key too (``build.placement_key``).
     tuning: bool = field(default=True, metadata={"key": lambda v: "" if v else "|untuned"})
+    # The accuracy budget (``collage_tvm.precision``): "f32" (strict, every candidate
+    # f32), "bf16" (bf16 variants of the named libraries too, the build within 2e-2 of the
+    # output scale) or a tolerance. In the key when not strict.
+    accuracy: object = field(default="f32", metadata={"key": lambda v: v.key()})
     # Rounds of side-by-side re-timing of the op-level placement's close calls, each
     # followed by a DP re-run (``placer.alternatives.refine``); 0 turns it off.
     refine_rounds: int = _rounds("|refined", 2)
@@ -69,6 +75,7 @@ class SearchOptions:
         if isinstance(backends, str):
             backends = [b for b in backends.split(",") if b]
         object.__setattr__(self, "backends", tuple(backends))
+        object.__setattr__(self, "accuracy", parse_accuracy(self.accuracy))
         for name in ("refine_rounds", "calibrate_rounds"):
             if int(getattr(self, name)) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .lowering import Lowering, missing_methods
+from .precision import PRECISIONS
 
 logger = logging.getLogger("collage_tvm")
 
@@ -57,6 +58,11 @@ class Backend:
     kind: str = "op"
     device: str = "cpu"
     lowering: object = None  # Lowering instance, class or "module:Class"; None = TVM's own codegen
+    # The precision it computes in (collage_tvm.precision); f32 inputs and outputs always.
+    precision: str = "f32"
+    # A reduced-precision backend is a variant of a library: ``--backends openvino`` with
+    # a bf16 accuracy budget places on ``openvino_bf16`` too.
+    variant_of: str | None = None
     patterns: list = field(default_factory=list)
     rules: list = field(default_factory=list)
     source: str | None = None  # the pattern file that registered it
@@ -96,7 +102,14 @@ class Backend:
                             f"{', '.join(missing)}")
 
     def available(self) -> tuple[bool, str]:
-        """(True, "") or (False, reason); never raises."""
+        """(True, "") or (False, reason); never raises. A reduced-precision backend on the
+        CPU needs the CPU's instructions for it (``precision.cpu_precisions``)."""
+        if self.precision != "f32" and self.device == "cpu":
+            from .precision import cpu_precisions
+
+            ok, why = cpu_precisions()[self.precision]
+            if not ok:
+                return False, f"{self.precision}: {why}"
         if self.lowering is None:
             return True, ""
         try:
@@ -129,12 +142,16 @@ _BACKENDS: dict[str, Backend] = {}
 
 
 def register_backend(name: str, kind: str = "op", device: str = "cpu", lowering=None,
-                     replace: bool = True) -> Backend:
+                     replace: bool = True, precision: str = "f32",
+                     variant_of: str | None = None) -> Backend:
     """Declare a backend. Re-registering replaces its patterns (a pattern file may be reloaded).
 
     ``lowering``: a :class:`collage_tvm.lowering.Lowering` (instance or class), a
     ``"module:Class"`` string (imported when first used), or None for TVM's own codegen.
     The built-in backends are registered first, so registering a built-in's name replaces it.
+    ``precision``: what it computes in (``collage_tvm.precision.PRECISIONS``); a backend
+    other than f32 is used only under an accuracy budget that allows it. ``variant_of``:
+    the library it is a variant of (its backends list names the library).
     """
     ensure_builtin_backends()
     if not name or not name.replace("_", "").isalnum():
@@ -143,9 +160,13 @@ def register_backend(name: str, kind: str = "op", device: str = "cpu", lowering=
         raise ValueError(f"backend {name!r}: kind must be one of {KINDS}, got {kind!r}")
     if device not in DEVICES:
         raise ValueError(f"backend {name!r}: device must be one of {DEVICES}, got {device!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"backend {name!r}: precision must be one of {PRECISIONS}, "
+                         f"got {precision!r}")
     if name in _BACKENDS and not replace:
         raise ValueError(f"backend {name!r} is already registered")
     backend = Backend(name=name, kind=kind, device=device, lowering=lowering,
+                      precision=precision, variant_of=variant_of,
                       source=_LOADING[-1] if _LOADING else None)
     _BACKENDS[name] = backend
     return backend

@@ -77,14 +77,32 @@ def first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
 
 
-def latency_evaluator(graph, backends: dict, target):
+def outputs_on(executable, graph, target, seeds) -> list:
+    """The outputs of the build on the random inputs of each seed: [[arrays] per seed]."""
+    dev = target_device(target)
+    vm = relax.VirtualMachine(executable, dev)
+    return [run_outputs(vm, [tvm.runtime.tensor(a, dev) for a in random_inputs(graph.params, s)])
+            for s in seeds]
+
+
+def latency_evaluator(graph, backends: dict, target, accuracy=None):
     """``evaluate(groups) -> (ms, reason)`` for the graph-level search: build, run, time.
 
     The first placement evaluated (the op-level one, the search's seed) gives the reference
     outputs; a later placement whose outputs differ, or whose build fails (a graph library
-    that cannot load its subgraph), is invalid: infinite latency and the reason.
+    that cannot load its subgraph), is invalid: infinite latency and the reason. Under an
+    accuracy budget that is not strict (``precision.Accuracy``), the reference is TVM
+    alone in f32 and a placement is valid within the budget.
     """
+    from ..placement import single_ops
+    from ..precision import parse_accuracy
+
+    accuracy = parse_accuracy(accuracy)
     reference: list = []
+    if not accuracy.strict:
+        tvm_only = {n: b for n, b in backends.items() if n == "tvm"}
+        executable, _ = compile_placement(graph, single_ops(graph), tvm_only, target)
+        reference.append(outputs_on(executable, graph, target, [0])[0])
 
     def evaluate_groups(groups):
         try:
@@ -94,8 +112,11 @@ def latency_evaluator(graph, backends: dict, target):
             return math.inf, first_line(err)
         if not reference:
             reference.append(r["outputs"])
-        elif not r["match"]:
-            return math.inf, f"outputs differ from the op-level placement's (max err {r['max_err']:.3g})"
+            return r["ms"], None
+        check = accuracy.check(r["outputs"], reference[0])
+        if not check["match"]:
+            return math.inf, (f"outputs differ from the reference's (max err "
+                              f"{check['max_err']:.3g}, {check['rel_err']:.3g} of the scale)")
         return r["ms"], None
 
     return evaluate_groups

@@ -11,7 +11,8 @@ from ..lower import compile_placement
 from ..measure.timing import interleaved
 from ..placement import Placement
 from .baselines import single_backend_builds
-from .evaluate import compare_outputs, evaluate, first_line
+from ..precision import CHECK_SEEDS, parse_accuracy
+from .evaluate import evaluate, first_line, outputs_on
 
 logger = logging.getLogger("collage_tvm")
 
@@ -29,15 +30,19 @@ class Verdict:
 
 
 def never_slower(graph, placement: Placement, backends: dict, target,
-                 op_level: Placement | None = None) -> Verdict:
+                 op_level: Placement | None = None, accuracy=None) -> Verdict:
     """Time the placement end to end beside every single-backend build; ship the fastest.
 
     Builds: "tvm-only" (TVM's own fusion); "<lib>+tvm" for each external op library (its
     patterns offloaded greedily, TVM for the rest); "<lib>" for each graph library that
     can run the whole model ("<lib>+tvm" when some operators stay on TVM); and the
     op-level placement when the graph-level search changed it. Outputs are checked
-    against tvm-only.
+    against tvm-only (f32): per element (rtol 1e-3) under the strict budget; under another
+    ``accuracy`` (``precision.Accuracy``) on the random inputs of ``CHECK_SEEDS``, each
+    build within the budget, its error against f32 reported ("rel_err": of the scale).
     """
+    accuracy = parse_accuracy(accuracy)
+    seeds = CHECK_SEEDS[1:] if not accuracy.strict else ()
     t0 = time.perf_counter()
     builds = {"collage": placement.groups}
     if op_level is not None:
@@ -66,7 +71,7 @@ def never_slower(graph, placement: Placement, backends: dict, target,
             continue
         if cutoff is None:
             cutoff = SLOW_BUILD_FACTOR * r["ms"]
-        outputs[name] = r["outputs"]
+        outputs[name] = [r["outputs"]] + outputs_on(executable, graph, target, seeds)
         results[name] = {"ms": r["ms"]}
         if r["timed_once"]:
             results[name]["timed_once"] = True
@@ -77,8 +82,10 @@ def never_slower(graph, placement: Placement, backends: dict, target,
     # (a model Collage places wholly on TVM kernels, e.g. one pooling op).
     reference = outputs[results["tvm-only"].get("same_as", "tvm-only")]
     for name, out in outputs.items():
-        match, max_err = compare_outputs(out, reference)
-        results[name].update(match=match, max_err=0.0 if name == "tvm-only" else max_err)
+        checks = [accuracy.check(o, ref) for o, ref in zip(out, reference)]
+        results[name].update(match=all(c["match"] for c in checks),
+                             max_err=max(c["max_err"] for c in checks),
+                             rel_err=max(c["rel_err"] for c in checks))
     # The contenders (correct, within 2x of the fastest) are timed again in alternating
     # rounds, so the machine's drifting load hits them alike: on a shared 2-core machine
     # one build timed after another differed by up to 40% from the same build re-timed.

@@ -1,0 +1,135 @@
+"""Precision as a placement dimension (issue #17): the user's accuracy budget, what the CPU
+offers, and the check that a build stays within the budget.
+
+A backend declares the precision it computes in (``register_backend(..., precision=)``);
+a reduced-precision backend is a variant of a library (``openvino_bf16`` of ``openvino``)
+with inputs and outputs in f32, so the casts at its boundaries are inside what is measured
+and placed. The budget (``--accuracy``, ``SearchOptions.accuracy``) says which precisions
+the search may use, and by how much the shipped build may differ from the f32 reference:
+
+- ``f32`` (the default): strict; every candidate f32 and the per-element check of the
+  final comparison (rtol 1e-3, atol 1e-3), as before precisions existed.
+- ``bf16``: bf16 candidates allowed; the build's largest absolute error may reach 2e-2 of
+  the reference output's largest magnitude (measured on the zoo at paper size, OpenVINO
+  in bf16 reaches 1.8e-3 to 4.4e-3 of it: docs/BENCHMARKS.md).
+- a number ``T``: the same rule with tolerance ``T``; bf16 candidates only when ``T`` is at
+  least ``PRECISION_FLOOR["bf16"]`` (1e-2: bf16 keeps 8 bits of mantissa, 3.9e-3 of
+  rounding at each operator), else every candidate stays f32.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+PRECISIONS = ("f32", "bf16")
+# The smallest tolerance (error / output scale) at which a precision may be used at all.
+PRECISION_FLOOR = {"f32": 0.0, "bf16": 1e-2}
+LEVELS = {"f32": 0.0, "bf16": 2e-2}
+STRICT_RTOL = STRICT_ATOL = 1e-3
+CHECK_SEEDS = (0, 1, 2)  # random inputs a reduced-precision build is checked on
+
+
+@dataclass(frozen=True)
+class Accuracy:
+    """An accuracy budget: ``tolerance`` 0 is strict f32."""
+
+    name: str = "f32"
+    tolerance: float = 0.0
+
+    @property
+    def strict(self) -> bool:
+        return self.tolerance == 0.0
+
+    def allows(self, precision: str) -> bool:
+        return precision == "f32" or (not self.strict
+                                      and self.tolerance >= PRECISION_FLOOR[precision])
+
+    def key(self) -> str:
+        """The placement-log key part: "" for strict f32."""
+        return "" if self.strict else f"|accuracy:{self.tolerance:g}"
+
+    def check(self, outputs, reference) -> dict:
+        """{"match", "max_err", "rel_err"} of ``outputs`` against the f32 ``reference``:
+        strict: the per-element check; else ``max_err <= tolerance * scale`` per output
+        (scale: the reference output's largest magnitude)."""
+        from .check.evaluate import compare_outputs
+
+        match, max_err = compare_outputs(outputs, reference, STRICT_RTOL, STRICT_ATOL)
+        rel = relative_error(outputs, reference)
+        if not self.strict and not match:
+            match = len(outputs) == len(reference) and rel <= self.tolerance
+        return {"match": bool(match), "max_err": max_err, "rel_err": rel}
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def parse_accuracy(spec) -> Accuracy:
+    """``"f32"`` / ``"strict"`` / None, ``"bf16"``, or a tolerance (``1e-2``, ``"0.05"``)."""
+    if spec is None or isinstance(spec, Accuracy):
+        return spec or Accuracy()
+    text = str(spec).strip().lower()
+    if text in ("strict", "fp32", "float32"):
+        text = "f32"
+    if text in LEVELS:
+        return Accuracy(text, LEVELS[text])
+    try:
+        tol = float(text)
+    except ValueError:
+        tol = -1.0
+    if not tol >= 0 or tol >= 1:
+        raise ValueError(f"accuracy {spec!r}: expected f32, bf16 or a tolerance in [0, 1) "
+                         "(the largest error allowed, as a fraction of the output's scale)")
+    return Accuracy("f32" if tol == 0 else f"{tol:g}", tol)
+
+
+def relative_error(outputs, reference) -> float:
+    """The largest ``max|out - ref| / max|ref|`` over the outputs (inf on a shape mismatch;
+    an output whose reference is all zero counts its absolute error)."""
+    worst = 0.0
+    if len(outputs) != len(reference):
+        return float("inf")
+    for out, ref in zip(outputs, reference):
+        out, ref = np.asarray(out, "float64"), np.asarray(ref, "float64")
+        if out.shape != ref.shape:
+            return float("inf")
+        if not ref.size:
+            continue
+        both_nan = np.isnan(out) & np.isnan(ref)
+        diff = np.where(both_nan, 0.0, np.abs(out - ref))
+        scale = float(np.nanmax(np.abs(ref))) if not np.all(np.isnan(ref)) else 0.0
+        err = float(np.nanmax(diff)) if not np.all(np.isnan(diff)) else float("inf")
+        if np.isnan(diff).any():  # NaN where the reference has a number
+            err = float("inf")
+        worst = max(worst, err / scale if scale > 0 else err)
+    return worst
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_precisions() -> dict:
+    """precision -> (available, why): bf16 needs the CPU's bf16 instructions; the reason
+    names the flag found (``avx512_bf16``, ``amx_bf16``) or that none was."""
+    flags = _cpu_flags()
+    found = [f for f in ("amx_bf16", "avx512_bf16") if f in flags]
+    out = {"f32": (True, "")}
+    if found:
+        out["bf16"] = (True, f"CPU flag {found[0]}")
+    elif flags:
+        out["bf16"] = (False, "the CPU has no bf16 instructions (no avx512_bf16 or amx_bf16 "
+                              "flag in /proc/cpuinfo)")
+    else:
+        out["bf16"] = (False, "the CPU's flags could not be read (/proc/cpuinfo)")
+    return out
+
+
+def _cpu_flags() -> set:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
