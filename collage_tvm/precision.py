@@ -19,6 +19,7 @@ the search may use, and by how much the shipped build may differ from the f32 re
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,8 +55,6 @@ class Accuracy:
         """{"match", "max_err", "rel_err"} of ``outputs`` against the f32 ``reference``:
         strict: the per-element check; else ``max_err <= tolerance * scale`` per output
         (scale: the reference output's largest magnitude)."""
-        from .check.evaluate import compare_outputs
-
         match, max_err = compare_outputs(outputs, reference, STRICT_RTOL, STRICT_ATOL)
         rel = relative_error(outputs, reference)
         if not self.strict and not match:
@@ -64,6 +63,25 @@ class Accuracy:
 
     def __str__(self) -> str:
         return self.name
+
+
+def compare_outputs(outputs, reference, rtol=1e-3, atol=1e-3) -> tuple:
+    """(all outputs close to the reference, max absolute error) of two lists of arrays."""
+    outputs = [np.asarray(o) for o in outputs]
+    reference = [np.asarray(r) for r in reference]
+
+    def err(a, b) -> float:  # NaN where both are NaN (sqrt of a negative input) is no error
+        if not a.size or a.shape != b.shape:
+            return 0.0 if not a.size else math.inf
+        d = np.atleast_1d(np.abs(a.astype("float64") - b.astype("float64")))
+        d[np.isnan(a) & np.isnan(b)] = 0.0
+        return float(np.max(d))
+
+    errs = [err(a, b) for a, b in zip(outputs, reference)]
+    match = len(outputs) == len(reference) and all(
+        a.shape == b.shape and np.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True)
+        for a, b in zip(outputs, reference))
+    return bool(match), max(errs, default=0.0)
 
 
 def parse_accuracy(spec) -> Accuracy:

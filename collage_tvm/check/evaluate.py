@@ -10,6 +10,7 @@ from tvm import relax
 from ..graph.subgraph import random_inputs
 from ..lower import compile_placement
 from ..measure.timing import time_main
+from ..precision import compare_outputs  # noqa: F401 - re-exported: the check's comparison
 from ..target import target_device
 
 
@@ -31,25 +32,6 @@ def run_outputs(vm, args) -> list:
 
     walk(out)
     return flat
-
-
-def compare_outputs(outputs, reference, rtol=1e-3, atol=1e-3) -> tuple:
-    """(all outputs close to the reference, max absolute error) of two lists of arrays."""
-    outputs = [np.asarray(o) for o in outputs]
-    reference = [np.asarray(r) for r in reference]
-
-    def err(a, b) -> float:  # NaN where both are NaN (sqrt of a negative input) is no error
-        if not a.size or a.shape != b.shape:
-            return 0.0 if not a.size else math.inf
-        d = np.atleast_1d(np.abs(a.astype("float64") - b.astype("float64")))
-        d[np.isnan(a) & np.isnan(b)] = 0.0
-        return float(np.max(d))
-
-    errs = [err(a, b) for a, b in zip(outputs, reference)]
-    match = len(outputs) == len(reference) and all(
-        a.shape == b.shape and np.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True)
-        for a, b in zip(outputs, reference))
-    return bool(match), max(errs, default=0.0)
 
 
 def evaluate(executable, graph, target, reference=None, rtol=1e-3, atol=1e-3, seed=0,

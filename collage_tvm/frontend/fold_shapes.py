@@ -14,7 +14,9 @@ constants, and every node whose inputs are all constants is evaluated with the O
 reference implementation and replaced by an initializer (outputs up to ``max_elements``;
 random, control-flow and sequence operators are never folded). Rounds repeat while
 something folded, since a reshape with a constant target makes the next shape static.
-Nodes left without a consumer are dropped. Folding is best effort: a node the reference
+Nodes left without a consumer are dropped. A model with no ``Shape``/``Size`` is left as
+it is, and so is one over protobuf's 2 GB (shape inference serializes it; its weights
+are external data). Folding is best effort: a node the reference
 cannot evaluate stays as it is, and a model shape inference cannot read is returned
 unchanged.
 """
@@ -28,6 +30,8 @@ _NEVER = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLik
           "SplitToSequence", "ConcatFromSequence", "SequenceMap", "Optional",
           "OptionalGetElement", "OptionalHasElement", "Constant"}
 _MAX_ROUNDS = 16
+_SHAPE_OPS = {"Shape", "Size"}
+_MAX_BYTES = 2_000_000_000
 
 
 def fold_shapes(proto, input_shapes: dict | None = None, max_elements: int = 1 << 20):
@@ -36,6 +40,10 @@ def fold_shapes(proto, input_shapes: dict | None = None, max_elements: int = 1 <
     ``input_shapes``: input name -> static shape, applied before shape inference."""
     import onnx
 
+    if not any(n.op_type in _SHAPE_OPS for n in proto.graph.node):
+        return proto, 0  # nothing computes a shape: TVM imports it as it is
+    if proto.ByteSize() > _MAX_BYTES:
+        return proto, 0  # shape inference serializes the model: protobuf's 2 GB limit
     model = onnx.ModelProto()
     model.CopyFrom(proto)
     _set_input_shapes(model.graph, input_shapes or {})

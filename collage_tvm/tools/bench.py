@@ -123,7 +123,8 @@ def model_and_input(name: str, size: str):
     return zoo.get(name, size)
 
 
-def frameworks(name: str, size: str, onnx_path: str, collage_executable) -> dict:
+def frameworks(name: str, size: str, onnx_path: str, collage_executable, accuracy=None,
+               collage_f32=None) -> dict:
     """The frameworks a user would pick instead, at their documented latency settings and
     this process's core count, timed interleaved with the shipped Collage build; every
     output is checked against PyTorch's (rtol/atol 1e-3).
@@ -137,7 +138,19 @@ def frameworks(name: str, size: str, onnx_path: str, collage_executable) -> dict
     process-wide thread pool once that is set up, as ONNX Runtime then refuses a session
     with a pool of its own); OpenVINO (latency hint, f32 precision). A framework that fails
     to load or compile the model is reported with its error instead of a latency.
+
+    At each framework's own default precision too (issue #17): OpenVINO with no precision
+    hint ("openvino (default)", bf16 on CPUs with bf16 instructions; the row says which it
+    used) and PyTorch under ``torch.autocast("cpu", torch.bfloat16)`` ("pytorch (bf16
+    autocast)"); ONNX Runtime's CPU default is f32, its row above. Every row carries its
+    error against PyTorch in f32 ("rel_err": of the output's scale) and "match" by the
+    ``accuracy`` budget (``precision.Accuracy``; strict f32 by default).
+    ``collage_f32``: the Collage build of the strict budget, timed beside the others as
+    "collage (f32)" when ``collage_executable`` was built under another budget.
     """
+    from collage_tvm.precision import parse_accuracy
+
+    accuracy = parse_accuracy(accuracy)
     import torch
     import tvm
     from tvm import relax
@@ -178,6 +191,17 @@ def frameworks(name: str, size: str, onnx_path: str, collage_executable) -> dict
               flush=True)
     except Exception as err:  # noqa: BLE001 - a failed compile is reported, not fatal
         outs["torch.compile"] = _why(err)
+    def autocast():
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(x)
+
+    try:
+        outs["pytorch (bf16 autocast)"] = [o.astype("float32") for o in _numpy_outputs(
+            _float(autocast()))]
+        runs["pytorch (bf16 autocast)"] = autocast
+        extra["pytorch (bf16 autocast)"] = {"precision": "bf16"}
+    except Exception as err:  # noqa: BLE001 - reported, not fatal
+        outs["pytorch (bf16 autocast)"] = _why(err)
     x_np = x.numpy()
     model_bytes = open(onnx_path, "rb").read()
     for lib in GLUE_LIBRARIES:
@@ -185,12 +209,21 @@ def frameworks(name: str, size: str, onnx_path: str, collage_executable) -> dict
             runs[lib], outs[lib] = _plain_runner(lib, get_backend(lib), model_bytes, [x_np])
         except Exception as err:  # noqa: BLE001 - a missing framework is reported, not fatal
             outs[lib] = _why(err)
+    try:
+        run, outs["openvino (default)"], used = _openvino_default(model_bytes, [x_np])
+        runs["openvino (default)"] = run
+        extra["openvino (default)"] = {"precision": used}
+    except Exception as err:  # noqa: BLE001
+        outs["openvino (default)"] = _why(err)
     dev = tvm.cpu()
-    vm = relax.VirtualMachine(collage_executable, dev)
     args = [tvm.runtime.tensor(x_np, dev)]
-    main = vm["main"]
-    runs["collage"] = lambda: main(*args)
-    outs["collage"] = run_outputs(vm, args)
+    builds = {"collage": collage_executable}
+    if collage_f32 is not None:
+        builds["collage (f32)"] = collage_f32
+    for label, executable in builds.items():
+        vm = relax.VirtualMachine(executable, dev)
+        runs[label] = lambda main=vm["main"]: main(*args)
+        outs[label] = run_outputs(vm, args)
     print(f"  timing {', '.join(runs)} interleaved", flush=True)
     ms = interleaved(runs)
     result = {}
@@ -198,9 +231,36 @@ def frameworks(name: str, size: str, onnx_path: str, collage_executable) -> dict
         if isinstance(out, str):
             result[fw] = {"error": out, "ms": math.nan, "match": False}
             continue
-        match, max_err = compare_outputs(out, ref)
-        result[fw] = {"ms": ms[fw], "match": match, "max_err": max_err, **extra.get(fw, {})}
+        check = accuracy.check(out, ref)
+        result[fw] = {"ms": ms[fw], "match": check["match"], "max_err": check["max_err"],
+                      "rel_err": check["rel_err"], **extra.get(fw, {})}
     return result
+
+
+def _float(out):
+    """A torch output (tensor or tuple of them) in float32."""
+    if isinstance(out, (tuple, list)):
+        return type(out)(t.float() for t in out)
+    return out.float()
+
+
+def _openvino_default(model_bytes: bytes, arrays: list) -> tuple:
+    """OpenVINO as a user runs it: the latency hint and nothing else, so the CPU plugin's
+    default inference precision (bf16 where the CPU has bf16 instructions). (call, outputs,
+    the precision it used)."""
+    import openvino as ov
+
+    from collage_tvm.backends._graphlib import threads
+
+    core = ov.Core()
+    compiled = core.compile_model(core.read_model(model_bytes, b""), "CPU",
+                                  {"PERFORMANCE_HINT": "LATENCY",
+                                   "INFERENCE_NUM_THREADS": threads()})
+    hint = compiled.get_property("INFERENCE_PRECISION_HINT")  # an ov.Type: bf16, f32, ...
+    used = hint.get_type_name() if hasattr(hint, "get_type_name") else str(hint)
+    req = compiled.create_infer_request()
+    outputs = [req.infer(arrays)[o] for o in compiled.outputs]
+    return (lambda: req.infer(arrays, share_inputs=True, share_outputs=True)), outputs, used
 
 
 def _numpy_outputs(out) -> list:
@@ -373,11 +433,23 @@ def bench_model(name: str, out_dir: str, options: SearchOptions, db, glue: bool 
                         "switch": {f"{a}|{b}": v for (a, b), v in rep.switch.items()},
                         "graph_level": {k: v for k, v in rep.graph_level.items() if k != "history"}}
         _print_comparison(rep.comparison, rep.shipped)
+        f32 = None
+        if not options.accuracy.strict:
+            print(f"\n== {name}: Collage {label} at the strict f32 budget, for the "
+                  "two-precision table", flush=True)
+            f32_res = optimize(path, "llvm", db=db,
+                               options=_with_progress(options, compare=True, accuracy="f32"))
+            entry[label]["f32"] = {"shipped": f32_res.report.shipped,
+                                   "ops_per_backend": f32_res.report.ops_per_backend}
+            f32 = f32_res.executable
         print(f"\n== {name}: frameworks beside the shipped Collage build", flush=True)
-        entry["frameworks"] = frameworks(name, size, path, res.executable)
+        entry["accuracy"] = str(options.accuracy)
+        entry["frameworks"] = frameworks(name, size, path, res.executable, options.accuracy,
+                                         f32)
         for fw, r in entry["frameworks"].items():
-            print(f"  {fw:<14} {r['ms']:>10.3f} ms  match={r['match']}"
-                  + (f"  ({r['error']})" if r.get("error") else ""), flush=True)
+            print(f"  {fw:<24} {r['ms']:>10.3f} ms  match={r['match']}"
+                  + (f"  ({r['error']})" if r.get("error") else
+                     f"  error {r['rel_err']:.1e} of the scale"), flush=True)
     for lib in [b for b in GLUE_LIBRARIES if b in backends] if glue else []:
         print(f"\n== {name}: glue overhead, wholly on {lib} through collage-tvm vs plain {lib}",
               flush=True)
@@ -447,17 +519,23 @@ def markdown(results: dict) -> str:
         if "frameworks" in m:
             fw = m["frameworks"]
             base = fw["collage"]["ms"]
-            others = [r["ms"] for n, r in fw.items() if n != "collage" and r["match"]]
+            others = [r["ms"] for n, r in fw.items()
+                      if not n.startswith("collage") and r["match"]]
             best = min(others, default=math.nan)
+            budget = m.get("accuracy", "f32")
             lines += [f"Frameworks (interleaved with the shipped Collage build; speedup = their "
-                      f"latency / Collage's; best other: {best / base:.2f}x):", "",
-                      "| framework | latency ms | Collage speedup | matches PyTorch |",
-                      "|---|---:|---:|---|"]
+                      f"latency / Collage's; best other within the {budget} budget: "
+                      f"{best / base:.2f}x):", "",
+                      "| framework | precision | latency ms | Collage speedup | error (of the "
+                      f"output scale) | within {budget} of PyTorch f32 |",
+                      "|---|---|---:|---:|---:|---|"]
             for n, r in fw.items():
                 if r.get("error"):
-                    lines.append(f"| {n} | - | - | failed: {r['error']} |")
+                    lines.append(f"| {n} | - | - | - | - | failed: {r['error']} |")
                     continue
-                lines.append(f"| {n} | {r['ms']:.3f} | {r['ms'] / base:.2f}x | "
+                rel = f"{r['rel_err']:.1e}" if "rel_err" in r else "-"
+                lines.append(f"| {n} | {r.get('precision', _precision_of(n, budget))} | "
+                             f"{r['ms']:.3f} | {r['ms'] / base:.2f}x | {rel} | "
                              f"{'yes' if r['match'] else 'NO'} |")
             if "compile_s" in fw.get("torch.compile", {}):
                 compile_s = fw["torch.compile"]["compile_s"]
@@ -489,6 +567,13 @@ def markdown(results: dict) -> str:
                     "applied", [])) + (" (affine tails folded)" if step.get(
                         "rewrite", {}).get("folded_affine_tails") else "")])
     return "\n".join(lines)
+
+
+def _precision_of(row: str, budget: str) -> str:
+    """The precision of a framework row without one recorded: Collage's is its budget's."""
+    if row == "collage":
+        return "f32" if budget == "f32" else f"budget {budget}"
+    return "f32"
 
 
 def _ops(step: dict) -> str:
