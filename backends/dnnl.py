@@ -71,6 +71,7 @@ class DnnlLowering(Lowering):
     """Lowers one candidate subgraph (a standalone Relax function) to a oneDNN callable."""
 
     name = "dnnl"
+    precision = "f32"
 
     def available(self) -> tuple[bool, str]:
         try:
@@ -96,7 +97,8 @@ class DnnlLowering(Lowering):
             import torch
         except Exception:  # noqa: BLE001
             return "onednn-unavailable"
-        return f"onednn-{_onednn_version() or 'unknown'}+torch-{torch.__version__.split('+')[0]}"
+        version = f"onednn-{_onednn_version() or 'unknown'}+torch-{torch.__version__.split('+')[0]}"
+        return version if self.precision == "f32" else f"{version}-{self.precision}"
 
     def lower(self, func) -> Callable:
         """Analyse ``func`` and return ``fn(*tvm_tensors) -> tvm.runtime.Tensor``.
@@ -105,7 +107,7 @@ class DnnlLowering(Lowering):
         not one conv2d/conv3d/matmul followed by bias / residual add / relu / gelu.
         """
         plan = _analyse(func)
-        return _build(plan)
+        return _build(plan, self.precision)
 
     def probe(self):
         """The switching-cost probe (collage_tvm.measure): the smallest kernel dnnl runs.
@@ -114,6 +116,15 @@ class DnnlLowering(Lowering):
         product measures the same thing: one call's overhead through torch and DLPack.
         """
         return gemm_probe()
+
+
+class DnnlBf16Lowering(DnnlLowering):
+    """The same oneDNN primitives in bf16 (AVX512-BF16 / AMX kernels): weights, bias and a
+    constant residual converted once when the kernel is built, the activations on each
+    call, the result back to f32. Used only under an accuracy budget that allows bf16."""
+
+    name = "dnnl_bf16"
+    precision = "bf16"
 
 
 @functools.lru_cache(maxsize=1)
@@ -251,19 +262,24 @@ def _analyse_add(plan: _Plan, other, operand) -> None:
 
 # ----------------------------------------------------------------------------- kernels
 
-def _build(plan: _Plan) -> Callable:
-    """Pack the constants once; return the per-call function."""
+def _build(plan: _Plan, precision: str = "f32") -> Callable:
+    """Pack the constants once; return the per-call function. ``precision`` "bf16": the
+    kernel computes in bf16 between f32 inputs and output (converted on each call)."""
     import torch
     import tvm
 
     ops, prepacked, aten = torch.ops.mkldnn, torch.ops.mkldnn_prepacked, torch.ops.aten
     unary, algo = plan.unary or ("none", "")
     fused = unary if plan.residual is None or plan.anchor == "relax.matmul" else "none"
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+
+    def const(arr):
+        return None if arr is None else torch.from_numpy(arr.copy()).to(dtype)
+
     with torch.inference_mode():
-        bias = None if plan.bias is None else torch.from_numpy(plan.bias.copy())
-        weight = torch.from_numpy(plan.weight.copy()) if isinstance(plan.weight, np.ndarray) else None
-        const_residual = (torch.from_numpy(plan.residual.copy())
-                          if isinstance(plan.residual, np.ndarray) else None)
+        bias = const(plan.bias)
+        weight = const(plan.weight) if isinstance(plan.weight, np.ndarray) else None
+        const_residual = const(plan.residual) if isinstance(plan.residual, np.ndarray) else None
 
         if plan.anchor == "relax.nn.conv2d" and fused in ("none", "relu"):
             ctx = prepacked.conv2d_prepack(weight, bias, list(plan.stride), list(plan.padding),
@@ -295,7 +311,11 @@ def _build(plan: _Plan) -> Callable:
     weight_i = plan.weight if isinstance(plan.weight, int) else None
     res_i = plan.residual if isinstance(plan.residual, int) else None
     from_torch = tvm.runtime.from_dlpack  # zero-copy; needs a contiguous, 64-byte aligned tensor
-    to_torch = torch.from_dlpack
+    if dtype is torch.float32:
+        to_torch = torch.from_dlpack
+    else:
+        def to_torch(t):
+            return torch.from_dlpack(t).to(dtype)
 
     def run(*args):
         if len(args) != nparams:
@@ -306,7 +326,14 @@ def _build(plan: _Plan) -> Callable:
             r = const_residual if res_i is None else to_torch(args[res_i])
             y = kernel(x, w, r)
             if conv_residual:  # one in-place pass right after the oneDNN kernel
-                y = aten._add_relu_(y, r) if unary == "relu" else y.add_(r)
+                if unary != "relu":
+                    y = y.add_(r)
+                elif y.dtype is torch.float32:
+                    y = aten._add_relu_(y, r)
+                else:  # aten's fused add_relu is f32 only
+                    y = y.add_(r).relu_()
+            if y.dtype is not torch.float32:
+                y = y.float()
         if not y.is_contiguous():
             y = y.contiguous()
         return from_torch(y)

@@ -145,3 +145,11 @@ _TABLE = (
 
 for _name, _pattern, _annotations, _check in _TABLE:
     add_backend_pattern("dnnl", _pattern, check=_check, name=_name, annotations=_annotations)
+
+# The same primitives in bf16 (AVX512-BF16 / AMX), f32 in and out: used only under an
+# accuracy budget that allows bf16 (--accuracy bf16), where the CPU has bf16 instructions.
+register_backend("dnnl_bf16", kind="op", device="cpu", precision="bf16", variant_of="dnnl",
+                 lowering="collage_tvm.backends.dnnl:DnnlBf16Lowering")
+for _name, _pattern, _annotations, _check in _TABLE:
+    add_backend_pattern("dnnl_bf16", _pattern, check=_check,
+                        name=_name.replace("dnnl.", "dnnl_bf16.", 1), annotations=_annotations)

@@ -353,3 +353,40 @@ def test_conv3d_bias_shaped_like_a_1x1x1_output_is_a_bias_not_a_second_residual(
     backends = {"tvm": get_backend("tvm"), "dnnl": get_backend("dnnl")}
     ex, _ = compile_placement(g, [Candidate("dnnl", frozenset(range(4)))], backends, t)
     assert evaluate(ex, g, t, ref["outputs"])["match"]
+
+
+# ------------------------------------------------------------------ bf16 (issue #17)
+
+BF16_OK = get_backend("dnnl_bf16").available()
+
+
+@pytest.mark.skipif(not BF16_OK[0], reason=f"dnnl_bf16: {BF16_OK[1]}")
+@pytest.mark.parametrize("kind", ["conv2d_bias_add_relu", "dense_bias_gelu", "matmul_bias"])
+def test_bf16_variant_computes_in_bf16_between_f32_tensors(kind):
+    """dnnl_bf16: f32 in and out, bf16 inside: the error is bf16 rounding (well above f32's,
+    well within the bf16 budget), and the f32 lowering of the same function stays exact."""
+    from collage_tvm.backends.dnnl import DnnlBf16Lowering
+    from collage_tvm.precision import relative_error
+
+    if kind == "conv2d_bias_add_relu":
+        x, r, w, b = _rand(1, 16, 12, 12), _rand(1, 16, 12, 12), _rand(16, 16, 3, 3), _rand(16)
+        f = _func([x.shape, r.shape], lambda bb, p, res: op.nn.relu(bb.emit(op.add(bb.emit(op.add(
+            bb.emit(op.nn.conv2d(p, relax.const(w), padding=1)),
+            relax.const(b.reshape(1, 16, 1, 1)))), res))))
+        args, want = (x, r), F.relu(F.conv2d(T(x), T(w), T(b), padding=1) + T(r))
+    elif kind == "dense_bias_gelu":
+        x, w, b = _rand(8, 64), _rand(64, 32), _rand(32)
+        f = _func([x.shape], lambda bb, p: op.nn.gelu(bb.emit(op.add(
+            bb.emit(op.matmul(p, relax.const(w))), relax.const(b)))))
+        args, want = (x,), F.gelu(T(x) @ T(w) + T(b))
+    else:
+        a, bmat, b = _rand(7, 64), _rand(64, 9), _rand(9)
+        f = _func([a.shape, bmat.shape], lambda bb, p, q: op.add(bb.emit(op.matmul(p, q)),
+                                                               relax.const(b)))
+        args, want = (a, bmat), T(a) @ T(bmat) + T(b)
+    out = DnnlBf16Lowering().lower(f)(*[tvm.runtime.tensor(a) for a in args])
+    assert out.dtype == "float32"
+    err = relative_error([out.numpy()], [want.numpy()])
+    assert 1e-5 < err < 2e-2, err
+    assert relative_error([_call(f, *args)], [want.numpy()]) < 1e-5
+    assert DnnlBf16Lowering().version().endswith("-bf16")

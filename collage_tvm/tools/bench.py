@@ -419,7 +419,8 @@ def bench_model(name: str, out_dir: str, options: SearchOptions, db, glue: bool 
     # whenever the graph-level search changed it: one run covers both levels.
     for gl in [options.graph_level]:
         label = "two-level" if gl else "op-level"
-        print(f"\n== {name}: Collage {label} ({', '.join(backends)})", flush=True)
+        budget = "" if options.accuracy.strict else f", accuracy budget {options.accuracy}"
+        print(f"\n== {name}: Collage {label} ({', '.join(backends)}{budget})", flush=True)
         t0 = time.perf_counter()
         res = optimize(path, "llvm", db=db, options=_with_progress(options, compare=True))
         rep = res.report
