@@ -231,6 +231,8 @@ def _bench_suite(args) -> int:
     if args.resume and os.path.exists(base + ".json"):
         with open(base + ".json") as f:
             done = json.load(f)
+        if args.again and args.models:  # the named models run again, the others kept
+            done = [r for r in done if r.get("model") not in set(args.models)]
         print(f"resuming: {len(done)} model(s) of {base}.json kept", flush=True)
 
     def save(rows):
@@ -352,6 +354,9 @@ def main(argv=None) -> int:
                    help="with --suite: keep the models an earlier run wrote to "
                         "--out/suite_<name>.json (it is rewritten after every model) and run "
                         "the rest")
+    b.add_argument("--again", action="store_true",
+                   help="with --suite --resume and model names: run the named models again "
+                        "(their earlier rows replaced), keep the others' rows")
     b.add_argument("--limit", type=int, default=None,
                    help="with --suite: the first N models (--graph-level: both levels, at most "
                         "min(--budget, 120) s of graph-level search a model)")

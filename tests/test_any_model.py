@@ -517,3 +517,21 @@ def test_a_shape_of_a_dynamic_input_is_not_folded_until_its_shape_is_given():
     assert n == 4 and [node.op_type for node in static.graph.node] == ["Reshape"]
     shape = next(i for i in static.graph.initializer if i.name == "shape")
     assert onnx.numpy_helper.to_array(shape).tolist() == [2, -1]
+
+
+def test_a_resumed_suite_run_runs_named_models_again_with_again(tmp_path):
+    import json
+
+    from collage_tvm.cli import main
+
+    out, table = tmp_path / "out", tmp_path / "out" / "suite_onnx-files.json"
+    args = ["--backends", "tvm", "--out", str(out), "--db", str(tmp_path / "c.db")]
+    assert main(["bench", "--suite", "onnx-files", "test_AvgPool1d", "test_AvgPool2d", *args]) == 0
+    rows = json.loads(table.read_text())
+    for r in rows:
+        r["marker"] = "earlier run"
+    table.write_text(json.dumps(rows))
+    assert main(["bench", "--suite", "onnx-files", "test_AvgPool1d", "--resume", "--again",
+                 *args]) == 0
+    rows = {r["model"]: r for r in json.loads(table.read_text())}
+    assert "marker" not in rows["test_AvgPool1d"] and "marker" in rows["test_AvgPool2d"]
