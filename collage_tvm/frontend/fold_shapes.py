@@ -29,7 +29,8 @@ _NEVER = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLik
           "SequenceEmpty", "SequenceInsert", "SequenceAt", "SequenceErase", "SequenceLength",
           "SplitToSequence", "ConcatFromSequence", "SequenceMap", "Optional",
           "OptionalGetElement", "OptionalHasElement", "Constant"}
-_MAX_ROUNDS = 16
+_MAX_ROUNDS = 64  # each round reaches one reshape further: Swin's 12 blocks take ~16
+_SMALL = 4096  # initializers kept in the shape-inference skeleton (elements)
 _SHAPE_OPS = {"Shape", "Size"}
 _MAX_BYTES = 2_000_000_000
 
@@ -78,11 +79,12 @@ def _static_shapes(model) -> dict | None:
     """Tensor name -> its static shape, for every tensor ONNX shape inference fully knows."""
     import onnx
 
+    skeleton = _skeleton(model)
     try:
-        inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+        inferred = onnx.shape_inference.infer_shapes(skeleton, data_prop=True)
     except Exception:  # noqa: BLE001 - folding is best effort
         try:
-            inferred = onnx.shape_inference.infer_shapes(model)
+            inferred = onnx.shape_inference.infer_shapes(skeleton)
         except Exception:  # noqa: BLE001
             return None
     out = {}
@@ -93,9 +95,34 @@ def _static_shapes(model) -> dict | None:
         dims = vi.type.tensor_type.shape.dim
         if all(d.HasField("dim_value") for d in dims):
             out[vi.name] = tuple(int(d.dim_value) for d in dims)
-    for init in g.initializer:
+    for init in model.graph.initializer:
         out[init.name] = tuple(init.dims)
     return out
+
+
+def _skeleton(model):
+    """``model`` without its weights, for shape inference (which serializes the model it
+    is given, once a round): an initializer of more than ``_SMALL`` elements becomes a graph
+    input of its type and shape; small ones (shapes, indices: what data propagation reads)
+    stay."""
+    import onnx
+    from onnx import helper
+
+    g = model.graph
+    big = [i for i in g.initializer if int(np.prod(i.dims, dtype=np.int64)) > _SMALL]
+    big_names = {i.name for i in big}
+    listed = {i.name for i in g.input}
+    graph = helper.make_graph(
+        list(g.node), g.name,
+        list(g.input) + [helper.make_tensor_value_info(i.name, i.data_type, list(i.dims))
+                         for i in big if i.name not in listed],
+        list(g.output), [i for i in g.initializer if i.name not in big_names])
+    skeleton = onnx.ModelProto()
+    skeleton.ir_version = model.ir_version
+    skeleton.opset_import.extend(model.opset_import)
+    skeleton.functions.extend(model.functions)
+    skeleton.graph.CopyFrom(graph)
+    return skeleton
 
 
 def _fold_round(graph, shapes: dict, opset, max_elements: int) -> int:
