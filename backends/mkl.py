@@ -132,6 +132,8 @@ class _Mkl:
         lib.cblas_sgemm.restype = None
         lib.cblas_sgemm_batch_strided.argtypes = [i, i, i, i, i, i, f, p, i, i, p, i, i, f, p, i, i, i]
         lib.cblas_sgemm_batch_strided.restype = None
+        lib.cblas_gemm_bf16bf16f32.argtypes = [i, i, i, i, i, i, f, p, i, p, i, f, p, i]
+        lib.cblas_gemm_bf16bf16f32.restype = None
         self.lib, self.path = lib, path
         # The threading layer must be chosen before any other MKL call (even the version
         # string initialises MKL, which then keeps the layer it detected).
@@ -151,6 +153,7 @@ class _Mkl:
         self.tls = threading.local()  # .threads: the thread-local count this thread last set
         self.sgemm = lib.cblas_sgemm
         self.sgemm_batch_strided = lib.cblas_sgemm_batch_strided
+        self.gemm_bf16 = lib.cblas_gemm_bf16bf16f32  # bf16 A and B, f32 C
 
     @property
     def version(self) -> str:
@@ -176,6 +179,7 @@ class MklLowering(Lowering):
     """
 
     name = "mkl"
+    precision = "f32"
 
     def __init__(self, lib_path: str | None = None):
         self.lib_path = lib_path
@@ -202,7 +206,8 @@ class MklLowering(Lowering):
             mkl = self._mkl()
         except Exception:  # noqa: BLE001
             return "mkl-unavailable"
-        return f"mkl-{mkl.version}+{mkl.threading}{mkl.threads}"
+        version = f"mkl-{mkl.version}+{mkl.threading}{mkl.threads}"
+        return version if self.precision == "f32" else f"{version}-{self.precision}"
 
     def lower(self, func) -> Callable:
         """Analyse ``func`` and return ``fn(*tvm_tensors) -> tvm.runtime.Tensor``.
@@ -211,11 +216,21 @@ class MklLowering(Lowering):
         one matmul (rhs maybe transposed / reshaped in place) followed by a bias add.
         """
         plan = _analyse(func)
-        return _build(plan, self._mkl())
+        return _build(plan, self._mkl(), self.precision)
 
     def probe(self):
         """The switching-cost probe: a 1x1 GEMM (the engine's default, an add, is not MKL's)."""
         return gemm_probe()
+
+
+class MklBf16Lowering(MklLowering):
+    """MKL's ``cblas_gemm_bf16bf16f32``: A and B in bf16 (a constant converted once, a
+    run-time operand on each call), C and the bias in f32. MKL has no strided-batch bf16
+    GEMM: a batched matmul is one call per batch element. Used only under an accuracy
+    budget that allows bf16."""
+
+    name = "mkl_bf16"
+    precision = "bf16"
 
 
 # ----------------------------------------------------------------------------- analysis
@@ -381,8 +396,9 @@ def _analyse_bias(plan: _Plan, other, operand) -> None:
 
 # ----------------------------------------------------------------------------- kernel
 
-def _build(plan: _Plan, mkl: _Mkl) -> Callable:
-    """Fix every GEMM argument but the three pointers; return the per-call function."""
+def _build(plan: _Plan, mkl: _Mkl, precision: str = "f32") -> Callable:
+    """Fix every GEMM argument but the three pointers; return the per-call function.
+    ``precision`` "bf16": A and B in bf16 (``cblas_gemm_bf16bf16f32``), C in f32."""
     import tvm
     import tvm_ffi
 
@@ -394,7 +410,17 @@ def _build(plan: _Plan, mkl: _Mkl) -> Callable:
     beta = 0.0 if plan.bias is None else 1.0
     mode = _batch_mode(lhs.shape, rhs.shape)
     batch = int(np.prod(plan.out_shape[:-2], dtype=np.int64))
-    if mode == "fold":
+    if precision == "bf16":
+        gemm_bf16, stride_a = mkl.gemm_bf16, 0 if mode == "shared_a" else m * k
+        rows = int(np.prod(lhs.shape[:-1], dtype=np.int64)) if mode == "fold" else m
+        calls = [(0, 0, 0)] if mode == "fold" else [  # byte offsets of A, B, C per batch
+            (2 * i * stride_a, 2 * i * k * n, 4 * i * m * n) for i in range(batch)]
+
+        def gemm(a, b, c):
+            for da, db, dc in calls:
+                gemm_bf16(CBLAS_ROW_MAJOR, CBLAS_NO_TRANS, transb, rows, n, k, 1.0, a + da, k,
+                          b + db, ldb, beta, c + dc, n)
+    elif mode == "fold":
         rows = int(np.prod(lhs.shape[:-1], dtype=np.int64))
         sgemm = mkl.sgemm
 
@@ -413,9 +439,9 @@ def _build(plan: _Plan, mkl: _Mkl) -> Callable:
     local_threads = 1 if 2.0 * batch * m * n * k < SINGLE_THREAD_FLOPS else 0
     set_local, tls = mkl.set_num_threads_local, mkl.tls
     # Constants live as long as the callable; their pointers are fixed.
-    consts = [x.src for x in (lhs, rhs) if isinstance(x.src, np.ndarray)]
-    a_const = lhs.src.ctypes.data if isinstance(lhs.src, np.ndarray) else None
-    b_const = rhs.src.ctypes.data if isinstance(rhs.src, np.ndarray) else None
+    consts = [_in_precision(x.src, precision) for x in (lhs, rhs)]
+    a_const, b_const = (_address(c) for c in consts)
+    pointer = _bf16_pointer if precision == "bf16" else _f32_pointer
     a_i = None if a_const is not None else lhs.src
     b_i = None if b_const is not None else rhs.src
     bias = plan.bias
@@ -443,12 +469,44 @@ def _build(plan: _Plan, mkl: _Mkl) -> Callable:
         out = alloc(out_shape, f32, dev, None)  # 64-byte aligned, compact
         if bias is not None:
             np.copyto(np.from_dlpack(out), bias)  # C = bias; the GEMM adds with beta = 1
-        gemm(a_const if a_i is None else args[a_i].data_ptr(),
-             b_const if b_i is None else args[b_i].data_ptr(), out.data_ptr())
+        keep: list = []  # run-time operands converted to bf16 live until the GEMM returns
+        gemm(a_const if a_i is None else pointer(args[a_i], keep),
+             b_const if b_i is None else pointer(args[b_i], keep), out.data_ptr())
         return out
 
-    run.__name__ = f"mkl_{'sgemm' if mode == 'fold' else 'sgemm_batch_strided'}"
+    run.__name__ = (f"mkl_{'sgemm' if mode == 'fold' else 'sgemm_batch_strided'}"
+                    if precision == "f32" else "mkl_gemm_bf16bf16f32")
     run.mkl_plan = plan
     run.mkl_threads = local_threads or mkl.threads
     run._consts = consts  # keep the constant buffers alive
     return run
+
+
+def _in_precision(src, precision: str):
+    """A constant operand as the GEMM reads it (a bf16 torch tensor for bf16); a parameter
+    index stays as it is."""
+    if not isinstance(src, np.ndarray) or precision == "f32":
+        return src
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(src)).to(torch.bfloat16)
+
+
+def _address(const):
+    """The data pointer of a constant operand, None for a parameter index."""
+    if isinstance(const, np.ndarray):
+        return const.ctypes.data
+    return None if isinstance(const, int) else const.data_ptr()
+
+
+def _f32_pointer(tensor, keep: list) -> int:
+    return tensor.data_ptr()
+
+
+def _bf16_pointer(tensor, keep: list) -> int:
+    """A run-time f32 operand converted to bf16 (kept in ``keep`` while MKL reads it)."""
+    import torch
+
+    converted = torch.from_dlpack(tensor).to(torch.bfloat16)
+    keep.append(converted)
+    return converted.data_ptr()

@@ -119,8 +119,15 @@ def _make_pattern(rhs_kind, bias):
     return out, annotations
 
 
-for _kind in ("dense", "matmul", "matmul_transb"):
-    for _bias in (False, True):
-        _pattern, _annotations = _make_pattern(_kind, _bias)
-        add_backend_pattern("mkl", _pattern, check=_check, name=f"mkl.{_kind}{'_bias' if _bias else ''}",
-                            annotations=_annotations)
+# mkl_bf16: the same GEMMs with bf16 A and B (cblas_gemm_bf16bf16f32), f32 out; used only
+# under an accuracy budget that allows bf16 (--accuracy bf16), where the CPU has bf16.
+register_backend("mkl_bf16", kind="op", device="cpu", precision="bf16", variant_of="mkl",
+                 lowering="collage_tvm.backends.mkl:MklBf16Lowering")
+
+for _backend in ("mkl", "mkl_bf16"):
+    for _kind in ("dense", "matmul", "matmul_transb"):
+        for _bias in (False, True):
+            _pattern, _annotations = _make_pattern(_kind, _bias)
+            add_backend_pattern(_backend, _pattern, check=_check,
+                                name=f"{_backend}.{_kind}{'_bias' if _bias else ''}",
+                                annotations=_annotations)

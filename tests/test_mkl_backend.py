@@ -379,3 +379,42 @@ def test_build_small_mlp_places_matmuls_on_mkl(tmp_path):
     placed = {i: g.backend for g in res.placement.groups for i in g.nodes}
     matmuls = [n.index for n in res.graph.nodes if n.op_name == "relax.matmul"]
     assert len(matmuls) == 2 and all(placed[i] == "mkl" for i in matmuls), (res.placement.groups, res.report)
+
+
+# ------------------------------------------------------------------ bf16 (issue #17)
+
+@pytest.mark.skipif(not get_backend("mkl_bf16").available()[0],
+                    reason=f"mkl_bf16: {get_backend('mkl_bf16').available()[1]}")
+@pytest.mark.parametrize("case", ["dense_bias", "dense_transposed", "batched", "shared_lhs",
+                                  "qk_transb"])
+def test_bf16_variant_gemms_in_bf16_between_f32_tensors(case):
+    """mkl_bf16 (cblas_gemm_bf16bf16f32): the error is bf16 rounding of A and B (above
+    f32's, within the bf16 budget) in every GEMM form the f32 backend offers."""
+    from collage_tvm.backends.mkl import MklBf16Lowering
+    from collage_tvm.precision import relative_error
+
+    if case == "dense_bias":
+        x, w, b = _rand(2, 5, 64), _rand(64, 24), _rand(24)
+        f = _func([x.shape], lambda bb, p: op.add(bb.emit(op.matmul(p, _const(w))), _const(b)))
+        args = (x,)
+    elif case == "dense_transposed":
+        x, w = _rand(6, 64), _rand(24, 64)
+        f = _func([x.shape], lambda bb, p: op.matmul(p, bb.emit(op.permute_dims(_const(w)))))
+        args = (x,)
+    elif case in ("batched", "shared_lhs"):
+        a = _rand(3, 7, 64) if case == "batched" else _rand(7, 64)
+        bm = _rand(3, 64, 9)
+        f = _func([a.shape, bm.shape], lambda bb, p, q: op.matmul(p, q))
+        args = (a, bm)
+    else:
+        q, k = _rand(2, 3, 5, 64), _rand(2, 3, 6, 64)
+        f = _func([q.shape, k.shape], lambda bb, p, r: op.matmul(
+            p, bb.emit(op.permute_dims(r, [0, 1, 3, 2]))))
+        args = (q, k)
+    want = _tvm(f, *args)
+    fn = MklBf16Lowering().lower(f)
+    got = fn(*[tvm.runtime.tensor(a) for a in args]).numpy()
+    assert fn.__name__ == "mkl_gemm_bf16bf16f32" and got.dtype == np.float32
+    err = relative_error([got], [want])
+    assert 1e-5 < err < 2e-2, err
+    assert MklBf16Lowering().version().endswith("-bf16")
