@@ -643,13 +643,14 @@ def plot(results: dict, path: str) -> str:
     clip = PLOT_CLIP if top > PLOT_CLIP * 1.25 else max(top, 1.0) * 1.15
     fig, ax = plt.subplots(figsize=(min(18.0, max(8.0, 3.0 + len(per_model) * len(labels) * 0.22)),
                                     5.0))
-    colors = plt.get_cmap("tab10")
+    palette = "tab10" if len(labels) <= 10 else "tab20"  # a colour each, bf16 rows included
+    colors = plt.get_cmap(palette)
     for k, label in enumerate(labels):
         xs = [i + (k - (len(labels) - 1) / 2) * width for i, (_, sp) in enumerate(per_model)
               if label in sp]
         vals = [sp[label] for _, sp in per_model if label in sp]
         bars = ax.bar(xs, [min(v, clip) for v, _ in vals], width, label=label,
-                      color=colors(k % 10), edgecolor="black", linewidth=0.5)
+                      color=colors(k % colors.N), edgecolor="black", linewidth=0.5)
         for bar, (v, match) in zip(bars, vals):
             if not match:
                 bar.set_hatch("xx")
