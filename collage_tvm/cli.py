@@ -91,6 +91,10 @@ def _optimize(args) -> int:
             same += "  (timed once: >10x slower)" if r.get("timed_once") else ""
             rel = (f", {r['rel_err']:.1e} of the scale" if "rel_err" in r
                    and args.accuracy not in ("f32", "strict") else "")
+            if math.isnan(r["ms"]):  # checked for accuracy, not timed (no --compare)
+                print(f"{name:<18}{'not timed':>12}{'':>12}  {'yes' if r['match'] else 'NO'} "
+                      f"(max err {r['max_err']:.2e}{rel})")
+                continue
             print(f"{name:<18}{r['ms']:>12.3f}{r['ms'] / base:>11.2f}x  "
                   f"{'yes' if r['match'] else 'NO'} (max err {r['max_err']:.2e}{rel}){same}")
         if rep.shipped != "collage":
@@ -145,10 +149,11 @@ def _print_ops(res) -> None:
             op = res.graph.nodes[i].op_name.replace("relax.", "")
             counts.setdefault(g.backend, {}).setdefault(op, 0)
             counts[g.backend][op] += 1
+    width = max((len(b) for b in counts), default=8)
     for backend, ops in sorted(counts.items()):
         kernels = sum(1 for g in res.placement.groups if g.backend == backend)
         detail = ", ".join(f"{op} x{n}" for op, n in sorted(ops.items(), key=lambda x: -x[1]))
-        print(f"  {backend:<8} {sum(ops.values()):>4} ops in {kernels:>4} kernels: {detail}")
+        print(f"  {backend:<{width}} {sum(ops.values()):>4} ops in {kernels:>4} kernels: {detail}")
 
 
 def _tuning_stats(db_path) -> list:

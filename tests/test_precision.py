@@ -7,7 +7,8 @@ import pytest
 import tvm
 
 import collage_tvm
-from collage_tvm.build import BuildReport, _within_budget, open_db, resolve_backends
+from collage_tvm.build import (OUTSIDE_BUDGET, BuildReport, _within_budget, open_db,
+                               resolve_backends)
 from collage_tvm.check import graph_lib_groups, never_slower
 from collage_tvm.graph import DataflowGraph
 from collage_tvm.options import SearchOptions
@@ -118,7 +119,8 @@ def test_a_build_whose_error_breaks_the_budget_is_not_shipped(tmp_path):
     placed = _within_budget(graph, noisy, backends, target, open_db(str(tmp_path / "c.db")),
                             options, report)
     assert all(g.backend == "tvm" for g in placed.groups)
-    assert not report.comparison["collage"]["match"] and "f32" in report.shipped
+    assert not report.comparison[OUTSIDE_BUDGET]["match"] and "f32" in report.shipped
+    assert report.comparison[OUTSIDE_BUDGET]["rel_err"] == pytest.approx(0.1, rel=0.05)
 
 
 @pytest.mark.skipif(not (BF16 and get_backend("openvino_bf16").available()[0]),
