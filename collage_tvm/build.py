@@ -33,7 +33,7 @@ from .placer.alternatives import refine
 from .placer.calibrate import calibrate
 from .placer.graph_level import GraphLevelSearch
 from .placer.op_level import ensure_cover, place
-from .precision import CHECK_SEEDS, parse_accuracy
+from .precision import CHECK_SEEDS, cpu_precisions, parse_accuracy
 from .registry import get_backend, list_backends
 from .target import make_target
 from .tuning import TuningDB, active_database, default_dir, open_tuning_db, use_tuning_db
@@ -66,6 +66,7 @@ class BuildReport:
     graph_level: dict = field(default_factory=dict)  # the evolutionary search: history, counts
     rewrite: dict = field(default_factory=dict)      # the rewrite search: applied, costs, counts
     tuning: dict = field(default_factory=dict)       # the tuning database used: path, records
+    precision: dict = field(default_factory=dict)    # budget, and per precision why (not) used
 
     def summary(self) -> str:
         if self.placement_from_log:
@@ -205,6 +206,10 @@ def search(model, target="llvm", options: SearchOptions | None = None, db=None,
     mod = normalize_for_collage(load_model(model, example_inputs, input_shapes))
     backends, skipped = resolve_backends(options.backends, target, options.accuracy)
     report = BuildReport(backends=list(backends), skipped=skipped)
+    if not options.accuracy.strict:
+        report.precision = {"accuracy": str(options.accuracy), **{
+            p: (why or "available") if ok else f"not used: {why}"
+            for p, (ok, why) in cpu_precisions().items() if p != "f32"}}
     try:
         why = dynamic_input(mod["main"])
         if why:

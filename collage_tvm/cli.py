@@ -63,6 +63,9 @@ def _optimize(args) -> int:
     if rep.tuning:
         print(f"  TVM's kernels built with {rep.tuning['records']} tuning records from "
               f"{rep.tuning['path']} (--no-tuning builds them untuned)")
+    if rep.precision:
+        print(f"  accuracy budget {rep.precision['accuracy']}: " + ", ".join(
+            f"{p} {why}" for p, why in rep.precision.items() if p != "accuracy"))
     for name, why in rep.skipped.items():
         print(f"  backend {name} skipped: {why}")
     for backend, label, reason in rep.failures[:10]:

@@ -132,6 +132,7 @@ def test_openvino_in_bf16_is_placed_within_the_bf16_budget_and_reported(tmp_path
                                calibrate_rounds=0, refine_rounds=0)
     comp = res.report.comparison
     assert "openvino_bf16" in res.report.backends and "openvino_bf16" in comp
+    assert "flag" in res.report.precision["bf16"]  # which CPU flag allowed bf16
     bf16 = comp["openvino_bf16"]
     assert bf16["match"] and 1e-5 < bf16["rel_err"] <= 2e-2, bf16  # bf16 rounding, in budget
     assert comp["openvino"]["rel_err"] < 1e-5  # the f32 variant
