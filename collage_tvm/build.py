@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import tvm
 from tvm import relax
 
-from .check import first_line, latency_evaluator, never_slower, outputs_on
+from .check import first_line, latency_evaluator, never_slower, outputs_on, tvm_reference
 from .frontend import dynamic_input, load_model, normalize_for_collage
 from .graph import DataflowGraph, NotDataflow
 from .graph.subgraph import function_key
@@ -27,7 +27,7 @@ from .measure.db import CostDB
 from .measure.measurer import Measurer
 from .options import SearchOptions
 from .patterns import generate_candidates
-from .placement import Placement, placement_from_record, placement_record, single_ops
+from .placement import Placement, placement_from_record, placement_record
 from .placement_log import PlacementLog
 from .placer.alternatives import refine
 from .placer.calibrate import calibrate
@@ -326,16 +326,11 @@ def _within_budget(graph, placement, backends, target, cost_db, options: SearchO
     random inputs of ``CHECK_SEEDS`` (``compare=True`` does this beside its timings). One
     outside the accuracy budget is not shipped: the search runs again on f32 backends."""
     t0 = time.perf_counter()
-    tvm_only = {"tvm": backends["tvm"]}
-    seeds = list(CHECK_SEEDS)
-    ref_exe, _ = compile_placement(graph, single_ops(graph), tvm_only, target)
-    reference = outputs_on(ref_exe, graph, target, seeds)
+    reference = tvm_reference(graph, backends, target, CHECK_SEEDS)
     exe, _ = compile_placement(graph, placement.groups, backends, target)
-    checks = [options.accuracy.check(o, r)
-              for o, r in zip(outputs_on(exe, graph, target, seeds), reference)]
-    result = {"ms": math.nan, "match": all(c["match"] for c in checks),  # not timed
-              "max_err": max(c["max_err"] for c in checks),
-              "rel_err": max(c["rel_err"] for c in checks)}
+    result = {"ms": math.nan,  # checked, not timed
+              **options.accuracy.check_seeds(outputs_on(exe, graph, target, CHECK_SEEDS),
+                                             reference)}
     report.times["accuracy"] = time.perf_counter() - t0
     if result["match"]:
         report.comparison = {"collage": result}

@@ -92,8 +92,8 @@ def _optimize(args) -> int:
                 continue
             same = f"  (same placement as {r['same_as']})" if r.get("same_as") else ""
             same += "  (timed once: >10x slower)" if r.get("timed_once") else ""
-            rel = (f", {r['rel_err']:.1e} of the scale" if "rel_err" in r
-                   and args.accuracy not in ("f32", "strict") else "")
+            rel = (f", {r['rel_err']:.1e} of the scale" if "rel_err" in r and rep.precision
+                   else "")  # rep.precision: set under a budget other than strict f32
             if math.isnan(r["ms"]):  # checked for accuracy, not timed (no --compare)
                 print(f"{name:<18}{'not timed':>12}{'':>12}  {'yes' if r['match'] else 'NO'} "
                       f"(max err {r['max_err']:.2e}{rel})")
@@ -274,6 +274,13 @@ def _show(args) -> int:
     return 0
 
 
+ACCURACY_HELP = ("accuracy budget: f32 (default: strict, every candidate f32), bf16 (bf16 "
+                 "variants of the named libraries too, e.g. openvino_bf16, where the CPU has "
+                 "bf16 instructions; the build's error within 2e-2 of the output scale, checked "
+                 "against f32 on random inputs) or a tolerance such as 0.05 (bf16 allowed from "
+                 "1e-2)")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="collage-tvm", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -313,12 +320,7 @@ def main(argv=None) -> int:
                    help="time budget of the graph-level search in seconds (default 300)")
     o.add_argument("--in-process", action="store_true",
                    help="measure in this process (faster start, no crash isolation)")
-    o.add_argument("--accuracy", default="f32", metavar="BUDGET",
-                   help="accuracy budget: f32 (default: strict, every candidate f32), bf16 "
-                        "(bf16 variants of the named libraries too, e.g. openvino_bf16, where "
-                        "the CPU has bf16 instructions; the build's error within 2e-2 of the "
-                        "output scale, checked against f32 on random inputs) or a tolerance "
-                        "such as 0.05 (bf16 allowed from 1e-2)")
+    o.add_argument("--accuracy", default="f32", metavar="BUDGET", help=ACCURACY_HELP)
     o.add_argument("--no-tuning", action="store_true",
                    help="build TVM's kernels untuned, even where `collage-tvm tune` has "
                         "records for them")
@@ -378,12 +380,7 @@ def main(argv=None) -> int:
                    help="also Collage placed-only beside rewritten+placed (the z3-verified "
                         "graph rewrites, collage_tvm.rewrite), timed interleaved, outputs "
                         "checked against placed-only")
-    b.add_argument("--accuracy", default="f32", metavar="BUDGET",
-                   help="accuracy budget: f32 (default: strict, every candidate f32), bf16 "
-                        "(bf16 variants of the named libraries too, e.g. openvino_bf16, where "
-                        "the CPU has bf16 instructions; the build's error within 2e-2 of the "
-                        "output scale, checked against f32 on random inputs) or a tolerance "
-                        "such as 0.05 (bf16 allowed from 1e-2)")
+    b.add_argument("--accuracy", default="f32", metavar="BUDGET", help=ACCURACY_HELP)
     b.add_argument("--tune", type=float, default=0.0, metavar="SECONDS",
                    help="first tune each model's TVM kernels for SECONDS (collage-tvm tune; "
                         "a warm tuning DB makes it quick), then also time the search with "

@@ -61,6 +61,14 @@ class Accuracy:
             match = len(outputs) == len(reference) and rel <= self.tolerance
         return {"match": bool(match), "max_err": max_err, "rel_err": rel}
 
+    def check_seeds(self, outputs, reference) -> dict:
+        """``check`` on each input's outputs (lists of output lists, one per random input):
+        matching on every one, the largest errors over them."""
+        checks = [self.check(o, r) for o, r in zip(outputs, reference)]
+        return {"match": all(c["match"] for c in checks),
+                "max_err": max(c["max_err"] for c in checks),
+                "rel_err": max(c["rel_err"] for c in checks)}
+
     def __str__(self) -> str:
         return self.name
 
@@ -70,12 +78,10 @@ def compare_outputs(outputs, reference, rtol=1e-3, atol=1e-3) -> tuple:
     outputs = [np.asarray(o) for o in outputs]
     reference = [np.asarray(r) for r in reference]
 
-    def err(a, b) -> float:  # NaN where both are NaN (sqrt of a negative input) is no error
+    def err(a, b) -> float:
         if not a.size or a.shape != b.shape:
             return 0.0 if not a.size else math.inf
-        d = np.atleast_1d(np.abs(a.astype("float64") - b.astype("float64")))
-        d[np.isnan(a) & np.isnan(b)] = 0.0
-        return float(np.max(d))
+        return float(np.max(_abs_diff(a, b)))
 
     errs = [err(a, b) for a, b in zip(outputs, reference)]
     match = len(outputs) == len(reference) and all(
@@ -115,14 +121,19 @@ def relative_error(outputs, reference) -> float:
             return float("inf")
         if not ref.size:
             continue
-        both_nan = np.isnan(out) & np.isnan(ref)
-        diff = np.where(both_nan, 0.0, np.abs(out - ref))
-        scale = float(np.nanmax(np.abs(ref))) if not np.all(np.isnan(ref)) else 0.0
-        err = float(np.nanmax(diff)) if not np.all(np.isnan(diff)) else float("inf")
-        if np.isnan(diff).any():  # NaN where the reference has a number
-            err = float("inf")
+        diff = _abs_diff(out, ref)
+        scale = 0.0 if np.all(np.isnan(ref)) else float(np.nanmax(np.abs(ref)))
+        # NaN left in the difference: one side has a number where the other has none
+        err = float("inf") if np.isnan(diff).any() else float(np.max(diff))
         worst = max(worst, err / scale if scale > 0 else err)
     return worst
+
+
+def _abs_diff(a, b) -> np.ndarray:
+    """``|a - b|`` in float64, 0 where both are NaN (sqrt of a negative input: no error)."""
+    d = np.atleast_1d(np.abs(a.astype("float64") - b.astype("float64")))
+    d[np.atleast_1d(np.isnan(a) & np.isnan(b))] = 0.0
+    return d
 
 
 @functools.lru_cache(maxsize=None)

@@ -67,6 +67,16 @@ def outputs_on(executable, graph, target, seeds) -> list:
             for s in seeds]
 
 
+def tvm_reference(graph, backends: dict, target, seeds) -> list:
+    """The outputs of TVM alone in f32 (every node its own TVM kernel) on the random inputs
+    of each seed: the reference a reduced-precision build is checked against."""
+    from ..placement import single_ops
+
+    executable, _ = compile_placement(graph, single_ops(graph), {"tvm": backends["tvm"]},
+                                      target)
+    return outputs_on(executable, graph, target, seeds)
+
+
 def latency_evaluator(graph, backends: dict, target, accuracy=None):
     """``evaluate(groups) -> (ms, reason)`` for the graph-level search: build, run, time.
 
@@ -76,15 +86,10 @@ def latency_evaluator(graph, backends: dict, target, accuracy=None):
     accuracy budget that is not strict (``precision.Accuracy``), the reference is TVM
     alone in f32 and a placement is valid within the budget.
     """
-    from ..placement import single_ops
     from ..precision import parse_accuracy
 
     accuracy = parse_accuracy(accuracy)
-    reference: list = []
-    if not accuracy.strict:
-        tvm_only = {n: b for n, b in backends.items() if n == "tvm"}
-        executable, _ = compile_placement(graph, single_ops(graph), tvm_only, target)
-        reference.append(outputs_on(executable, graph, target, [0])[0])
+    reference: list = [] if accuracy.strict else tvm_reference(graph, backends, target, [0])
 
     def evaluate_groups(groups):
         try:

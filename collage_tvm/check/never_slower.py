@@ -82,10 +82,7 @@ def never_slower(graph, placement: Placement, backends: dict, target,
     # (a model Collage places wholly on TVM kernels, e.g. one pooling op).
     reference = outputs[results["tvm-only"].get("same_as", "tvm-only")]
     for name, out in outputs.items():
-        checks = [accuracy.check(o, ref) for o, ref in zip(out, reference)]
-        results[name].update(match=all(c["match"] for c in checks),
-                             max_err=max(c["max_err"] for c in checks),
-                             rel_err=max(c["rel_err"] for c in checks))
+        results[name].update(accuracy.check_seeds(out, reference))
     # The contenders (correct, within 2x of the fastest) are timed again in alternating
     # rounds, so the machine's drifting load hits them alike: on a shared 2-core machine
     # one build timed after another differed by up to 40% from the same build re-timed.

@@ -172,7 +172,7 @@ def _fold_node(node, shapes, value, opset, graph_outputs, max_elements):
             or any(o in graph_outputs for o in node.output)
             or any(a.type in (5, 10) for a in node.attribute)):  # GRAPH, GRAPHS
         return None
-    if node.op_type in ("Shape", "Size"):
+    if node.op_type in _SHAPE_OPS:
         shape = shapes.get(node.input[0])
         if shape is None:
             return None
