@@ -384,7 +384,9 @@ def _op_level(graph, backends, target, cost_db, options: SearchOptions, report) 
             raw = refined.raw
     finally:
         measurer.close()
-    report.times["measure"] = time.perf_counter() - t0 - t_search
+    report.times["measure"] = (time.perf_counter() - t0 - t_search
+                               - sum(measurer.seconds.values()))
+    report.times.update({k: v for k, v in measurer.seconds.items() if v})
     report.times["search"] = t_search
     report.distinct_measured, report.db_hits = measurer.measured, measurer.hits
     report.side_by_side = measurer.side_by_side

@@ -178,3 +178,50 @@ def test_cli_optimize_prints_the_search_and_writes_a_drawable_placement(small_on
     record = json.loads(out.read_text())
     assert len(record["graph"]["nodes"]) == sum(len(g["nodes"]) for g in record["groups"])
     assert main(["show", str(out), "-o", str(tmp_path / "p.svg")]) == 0
+
+
+def test_a_build_with_no_tvm_kernel_runs_without_a_c_compiler():
+    # Every group on an external backend: the VM link leaves an empty C source module, which
+    # Executable.jit would compile and link with the system's C compiler (once per
+    # candidate measured). It is skipped; the executable runs as it is.
+    import numpy as np
+
+    from collage_tvm.graph import DataflowGraph
+    from collage_tvm.graph.subgraph import one_op_function
+    from collage_tvm.lower import compile_placement
+    from collage_tvm.placement import Candidate
+    from collage_tvm.registry import get_backend
+    from collage_tvm.target import make_target
+
+    func = one_op_function((2, 8), tvm.relax.op.nn.relu)
+    graph = DataflowGraph(func)
+    target = make_target("llvm")
+    for name in ("onnxruntime", "tvm"):
+        group = Candidate(name, frozenset(range(len(graph))), "all")
+        exe, _ = compile_placement(graph, [group], {name: get_backend(name)}, target)
+        assert exe._jitted_mod is exe.mod  # nothing to link
+        x = np.random.default_rng(0).standard_normal((2, 8)).astype("float32")
+        vm = tvm.relax.VirtualMachine(exe, tvm.cpu())
+        np.testing.assert_allclose(vm["main"](tvm.runtime.tensor(x)).numpy(), np.maximum(x, 0))
+
+
+def test_a_build_with_c_source_to_link_is_left_to_jit():
+    from collage_tvm.tuning.compile import skip_empty_link
+
+    class Mod:
+        def __init__(self, kind, source="", imports=()):
+            self.kind, self._source, self.imports = kind, source, list(imports)
+
+        def inspect_source(self):
+            return self._source
+
+    class Exe:
+        _jitted_mod = None
+
+        def __init__(self, mod):
+            self.mod = mod
+
+    full = Exe(Mod("relax.VMExecutable", imports=[Mod("c", "int f() { return 1; }")]))
+    assert skip_empty_link(full)._jitted_mod is None
+    empty = Exe(Mod("relax.VMExecutable", imports=[Mod("c", ";\n")]))
+    assert skip_empty_link(empty)._jitted_mod is empty.mod

@@ -153,7 +153,7 @@ def test_library_candidates_are_timed_in_graph_order_and_twice(tmp_path):
     seen: list = []
     first_of: dict = {}
 
-    def scripted(backend, func, cutoff_ms):
+    def scripted(backend, func, cutoff_ms, key=None):
         key = function_key(func)
         n = sum(1 for b, k in seen if (b, k) == (backend.name, key))
         seen.append((backend.name, key))
@@ -262,3 +262,68 @@ def test_a_child_that_drops_its_pipe_but_lingers_is_a_failed_measurement_not_a_c
     finally:
         w.close()
     assert math.isinf(cost) and "measurement process died" in reason
+
+
+def test_time_main_sizes_its_samples_on_a_warm_call():
+    # A fresh build's first call can be far slower than the rest (lazy initialisation):
+    # the samples are sized on a warm call, so a fast kernel is called many times per
+    # sample, not once.
+    import time
+
+    from collage_tvm.measure.timing import time_main
+
+    calls = [0]
+
+    def main():
+        calls[0] += 1
+        if calls[0] == 1:
+            time.sleep(0.05)
+
+    class FakeVM:
+        def __getitem__(self, name):
+            return main
+
+        def time_evaluator(self, name, dev, number, repeat):
+            def run():
+                t0 = time.perf_counter()
+                for _ in range(number * repeat):
+                    main()
+                per = (time.perf_counter() - t0) / (number * repeat)
+                return type("R", (), {"results": [per] * repeat})()
+            return run
+
+    ms, why, extra = time_main(FakeVM(), [], None, target_ms=1.0)
+    assert why is None and ms < 1.0
+    assert extra["repeats"] >= 100  # 1 ms of a call well under 10 us, ten samples at least
+
+
+def test_a_second_measurement_of_the_same_candidate_reuses_its_build(tmp_path):
+    # The second pass and side-by-side re-timing time a candidate again: the process that
+    # measures keeps the build under the candidate's key; a measurer's end forgets it.
+    from collage_tvm.measure import runner
+
+    from collage_tvm.graph.subgraph import extract_function
+
+    graph = _conv_relu_graph()
+    f = extract_function(graph, frozenset(range(len(graph))))[0]
+    backend = get_backend("tvm")
+    builds = []
+
+    def counting_vm(f, b, t):
+        builds.append(f)
+        return candidate_vm(f, b, t)
+
+    target = make_target("llvm")
+    runner.clear_cache()
+    try:
+        a = runner.measure_function([(f, backend, "k1")], target, counting_vm)
+        b = runner.measure_function([(f, backend, "k1")], target, counting_vm)
+        times = runner.measure_side_by_side([(f, backend, "k1")], target, counting_vm)
+        assert len(builds) == 1 and math.isfinite(a[0]) and math.isfinite(b[0]) and times[0]
+        runner.measure_function([(f, backend, None)], target, counting_vm)  # no key: no cache
+        assert len(builds) == 2
+        runner.clear_cache()
+        runner.measure_function([(f, backend, "k1")], target, counting_vm)
+        assert len(builds) == 3
+    finally:
+        runner.clear_cache()

@@ -100,6 +100,8 @@ class Measurer:
         self.device = device_fingerprint(target)
         self.target_json = json.dumps(dict(target.export()), default=list)
         self._worker = Worker() if isolate else None
+        if not isolate:
+            runner.clear_cache()  # builds of an earlier search may apply other tuning
         self.measured = 0
         self.hits = 0
         self.failures: list = []  # (backend, label, reason)
@@ -108,10 +110,13 @@ class Measurer:
         self.side_by_side = 0  # sets of candidates re-timed side by side (retime)
         self.second_pass = second_pass
         self.tuning = tuning
+        self.seconds = {"second pass": 0.0, "re-time": 0.0}  # where measuring time went
 
     def close(self) -> None:
         if self._worker is not None:
             self._worker.close()
+        else:
+            runner.clear_cache()
 
     def _picklable(self, backend) -> bool:
         """Whether ``backend``'s lowering can travel to the worker (checked once per backend)."""
@@ -126,24 +131,26 @@ class Measurer:
         return self._can_pickle[backend.name]
 
     def _run(self, what: str, items: list, *extra) -> tuple:
-        """``runner.<what>`` on ``[(backend, func), ...]``: in the worker when every
+        """``runner.<what>`` on ``[(backend, func, key), ...]``: in the worker when every
         backend's lowering pickles, else here; any exception is an infinite cost with its
-        reason, never a failed search."""
-        if self._worker is not None and all(self._picklable(b) for b, _ in items):
-            entries = [(b, tvm.ir.save_json(tvm.IRModule({"main": f}))) for b, f in items]
+        reason, never a failed search. ``key``: the candidate's DB key, under which the
+        process that measures keeps the built candidate for the next time (the second pass,
+        side-by-side re-timing); one function per key while this measurer lives."""
+        if self._worker is not None and all(self._picklable(b) for b, _, _ in items):
+            entries = [(b, tvm.ir.save_json(tvm.IRModule({"main": f})), k) for b, f, k in items]
             return self._worker.call(what, entries, self.target_json, self.build_vm, *extra)
         try:
-            return getattr(runner, what)([(f, b) for b, f in items], self.target,
+            return getattr(runner, what)([(f, b, k) for b, f, k in items], self.target,
                                          self.build_vm, *extra)
         except Exception as err:  # noqa: BLE001 - a failure is a cost of inf with a reason
             return math.inf, _reason(err), {}
 
-    def _measure(self, backend, func, cutoff_ms) -> tuple:
-        return self._run("measure_function", [(backend, func)], cutoff_ms)
+    def _measure(self, backend, func, cutoff_ms, key=None) -> tuple:
+        return self._run("measure_function", [(backend, func, key)], cutoff_ms)
 
     def _lookup_or_measure(self, backend, key, func, label, cutoff_ms=None) -> float:
         return self._cached(backend.name, backend.version(), key, label,
-                            lambda: self._measure(backend, func, cutoff_ms))
+                            lambda: self._measure(backend, func, cutoff_ms, key))
 
     def _cached(self, name: str, version: str, key: str, label: str, measure) -> float:
         """The DB's cost for (name, version, key, device), else ``measure()`` -> (cost,
@@ -201,7 +208,7 @@ class Measurer:
         return self._run("measure_side_by_side", items)
 
     def _measure_switch(self, a, func_a, b, func_b) -> tuple:
-        return self._run("measure_switch", [(a, func_a), (b, func_b)])
+        return self._run("measure_switch", [(a, func_a, None), (b, func_b, None)])
 
     def costs(self, graph, candidates, backends: dict) -> dict:
         """Measured cost (ms, inf when failed) of every candidate.
@@ -261,12 +268,13 @@ class Measurer:
         """Re-time ``keys`` (in the order given) and keep each one's lower time in the DB;
         returns {key: lower ms}."""
         out: dict = {}
+        t0 = time.perf_counter()
         bar = _progress(len(keys), self.progress, "library candidates, second pass")
         for bk in keys:
             backend = backends[bk[0]]
             func, cands = by_key[bk]
             rec = self.db.get(backend.name, backend.version(), bk[1], self.device)
-            cost, reason, extra = self._measure(backend, func, None)
+            cost, reason, extra = self._measure(backend, func, None, bk[1])
             bar.update(1)
             if rec is None or not math.isfinite(cost) or cost >= rec.cost_ms:
                 continue
@@ -275,6 +283,7 @@ class Measurer:
                          **{k: v for k, v in extra.items() if k != "traceback"}})
             out[bk] = cost
         bar.close()
+        self.seconds["second pass"] += time.perf_counter() - t0
         return out
 
     def identity(self, cand) -> tuple | None:
@@ -313,7 +322,7 @@ class Measurer:
                 continue
             else:
                 times, reason, _ = self._measure_side_by_side(
-                    [(backends[name], func) for name, _, func in entries])
+                    [(backends[name], func, k) for name, k, func in entries])
                 self.side_by_side += 1
                 if not isinstance(times, list):
                     logger.info("side-by-side re-timing of %s failed: %s",
@@ -327,6 +336,7 @@ class Measurer:
                              "members": [[name, k] for name, k, _ in entries]})
             timed.append({(name, k): t for (name, k, _), t in zip(entries, times)})
         bar.close()
+        self.seconds["re-time"] += time.perf_counter() - t_start
         if skipped:
             logger.info("side-by-side re-timing: %d of %d close calls left on their first "
                         "times (the %.0f s budget went on the larger ones)", skipped, len(sets),

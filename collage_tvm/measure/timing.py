@@ -10,11 +10,15 @@ import statistics
 import time
 
 
-def time_main(vm, args, dev, cutoff_ms: float | None = None, target_ms: float = 20.0,
+def time_main(vm, args, dev, cutoff_ms: float | None = None, target_ms: float = 1.0,
               repeat: int = 5, max_batches: int = 4) -> tuple[float, str | None, dict]:
-    """Median ms of ``vm["main"](*args)``: warm-up, then batches until two medians agree (3%).
+    """Median ms of ``vm["main"](*args)``: warm-up, then batches of ``repeat`` samples of
+    about ``target_ms`` each until two medians agree (3%).
 
-    A first run slower than ``cutoff_ms`` is hopeless: its time is returned at once.
+    A first run slower than ``cutoff_ms`` is hopeless: its time is returned at once. The
+    samples are sized on a warm call: the first call of a fresh build (a session's lazy
+    initialisation, a JIT) can be a hundred times slower and would leave a fast kernel
+    timed one call per sample.
     """
     fn = vm["main"]
     t0 = time.perf_counter()
@@ -24,7 +28,10 @@ def time_main(vm, args, dev, cutoff_ms: float | None = None, target_ms: float = 
         return first_ms, f"cut short: first run {first_ms:.3f} ms > cutoff {cutoff_ms:.3f} ms", {
             "repeats": 1}
     fn(*args)  # second warm-up: caches, lazy init in libraries
-    number = max(1, int(target_ms / max(first_ms, 1e-3)))
+    t0 = time.perf_counter()
+    fn(*args)
+    warm_ms = (time.perf_counter() - t0) * 1e3
+    number = max(1, int(target_ms / max(warm_ms, 1e-3)))
     evaluator = vm.time_evaluator("main", dev, number=number, repeat=repeat)
     samples: list = []
     medians: list = []
@@ -67,7 +74,7 @@ def time_switch(fn_a, args_a, fn_b, args_b, rounds: int = 9, target_ms: float = 
                                        "repeats": rounds * n}
 
 
-def time_side_by_side(runs: list, rounds: int = 9, target_ms: float = 10.0) -> list:
+def time_side_by_side(runs: list, rounds: int = 9, target_ms: float = 2.0) -> list:
     """Median ms per call of each ``(fn, args)``, timed in alternating rounds (the same
     drift hits each), after two warm-up calls each."""
     def loop(fn, args, n):

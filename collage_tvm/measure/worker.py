@@ -1,7 +1,7 @@
 """Measure candidates in a child process, so a backend that crashes cannot kill the search.
 
 The parent sends which measurement to run (``runner.ENTRY_POINTS``), the candidates as
-(backend name, lowering spec, function JSON), the target JSON and the ``build_vm`` callback;
+(backend name, lowering spec, function JSON, cache key), the target JSON and the ``build_vm`` callback;
 the child builds and times, and answers (cost_ms, reason, extra). A dead child is an infinite cost with
 its exit status as the reason, and a fresh child takes over.
 """
@@ -23,8 +23,8 @@ _TIMEOUT_S = 300.0
 def _serve() -> None:
     """Child main loop: pickled requests on stdin, pickled replies on the saved stdout.
 
-    A request is ``(entry point, [(backend name, lowering, function JSON), ...], target
-    JSON, build_vm, extra args)``; the entry point is one of ``runner.ENTRY_POINTS``."""
+    A request is ``(entry point, [(backend name, lowering, function JSON, cache key), ...],
+    target JSON, build_vm, extra args)``; the entry point is one of ``runner.ENTRY_POINTS``."""
     import json
 
     import tvm
@@ -48,10 +48,10 @@ def _serve() -> None:
                 raise ValueError(f"unknown measurement {what!r}")
             target = tvm.target.Target(json.loads(target_json))
             funcs = []
-            for name, lowering, func_json in entries:
+            for name, lowering, func_json, key in entries:
                 if name not in backends:
                     backends[name] = Backend(name=name, lowering=lowering)
-                funcs.append((tvm.ir.load_json(func_json)["main"], backends[name]))
+                funcs.append((tvm.ir.load_json(func_json)["main"], backends[name], key))
             reply = ("ok",) + tuple(getattr(runner, what)(funcs, target, build_vm, *extra))
         except BaseException as err:  # any failure is a cost of inf with a reason
             tb = traceback.format_exc(limit=3)
@@ -99,10 +99,10 @@ class Worker:
                 p for p in [_package_root(), os.environ.get("PYTHONPATH", "")] if p)})
 
     def call(self, what: str, entries: list, target_json: str, build_vm, *extra) -> tuple:
-        """(cost, reason, extra) of ``runner.<what>`` on ``[(backend, func_json), ...]`` in
-        the child; cost is inf when the build or the child failed."""
-        return self._ask((what, [(b.name, b.lowering, j) for b, j in entries], target_json,
-                          build_vm, extra))
+        """(cost, reason, extra) of ``runner.<what>`` on ``[(backend, func_json, key), ...]``
+        in the child; cost is inf when the build or the child failed."""
+        return self._ask((what, [(b.name, b.lowering, j, k) for b, j, k in entries],
+                          target_json, build_vm, extra))
 
     def _ask(self, msg) -> tuple:
         if self._proc is None or self._proc.poll() is not None:
