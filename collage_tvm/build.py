@@ -214,8 +214,11 @@ def search(model, target="llvm", options: SearchOptions | None = None, db=None,
         why = dynamic_input(mod["main"])
         if why:
             raise NotDataflow(why)
+        unrewritten = original = None
         if options.rewrite:
-            mod = _rewrite(mod, backends, target, db, options, report)
+            rewritten = _rewrite(mod, backends, target, db, options, report)
+            if rewritten is not mod:  # the fold or a searched rewrite changed it
+                original, unrewritten, mod = mod, DataflowGraph.from_module(mod), rewritten
         graph = DataflowGraph.from_module(mod)
     except NotDataflow as err:  # compiled as TVM alone would: nothing to place
         logger.warning("the whole model stays on TVM: %s", err)
@@ -232,6 +235,8 @@ def search(model, target="llvm", options: SearchOptions | None = None, db=None,
     report.times["import"] = time.perf_counter() - t_start
 
     logged = log.get(key)
+    if logged and logged.get("unrewritten") and unrewritten is not None:
+        graph, mod = unrewritten, original  # it beat the rewritten graph
     placement = placement_from_record(logged, graph, backends)
     if placement is not None:
         report.placement_from_log = True
@@ -241,9 +246,14 @@ def search(model, target="llvm", options: SearchOptions | None = None, db=None,
         report.graph_level = logged.get("graph_level", {})
     else:
         with use_tuning_db(tuning):
-            placement = _search(graph, backends, target, cost_db, options, report)
-        log.put(key, placement_record(placement, graph, target, report.comparison,
-                                      report.shipped, report.graph_level))
+            placement, shipped_graph = _search(graph, backends, target, cost_db, options,
+                                               report, unrewritten)
+        record = placement_record(placement, shipped_graph, target, report.comparison,
+                                  report.shipped, report.graph_level)
+        if shipped_graph is not graph:  # the unrewritten graph was faster
+            graph, mod = shipped_graph, original
+            record["unrewritten"] = True
+        log.put(key, record)
     for g in placement.groups:
         report.ops_per_backend[g.backend] = report.ops_per_backend.get(g.backend, 0) + len(g.nodes)
     logger.info("collage: %s", report.summary())
@@ -284,8 +294,12 @@ def _rewrite(mod, backends, target, db, options: SearchOptions, report) -> tvm.I
     return res.module
 
 
-def _search(graph, backends, target, cost_db, options: SearchOptions, report) -> Placement:
-    """Both levels of the search and the final check, for a placement not in the log."""
+def _search(graph, backends, target, cost_db, options: SearchOptions, report,
+            unrewritten=None) -> tuple:
+    """Both levels of the search and the final check, for a placement not in the log.
+    Returns (placement, the graph its groups refer to). ``unrewritten``: the model's graph
+    before the rewrites; the final check times its op-level placement too (costs from the
+    rewrite search's measurements), and ships it if it is faster."""
     placement, candidates, costs, eps, switch = _op_level(graph, backends, target, cost_db,
                                                           options, report)
     if options.calibrate_rounds > 0 and any(backends[g.backend].is_external
@@ -301,16 +315,22 @@ def _search(graph, backends, target, cost_db, options: SearchOptions, report) ->
     if options.graph_level:
         placement = _graph_level(graph, placement, backends, target, report, options)
     if options.compare:
+        others = {}
+        if unrewritten is not None:
+            t0 = time.perf_counter()
+            others["collage-unrewritten"] = (unrewritten, _op_level(
+                unrewritten, backends, target, cost_db, options, BuildReport(backends=[]))[0])
+            report.times["unrewritten"] = time.perf_counter() - t0
         verdict = never_slower(graph, placement, backends, target,
                                op_level if placement is not op_level else None,
-                               accuracy=options.accuracy)
+                               accuracy=options.accuracy, others=others)
         placement, report.shipped, report.comparison = (verdict.placement, verdict.shipped,
                                                         verdict.comparison)
         report.times["compare"] = verdict.seconds
-    elif _reduced(placement, backends):
-        placement = _within_budget(graph, placement, backends, target, cost_db, options,
-                                   report)
-    return placement
+        return placement, verdict.graph
+    if _reduced(placement, backends):
+        return _within_budget(graph, placement, backends, target, cost_db, options, report)
+    return placement, graph
 
 
 OUTSIDE_BUDGET = "collage, reduced precision (outside the accuracy budget)"
@@ -321,10 +341,11 @@ def _reduced(placement, backends) -> bool:
 
 
 def _within_budget(graph, placement, backends, target, cost_db, options: SearchOptions,
-                   report) -> Placement:
+                   report) -> tuple:
     """A placement with reduced-precision groups, checked against TVM alone in f32 on the
     random inputs of ``CHECK_SEEDS`` (``compare=True`` does this beside its timings). One
-    outside the accuracy budget is not shipped: the search runs again on f32 backends."""
+    outside the accuracy budget is not shipped: the search runs again on f32 backends.
+    Returns (placement, graph) as ``_search`` does."""
     t0 = time.perf_counter()
     reference = tvm_reference(graph, backends, target, CHECK_SEEDS)
     exe, _ = compile_placement(graph, placement.groups, backends, target)
@@ -334,7 +355,7 @@ def _within_budget(graph, placement, backends, target, cost_db, options: SearchO
     report.times["accuracy"] = time.perf_counter() - t0
     if result["match"]:
         report.comparison = {"collage": result}
-        return placement
+        return placement, graph
     logger.warning("the placement's error (%.3g of the output scale) breaks the accuracy "
                    "budget %s: searching again with f32 backends only", result["rel_err"],
                    options.accuracy)

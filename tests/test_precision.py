@@ -116,9 +116,9 @@ def test_a_build_whose_error_breaks_the_budget_is_not_shipped(tmp_path):
     report = BuildReport(backends=list(backends))
     options = SearchOptions(backends=("tvm", "noisy_bf16"), accuracy="bf16", isolate=False,
                             progress=False, calibrate_rounds=0, refine_rounds=0)
-    placed = _within_budget(graph, noisy, backends, target, open_db(str(tmp_path / "c.db")),
-                            options, report)
-    assert all(g.backend == "tvm" for g in placed.groups)
+    placed, placed_graph = _within_budget(graph, noisy, backends, target,
+                                          open_db(str(tmp_path / "c.db")), options, report)
+    assert placed_graph is graph and all(g.backend == "tvm" for g in placed.groups)
     assert not report.comparison[OUTSIDE_BUDGET]["match"] and "f32" in report.shipped
     assert report.comparison[OUTSIDE_BUDGET]["rel_err"] == pytest.approx(0.1, rel=0.05)
 

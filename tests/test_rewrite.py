@@ -237,3 +237,62 @@ def test_optimize_cli_rewrite_reports_the_fold_and_the_search(tmp_path, capsys):
                  "--calibrate", "0", "--refine", "0", "--db", str(tmp_path / "c.db")]) == 0
     out = capsys.readouterr().out
     assert "rewrite: affine tails folded into convolutions;" in out and "graphs costed" in out
+
+
+def _convbn_onnx(tmp_path) -> str:
+    torch.manual_seed(0)
+    m = ConvBN(True).eval()
+    path = str(tmp_path / "m.onnx")
+    torch.onnx.export(m, (torch.randn(1, 3, 8, 8),), path, dynamo=False, opset_version=17,
+                      do_constant_folding=False)  # the batch norms stay in the file
+    return path
+
+
+def test_the_final_check_times_the_unrewritten_placement_too(tmp_path):
+    # Never slower, again: with rewrites on, the final check also times the op-level
+    # placement of the graph as imported, and both agree with TVM alone.
+    path = _convbn_onnx(tmp_path)
+    res = collage_tvm.optimize(path, "llvm", ["tvm"], db=str(tmp_path / "c.db"), rewrite=True,
+                               compare=True, isolate=False, progress=False,
+                               calibrate_rounds=0, refine_rounds=0)
+    comp = res.report.comparison
+    assert comp["collage-unrewritten"]["match"] and comp["collage"]["match"]
+    assert "unrewritten" in res.report.times
+    n_rewritten = len(res.graph)
+    assert res.report.rewrite["folded_affine_tails"]
+    plain = collage_tvm.optimize(path, "llvm", ["tvm"], db=str(tmp_path / "c.db"),
+                                 isolate=False, progress=False, calibrate_rounds=0,
+                                 refine_rounds=0)
+    assert len(plain.graph) > n_rewritten  # the fold removed the affine tails
+
+
+def test_an_unrewritten_placement_that_wins_is_shipped_and_logged(tmp_path, monkeypatch):
+    # When the graph as imported is faster, it is what ships: the executable runs the
+    # original graph, the placement log says so, and the next build takes it from the log.
+    import importlib
+
+    B = importlib.import_module("collage_tvm.build")  # the package exports a function "build"
+    real = B.never_slower
+
+    def unrewritten_wins(*args, **kwargs):
+        verdict = real(*args, **kwargs)
+        verdict.graph, verdict.placement = kwargs["others"]["collage-unrewritten"]
+        verdict.shipped = "collage-unrewritten"
+        return verdict
+
+    monkeypatch.setattr(B, "never_slower", unrewritten_wins)
+    path = _convbn_onnx(tmp_path)
+    kw = dict(db=str(tmp_path / "c.db"), rewrite=True, compare=True, isolate=False,
+              progress=False, calibrate_rounds=0, refine_rounds=0)
+    res = collage_tvm.optimize(path, "llvm", ["tvm"], **kw)
+    plain = collage_tvm.optimize(path, "llvm", ["tvm"], db=str(tmp_path / "other.db"),
+                                 isolate=False, progress=False, calibrate_rounds=0,
+                                 refine_rounds=0)
+    assert res.report.shipped == "collage-unrewritten" and len(res.graph) == len(plain.graph)
+    x = np.random.default_rng(0).standard_normal((1, 3, 8, 8)).astype("float32")
+    outs = [relax.VirtualMachine(r.executable, tvm.cpu())["main"](tvm.runtime.tensor(x))
+            for r in (res, plain)]
+    np.testing.assert_allclose(outs[0].numpy(), outs[1].numpy(), rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(B, "never_slower", real)
+    again = collage_tvm.optimize(path, "llvm", ["tvm"], **kw)
+    assert again.report.placement_from_log and len(again.graph) == len(plain.graph)

@@ -27,16 +27,21 @@ class Verdict:
     shipped: str = "collage"
     comparison: dict = field(default_factory=dict)  # build -> {"ms", "match", "max_err", ...}
     seconds: float = 0.0
+    graph: object = None   # the dataflow graph the shipped placement's groups refer to
 
 
 def never_slower(graph, placement: Placement, backends: dict, target,
-                 op_level: Placement | None = None, accuracy=None) -> Verdict:
+                 op_level: Placement | None = None, accuracy=None,
+                 others: dict | None = None) -> Verdict:
     """Time the placement end to end beside every single-backend build; ship the fastest.
 
     Builds: "tvm-only" (TVM's own fusion); "<lib>+tvm" for each external op library (its
     patterns offloaded greedily, TVM for the rest); "<lib>" for each graph library that
     can run the whole model ("<lib>+tvm" when some operators stay on TVM); and the
-    op-level placement when the graph-level search changed it. Outputs are checked
+    op-level placement when the graph-level search changed it; and ``others``: name ->
+    (graph, placement) on another graph of the same model (the unrewritten one when the
+    rewrites changed it: ``Verdict.graph`` says which graph the shipped one is on). Outputs
+    are checked
     against tvm-only (f32): per element (rtol 1e-3) under the strict budget; under another
     ``accuracy`` (``precision.Accuracy``) on the random inputs of ``CHECK_SEEDS``, each
     build within the budget, its error against f32 reported ("rel_err": of the scale).
@@ -48,20 +53,24 @@ def never_slower(graph, placement: Placement, backends: dict, target,
     if op_level is not None:
         builds["collage-op-level"] = op_level.groups
     builds.update(single_backend_builds(graph, backends))
+    graph_of = {name: graph for name in builds}
+    for name, (other_graph, other) in (others or {}).items():
+        builds[name], graph_of[name] = other.groups, other_graph
     # Collage first: its time sets the cutoff beyond which a build is timed once only (an
     # untuned TVM build of a big model can take minutes per run). Outputs are compared with
     # tvm-only's at the end.
     results, outputs, runs, seen = {}, {}, {}, {}
     cutoff = None
     for name in ["collage", "tvm-only"] + [n for n in builds if n not in ("collage", "tvm-only")]:
-        same = seen.setdefault(frozenset((g.backend, g.nodes) for g in builds[name]), name)
+        same = seen.setdefault((id(graph_of[name]), frozenset((g.backend, g.nodes)
+                                                              for g in builds[name])), name)
         if same != name:  # e.g. the two-level search chose the whole model on one library
             results[name] = {"same_as": same}
             logger.info("end to end: %s is the same placement as %s", name, same)
             continue
         try:
-            executable, _ = compile_placement(graph, builds[name], backends, target)
-            r = evaluate(executable, graph, target, cutoff_ms=cutoff)
+            executable, _ = compile_placement(graph_of[name], builds[name], backends, target)
+            r = evaluate(executable, graph_of[name], target, cutoff_ms=cutoff)
         except Exception as err:  # noqa: BLE001 - a failing baseline is reported, not fatal
             if name in ("tvm-only", "collage"):
                 raise
@@ -71,7 +80,7 @@ def never_slower(graph, placement: Placement, backends: dict, target,
             continue
         if cutoff is None:
             cutoff = SLOW_BUILD_FACTOR * r["ms"]
-        outputs[name] = [r["outputs"]] + outputs_on(executable, graph, target, seeds)
+        outputs[name] = [r["outputs"]] + outputs_on(executable, graph_of[name], target, seeds)
         results[name] = {"ms": r["ms"]}
         if r["timed_once"]:
             results[name]["timed_once"] = True
@@ -96,7 +105,7 @@ def never_slower(graph, placement: Placement, backends: dict, target,
     results = {n: (dict(results[results[n]["same_as"]], same_as=results[n]["same_as"])
                    if "same_as" in results[n] else results[n])
                for n in ["tvm-only", *builds] if n in results}
-    verdict = Verdict(placement, "collage", results, time.perf_counter() - t0)
+    verdict = Verdict(placement, "collage", results, time.perf_counter() - t0, graph)
     ok = {n: r for n, r in results.items() if r["match"]}
     if not ok:  # nothing agrees with tvm-only, not even tvm-only itself: nothing to choose
         logger.warning("end to end: no build's outputs match tvm-only's; keeping the placement")
@@ -109,6 +118,8 @@ def never_slower(graph, placement: Placement, backends: dict, target,
                    ok[best]["ms"], results["collage"]["ms"], best)
     if best == "collage-op-level":
         verdict.placement = op_level
+    elif best in (others or {}):
+        verdict.graph, verdict.placement = others[best]
     else:
         groups = builds[best]
         verdict.placement = Placement(groups, math.nan, {g: f"baseline:{best}" for g in groups})

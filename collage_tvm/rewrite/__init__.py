@@ -4,9 +4,9 @@ axioms (``verify``), each checked numerically with TVM (``numeric``), applied as
 enumerate, fingerprint, prune, verify), chosen by the cost-based backtracking search
 (``search``: a priority queue with relaxation alpha, over a cost function the caller gives).
 ``rewrite=True`` in the build applies the fold of a convolution's per-channel affine tail
-(bias, batch norm decomposed for inference), which only removes work. Not yet: the search
-costed with the cost DB's measured candidates inside the build, graph split,
-``bench --rewrite``."""
+(bias, batch norm decomposed for inference), which only removes work, then the search,
+each graph costed by the op-level DP over the build's measured candidates; the final check
+(``compare=True``) times the unrewritten graph's placement too. Not yet: graph split."""
 from .passes import fold_conv_affine
 from .substitutions import SUBSTITUTIONS, WRONG, by_name, prove
 
