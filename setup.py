@@ -23,6 +23,7 @@ setup(
         "mkl==2026.2.0",  # libmkl_rt for the mkl backend (docs/DNNL_BINDING.md, "MKL binding")
         "deap==1.4.4",
         "z3-solver==5.4.0.0",
+        "networkx==3.6.1",  # min vertex cuts of the rewrite search's graph split
         "tqdm>=4.66",
         # MetaSchedule (collage-tvm tune): its XGBoost cost model (the CPU-only wheel: the
         # plain xgboost wheel pulls 470 MB of NCCL), its pickling and process helpers.

@@ -266,7 +266,7 @@ def _rewrite(mod, backends, target, db, options: SearchOptions, report) -> tvm.I
     places it on ``backends`` with measured costs (new kernels are measured and cached): a
     rewrite is judged on the backends that will run it."""
     from .rewrite import fold_conv_affine
-    from .rewrite.search import search as rewrite_search
+    from .rewrite.search import split_search
 
     t0 = time.perf_counter()
     folded = fold_conv_affine(mod)
@@ -283,12 +283,12 @@ def _rewrite(mod, backends, target, db, options: SearchOptions, report) -> tvm.I
             return place(graph.producers, cands, costs, eps, exact=False).cost
 
         # 3%: below it, two measured placements are within the noise of these machines
-        res = rewrite_search(folded, cost, budget_s=min(options.budget, 120.0), min_gain=0.03)
+        res = split_search(folded, cost, budget_s=min(options.budget, 120.0), min_gain=0.03)
     finally:
         measurer.close()
     report.rewrite = {"folded_affine_tails": folded is not mod, "applied": res.applied,
                       "start_ms": res.start_cost, "best_ms": res.cost, "graphs": res.graphs,
-                      "pruned": res.pruned, "stopped": res.stopped}
+                      "pruned": res.pruned, "stopped": res.stopped, "pieces": res.pieces}
     report.times["rewrite"] = time.perf_counter() - t0
     logger.info("rewrite: %s", report.rewrite)
     return res.module

@@ -296,3 +296,71 @@ def test_an_unrewritten_placement_that_wins_is_shipped_and_logged(tmp_path, monk
     monkeypatch.setattr(B, "never_slower", real)
     again = collage_tvm.optimize(path, "llvm", ["tvm"], **kw)
     assert again.report.placement_from_log and len(again.graph) == len(plain.graph)
+
+
+# ------------------------------------------------------------------ graph split (MetaFlow Alg. 2)
+
+def test_split_cuts_at_the_vertex_fewest_sites_go_through():
+    from collage_tvm.rewrite.split import split
+
+    chain = [(k, k + 1) for k in range(39)]
+    weights = {k: 5 for k in range(40)}
+    weights[27] = 0  # a vertex no substitution uses: the cheapest place to cut
+    assert split(40, chain, weights, max_ops=30) == [list(range(28)), list(range(28, 40))]
+    # two parallel branches joined at the end: a cut must go through both
+    edges = [(0, 1), (1, 2), (2, 3), (3, 4), (0, 5), (5, 6), (6, 7), (7, 8), (4, 9), (8, 9)]
+    pieces = split(10, edges, {}, max_ops=6)
+    assert sorted(v for p in pieces for v in p) == list(range(10))
+    assert all(len(p) <= 6 for p in pieces) and len(pieces) >= 2
+    with pytest.raises(ValueError, match="max_ops"):
+        split(10, edges, {}, max_ops=1)
+
+
+def _stages(k: int):
+    """``k`` stages of two sibling 3x3 convs (a site of merge_sibling_convs each), their
+    concat, and a 1x1 conv + relu back to three channels."""
+    rng = np.random.default_rng(0)
+    xv = relax.Var("x", relax.TensorType((1, 3, 8, 8), "float32"))
+    bb = relax.BlockBuilder()
+
+    def w(*shape):
+        return relax.const((0.3 * rng.standard_normal(shape)).astype("float32"))
+
+    with bb.function("main", [xv]):
+        with bb.dataflow():
+            cur = xv
+            for _ in range(k):
+                a = bb.emit(relax.op.nn.conv2d(cur, w(4, 3, 3, 3), padding=1))
+                b = bb.emit(relax.op.nn.conv2d(cur, w(4, 3, 3, 3), padding=1))
+                y = bb.emit(relax.op.concat([a, b], axis=1))
+                cur = bb.emit(relax.op.nn.relu(bb.emit(relax.op.nn.conv2d(y, w(3, 8, 1, 1)))))
+            out = bb.emit_output(cur)
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_split_search_finds_what_the_whole_search_finds_costing_fewer_graphs():
+    from collage_tvm.rewrite.search import search, split_search
+
+    mod = _stages(6)
+    cost = _fake_cost(1.0)  # each merge: two convs (20) become one wider (12) and a split (1)
+    whole = search(mod, cost, max_graphs=10_000, budget_s=300)
+    parts = split_search(mod, cost, max_ops=8, max_graphs=10_000, budget_s=300)
+    n = len(mod["main"].body.blocks[0].bindings)
+    assert len(parts.pieces) >= 3 and max(parts.pieces) <= 8 and sum(parts.pieces) == n
+    assert parts.cost == whole.cost == cost(mod) - 6 * 7
+    assert parts.applied == ["merge_sibling_convs"] * 6
+    assert parts.graphs < whole.graphs
+    x = np.random.default_rng(1).standard_normal((1, 3, 8, 8)).astype("float32")
+    got = numeric.run(relax.transform.Normalize()(parts.module)["main"], [x])[0]
+    np.testing.assert_allclose(got, numeric.run(mod["main"], [x])[0], rtol=1e-4, atol=1e-5)
+
+
+def test_split_search_stitches_a_site_the_cut_broke():
+    # Pieces of two bindings cannot hold a sibling pair and its users together: some sites
+    # span pieces and are found by the search across them.
+    from collage_tvm.rewrite.search import split_search
+
+    mod = _stages(2)
+    res = split_search(mod, _fake_cost(1.0), max_ops=2, max_graphs=10_000, budget_s=300)
+    assert len(res.pieces) >= 5 and res.applied == ["merge_sibling_convs"] * 2

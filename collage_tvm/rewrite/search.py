@@ -9,6 +9,10 @@ empty, ``budget_s`` has passed or ``max_graphs`` graphs were costed.
 ``cost(mod) -> float`` is the caller's: the build passes a cost from measured per-candidate
 costs of the backends that will run the graph (so a rewrite is judged on those backends);
 the tests pass a fake table.
+
+``split_search`` is the search over a graph split into pieces (``split``, MetaFlow Alg. 2):
+each piece searched alone (only the sites inside it), in order, each from the result of
+the one before; then the sites that span pieces, from the stitched graph.
 """
 from __future__ import annotations
 
@@ -19,22 +23,33 @@ from dataclasses import dataclass, field
 
 from tvm_ffi.structural import structural_hash
 
-from .passes import (fold_conv_affine, fold_conv_affine_sites, merge_sibling_convs,
-                     sibling_conv_sites)
+from .passes import (_single_block, fold_conv_affine, fold_conv_affine_sites,
+                     merge_sibling_convs, sibling_conv_sites)
+
+
+def _whole_graph(_mod, _site):
+    return None
+
+
+def _binding_vars(mod, site) -> list:
+    bindings = _single_block(mod)
+    return [bindings[k].var for k in site]
 
 
 @dataclass(frozen=True)
 class Rewrite:
     """A substitution as the search applies it: ``sites(mod)`` lists where it applies,
-    ``apply(mod, site)`` returns the rewritten module."""
+    ``apply(mod, site)`` returns the rewritten module, ``site_vars(mod, site)`` the vars of
+    the bindings the site rewrites (None: the whole graph)."""
     name: str
     sites: object
     apply: object
+    site_vars: object = _whole_graph
 
 
 REWRITES = (
     Rewrite("fold_conv_affine", fold_conv_affine_sites, lambda mod, _site: fold_conv_affine(mod)),
-    Rewrite("merge_sibling_convs", sibling_conv_sites, merge_sibling_convs),
+    Rewrite("merge_sibling_convs", sibling_conv_sites, merge_sibling_convs, _binding_vars),
 )
 
 
@@ -48,15 +63,18 @@ class SearchResult:
     pruned: int = 0                                  # new graphs not queued (cost >= alpha*best)
     seconds: float = 0.0
     stopped: str = "queue empty"
+    pieces: list = field(default_factory=list)      # split_search: sizes of the pieces
 
 
 def search(mod, cost, rewrites=REWRITES, alpha: float = 1.05, budget_s: float = 60.0,
-           max_graphs: int = 500, min_gain: float = 0.0) -> SearchResult:
+           max_graphs: int = 500, min_gain: float = 0.0, allowed=None,
+           start_cost: float | None = None, min_gain_ms: float = 0.0) -> SearchResult:
     """The best module found from ``mod`` (see the module doc); ``mod`` itself unless the
-    best costs at least ``min_gain`` (a fraction) less: measured costs carry noise, and a
-    rewrite that gains less than it is no gain."""
+    best costs at least ``min_gain`` (a fraction) and ``min_gain_ms`` less: measured costs
+    carry noise, and a rewrite that gains less than it is no gain. ``allowed(rewrite, mod,
+    site)``: which sites to try (default all); ``start_cost``: ``cost(mod)`` if known."""
     t0 = time.perf_counter()
-    start = cost(mod)
+    start = cost(mod) if start_cost is None else start_cost
     best, best_cost, best_path = mod, start, []
     tie = itertools.count()
     queue = [(start, next(tie), mod, [])]
@@ -71,6 +89,8 @@ def search(mod, cost, rewrites=REWRITES, alpha: float = 1.05, budget_s: float = 
             best, best_cost, best_path = g, c, path
         for rw in rewrites:
             for site in rw.sites(g):
+                if allowed is not None and not allowed(rw, g, site):
+                    continue
                 new = rw.apply(g, site)
                 h = structural_hash(new)
                 if h in seen:
@@ -88,8 +108,65 @@ def search(mod, cost, rewrites=REWRITES, alpha: float = 1.05, budget_s: float = 
                         best, best_cost, best_path = new, new_cost, path + [rw.name]
                 else:
                     result.pruned += 1
-    if best_cost > start * (1.0 - min_gain):
+    if best_cost > start * (1.0 - min_gain) or best_cost > start - min_gain_ms:
         best, best_cost, best_path = mod, start, []
     result.module, result.cost, result.applied = best, best_cost, best_path
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def split_search(mod, cost, rewrites=REWRITES, max_ops: int = 30, alpha: float = 1.05,
+                 budget_s: float = 60.0, max_graphs: int = 500,
+                 min_gain: float = 0.0) -> SearchResult:
+    """``search`` over ``mod`` split into pieces of at most ``max_ops`` bindings (module
+    doc). Each piece gets a share of ``budget_s`` and ``max_graphs`` by its size, and keeps a
+    rewrite only when it gains ``min_gain`` of the piece's share of the graph's cost; the
+    whole result only when it gains ``min_gain`` of the graph's cost."""
+    from .split import pieces_of
+
+    t0 = time.perf_counter()
+    pieces = pieces_of(mod, rewrites, max_ops)
+    if len(pieces) <= 1:
+        return search(mod, cost, rewrites, alpha, budget_s, max_graphs, min_gain)
+    start = cost(mod)
+    owner = {v: k for k, piece in enumerate(pieces) for v in piece}
+    total = sum(len(p) for p in pieces)
+    out = SearchResult(mod, start, start, graphs=1, pieces=[len(p) for p in pieces])
+    cur, cur_cost = mod, start
+
+    def owners(rw, g, site) -> set | None:
+        vars_ = rw.site_vars(g, site)
+        return None if vars_ is None else {owner.get(v) for v in vars_}
+
+    def run(allowed, share: float, floor_ms: float) -> None:
+        nonlocal cur, cur_cost
+        left = budget_s - (time.perf_counter() - t0)
+        res = search(cur, cost, rewrites, alpha, max(0.0, min(left, budget_s * share)),
+                     max(1, int(max_graphs * share)), allowed=allowed, start_cost=cur_cost,
+                     min_gain_ms=floor_ms)
+        out.graphs += res.graphs - 1
+        out.pruned += res.pruned
+        if res.stopped != "queue empty":
+            out.stopped = res.stopped
+        if res.module is not cur:
+            known = {b.var for b in (_single_block(cur) or [])}
+            new = [b.var for b in (_single_block(res.module) or []) if b.var not in known]
+            cur, cur_cost = res.module, res.cost
+            out.applied += res.applied
+            return new
+        return []
+
+    for k, piece in enumerate(pieces):
+        share = len(piece) / total
+        # inside piece k: every var of the site is the piece's (or new, made in it)
+        new = run(lambda rw, g, site, k=k: (o := owners(rw, g, site)) is not None
+                  and o <= {k, None}, share / 2, min_gain * start * share)
+        owner.update({v: k for v in new})
+    # the stitch: sites across pieces (and whole-graph ones), from the joined result
+    run(lambda rw, g, site: (o := owners(rw, g, site)) is None or len(o - {None}) > 1,
+        0.5, 0.0)
+    if cur_cost > start * (1.0 - min_gain):
+        cur, cur_cost, out.applied = mod, start, []
+    out.module, out.cost = cur, cur_cost
+    out.seconds = time.perf_counter() - t0
+    return out
