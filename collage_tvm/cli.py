@@ -48,8 +48,10 @@ def _optimize(args) -> int:
         folded = "affine tails folded into convolutions; " if rw["folded_affine_tails"] else ""
         print(f"rewrite: {folded}{len(rw['applied'])} rewrite(s) applied "
               f"({', '.join(rw['applied']) or 'none paid'}); op-level estimate "
-              f"{rw['start_ms']:.3f} -> {rw['best_ms']:.3f} ms; {rw['graphs']} graphs costed, "
-              f"stopped: {rw['stopped']}")
+              f"{rw['start_ms']:.3f} -> {rw['best_ms']:.3f} ms; {rw['graphs']} graphs costed"
+              + (f" over {len(rw['pieces'])} pieces (largest {max(rw['pieces'])} bindings)"
+                 if len(rw.get("pieces", ())) > 1 else "")
+              + f", stopped: {rw['stopped']}")
     gl = rep.graph_level
     if gl.get("history"):
         print(f"graph-level: {gl['eligible_groups']} groups could move to "

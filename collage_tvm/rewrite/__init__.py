@@ -6,7 +6,8 @@ enumerate, fingerprint, prune, verify), chosen by the cost-based backtracking se
 ``rewrite=True`` in the build applies the fold of a convolution's per-channel affine tail
 (bias, batch norm decomposed for inference), which only removes work, then the search,
 each graph costed by the op-level DP over the build's measured candidates; the final check
-(``compare=True``) times the unrewritten graph's placement too. Not yet: graph split."""
+(``compare=True``) times the unrewritten graph's placement too. The search runs on the graph
+split into pieces (``split``, MetaFlow Alg. 2)."""
 from .passes import fold_conv_affine
 from .substitutions import SUBSTITUTIONS, WRONG, by_name, prove
 
