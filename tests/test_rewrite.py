@@ -364,3 +364,37 @@ def test_split_search_stitches_a_site_the_cut_broke():
     mod = _stages(2)
     res = split_search(mod, _fake_cost(1.0), max_ops=2, max_graphs=10_000, budget_s=300)
     assert len(res.pieces) >= 5 and res.applied == ["merge_sibling_convs"] * 2
+
+
+def test_split_conv_over_concat_is_searched_and_judged_by_cost():
+    # A conv over a channel concat: a cost that prices the concat makes the split pay; one
+    # that prices each conv high keeps the graph. The rewritten graph computes the same.
+    from collage_tvm.rewrite.passes import concat_conv_sites
+    from collage_tvm.rewrite.search import search
+
+    rng = np.random.default_rng(0)
+    xs = [relax.Var(f"x{k}", relax.TensorType((1, 3, 8, 8), "float32")) for k in range(2)]
+    bb = relax.BlockBuilder()
+    with bb.function("main", xs):
+        with bb.dataflow():
+            cat = bb.emit(relax.op.concat(xs, axis=1))
+            out = bb.emit_output(relax.op.nn.relu(relax.op.nn.conv2d(cat, relax.const(
+                rng.standard_normal((4, 6, 3, 3)).astype("float32")), padding=1)))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    assert len(concat_conv_sites(mod)) == 1
+
+    def priced(concat_ms, conv_ms):
+        def cost(m):
+            names = [getattr(getattr(b.value, "op", None), "name", "")
+                     for b in m["main"].body.blocks[0].bindings]
+            return (concat_ms * names.count("relax.concat") + conv_ms * names.count(
+                "relax.nn.conv2d") + 0.1 * names.count("relax.add"))
+        return cost
+
+    res = search(mod, priced(5.0, 2.0))
+    assert res.applied == ["split_conv_over_concat"] and res.cost == 2 * 2.0 + 0.1
+    assert search(mod, priced(0.5, 2.0)).applied == []
+    xv = [rng.standard_normal((1, 3, 8, 8)).astype("float32") for _ in range(2)]
+    got = numeric.run(relax.transform.Normalize()(res.module)["main"], xv)[0]
+    np.testing.assert_allclose(got, numeric.run(mod["main"], xv)[0], rtol=1e-4, atol=1e-5)

@@ -212,3 +212,84 @@ def _with_blocks(mod, blocks: list) -> tvm.IRModule:
                           main.is_pure, main.attrs)
     return tvm.IRModule({gv: (func if gv.name_hint == "main" else f)
                          for gv, f in mod.functions.items()}, attrs=mod.attrs)
+
+
+# --------------------------------------------------------------------------- conv of a concat
+
+def concat_conv_sites(mod: tvm.IRModule) -> list:
+    """Sites of ``split_conv_over_concat`` in ``main``'s dataflow block: indices of the
+    ``conv2d`` bindings (constant weight, groups = 1, NCHW) whose input is a channel
+    ``concat`` of two or more tensors bound in the same block."""
+    bindings = _single_block(mod)
+    if bindings is None:
+        return []
+    bound = {b.var: b for b in bindings}
+    sites = []
+    for i, b in enumerate(bindings):
+        conv = _conv_with_constant_weight(b)
+        if conv is None or int(conv.attrs.groups) != 1:
+            continue
+        src = bound.get(conv.args[0])
+        if _concat_parts(src) is not None:
+            sites.append(i)
+    return sites
+
+
+def _concat_parts(binding) -> list | None:
+    """The parts of a channel (axis 1 of 4) ``concat`` binding with static channel counts."""
+    if binding is None or _op_name(binding) != "relax.concat":
+        return None
+    call = binding.value
+    parts = call.args[0]
+    if not isinstance(parts, relax.Tuple) or len(parts.fields) < 2 or \
+            int(call.attrs.axis) not in (1, -3):
+        return None
+    for p in parts.fields:
+        shape = getattr(getattr(p, "ty", None), "shape", None)
+        if not isinstance(shape, relax.ShapeExpr) or len(shape.values) != 4 or \
+                not isinstance(shape.values[1], tvm.tirx.IntImm):
+            return None
+    return list(parts.fields)
+
+
+def split_conv_over_concat(mod: tvm.IRModule, site: int) -> tvm.IRModule:
+    """Substitution ``split_conv_over_concat`` at ``site`` (from ``concat_conv_sites``): the
+    convolution of a channel concat becomes the sum of one convolution per part, each over
+    the kernel's input channels of that part; the concat goes when nothing else uses it."""
+    bindings = list(_single_block(mod))
+    conv_binding = bindings[site]
+    conv = conv_binding.value
+    concat_var = conv.args[0]
+    parts = _concat_parts(next(b for b in bindings if b.var.same_as(concat_var)))
+    weight = conv.args[1].value.numpy()
+    new, lo = [], 0
+    bb = relax.BlockBuilder()
+    with bb.function("scratch", []):  # a scope to infer the new bindings' types in
+        with bb.dataflow():
+            total = None
+            for k, part in enumerate(parts):
+                c = int(part.ty.shape.values[1])
+                call = relax.Call(conv.op, [part, relax.const(np.ascontiguousarray(
+                    weight[:, lo:lo + c]))], conv.attrs)
+                lo += c
+                var = relax.DataflowVar(f"conv_part{k}", bb.normalize(call).ty)
+                new.append(relax.VarBinding(var, call))
+                if total is not None:
+                    call = relax.op.add(total, var)
+                    total = relax.DataflowVar(f"conv_sum{k}", bb.normalize(call).ty)
+                    new.append(relax.VarBinding(total, call))
+                else:
+                    total = var
+            bb.emit_output(relax.const(0.0))
+        bb.emit_func_output(relax.const(0.0))
+    # the result keeps the convolution's var
+    last = new.pop()
+    new.append(relax.VarBinding(conv_binding.var, last.value))
+    still_used = _uses(mod["main"]).get(concat_var, 0) > 1
+    out = []
+    for i, b in enumerate(bindings):
+        if i == site:
+            out += new
+        elif not (b.var.same_as(concat_var) and not still_used):
+            out.append(b)
+    return _with_blocks(mod, [out])

@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 
 from tvm_ffi.structural import structural_hash
 
-from .passes import (_single_block, fold_conv_affine, fold_conv_affine_sites,
-                     merge_sibling_convs, sibling_conv_sites)
+from .passes import (_single_block, concat_conv_sites, fold_conv_affine,
+                     fold_conv_affine_sites, merge_sibling_convs, sibling_conv_sites,
+                     split_conv_over_concat)
 
 
 def _whole_graph(_mod, _site):
@@ -34,6 +35,11 @@ def _whole_graph(_mod, _site):
 def _binding_vars(mod, site) -> list:
     bindings = _single_block(mod)
     return [bindings[k].var for k in site]
+
+
+def _conv_and_input(mod, site) -> list:
+    conv = _single_block(mod)[site]
+    return [conv.var, conv.value.args[0]]
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,8 @@ class Rewrite:
 REWRITES = (
     Rewrite("fold_conv_affine", fold_conv_affine_sites, lambda mod, _site: fold_conv_affine(mod)),
     Rewrite("merge_sibling_convs", sibling_conv_sites, merge_sibling_convs, _binding_vars),
+    Rewrite("split_conv_over_concat", concat_conv_sites, split_conv_over_concat,
+            _conv_and_input),
 )
 
 

@@ -121,6 +121,40 @@ def _merge_relax(case):
     return source["main"], relax.transform.Normalize()(merge_sibling_convs(source, site))["main"]
 
 
+# --------------------------------------------------------------------------- conv of a concat
+
+def _concat_conv_statement():
+    weight = V.concat(1, V.w, V.v)  # any kernel is its input channels' parts stacked
+    source = V.conv2d(V.st, V.pd, 1, V.concat(1, V.x, V.y), weight)
+    target = V.add(V.conv2d(V.st, V.pd, 1, V.x, V.split0(1, weight)),
+                   V.conv2d(V.st, V.pd, 1, V.y, V.split1(1, weight)))
+    return source, target, ()
+
+
+def _concat_conv_relax(case):
+    from tvm import relax
+
+    from .passes import concat_conv_sites, split_conv_over_concat
+
+    rng = np.random.default_rng(0)
+    channels = (2, 3, 4)[:case["parts"]]
+    xs = [relax.Var(f"x{k}", relax.TensorType((1, c, 9, 9), "float32"))
+          for k, c in enumerate(channels)]
+    weight = rng.standard_normal((5, sum(channels), 3, 3)).astype("float32")
+    bb = relax.BlockBuilder()
+    with bb.function("main", xs):
+        with bb.dataflow():
+            cat = bb.emit(relax.op.concat(xs, axis=1))
+            out = bb.emit_output(relax.op.nn.conv2d(cat, relax.const(weight),
+                                                    strides=case["stride"],
+                                                    padding=case["padding"]))
+        bb.emit_func_output(out)
+    source = bb.get()
+    (site,) = concat_conv_sites(source)
+    return source["main"], relax.transform.Normalize()(
+        split_conv_over_concat(source, site))["main"]
+
+
 # --------------------------------------------------------------------------- avg pool
 
 def _pool_statement(count_include_pad: int):
@@ -171,6 +205,12 @@ SUBSTITUTIONS = (
         "two convolutions of one input with the same stride and padding become one "
         "convolution over their stacked kernels, split along the channels",
         _merge_statement, _merge_relax, _cases(stride=(1, 2), padding=(0, 1))),
+    Substitution(
+        "split_conv_over_concat",
+        "a convolution over a channel concat becomes the sum of one convolution per part, "
+        "each over that part's input channels of the kernel",
+        _concat_conv_statement, _concat_conv_relax,
+        _cases(stride=(1, 2), padding=(0, 1), parts=(2, 3))),
     Substitution(
         "avg_pool_as_depthwise_conv",
         "average pooling that counts the padding is a depthwise convolution with a constant "

@@ -94,6 +94,10 @@ def _axioms() -> dict:
         # relu is elementwise: it commutes with concat
         "relu commutes with concat": z3.ForAll(
             [ax, x, y], relu(concat(ax, x, y)) == concat(ax, relu(x), relu(y))),
+        # conv over a channel concat: each part meets its own input channels of the kernel
+        "conv of a channel concat is a sum of convs": z3.ForAll(
+            [st, pd, x, y, w, v], conv2d(st, pd, 1, concat(1, x, y), concat(1, w, v))
+            == add(conv2d(st, pd, 1, x, w), conv2d(st, pd, 1, y, v))),
         # conv is linear in its input (one kernel)
         "conv distributes over add": z3.ForAll(
             [st, pd, g, x, y, w], conv2d(st, pd, g, add(x, y), w)
