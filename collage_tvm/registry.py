@@ -45,11 +45,16 @@ class PatternRule:
     ``valid_op(node) -> bool`` says whether one node can run on the backend.
     ``fusion_rule(nodes) -> bool`` says whether a connected group of valid nodes
     (in topological order) can run as one kernel; ``None`` means single ops only.
+    ``regions``: for a graph library, also offer whole regions as candidates: the graph in
+    topological order cut into 1, 2, 4, ... ``2 ** regions`` equal ranges, each range's
+    maximal runs of valid nodes one candidate (the whole model on the library among them),
+    so the op-level DP weighs one call over a region against many small ones. 0: none.
     """
 
     valid_op: Callable
     fusion_rule: Callable | None = None
     max_size: int = 8
+    regions: int = 0
 
 
 @dataclass
@@ -195,12 +200,16 @@ def add_backend_pattern(backend: str, pattern, check: Callable | None = None,
 
 
 def add_backend_pattern_rule(backend: str, valid_op: Callable, fusion_rule: Callable | None = None,
-                             max_size: int = 8) -> PatternRule:
-    """Add a pattern rule the generator expands over the graph (paper Fig. 4)."""
+                             max_size: int = 8, regions: int = 0) -> PatternRule:
+    """Add a pattern rule the generator expands over the graph (paper Fig. 4);
+    ``regions``: see ``PatternRule``."""
     ensure_builtin_backends()
     if not callable(valid_op):
         raise TypeError(f"backend {backend!r}: valid_op must be callable")
-    rule = PatternRule(valid_op, fusion_rule, max_size)
+    if not isinstance(regions, int) or not 0 <= regions <= 8:
+        raise ValueError(f"backend {backend!r}: regions must be an int from 0 to 8, "
+                         f"got {regions!r}")
+    rule = PatternRule(valid_op, fusion_rule, max_size, regions)
     _backend(backend).rules.append(rule)
     return rule
 

@@ -12,4 +12,4 @@ from collage_tvm.registry import add_backend_pattern_rule, register_backend
 
 register_backend("onnxruntime", kind="graph", device="cpu",
                  lowering="collage_tvm.backends.onnxruntime:OnnxRuntimeLowering")
-add_backend_pattern_rule("onnxruntime", exportable, one_anchor_group, max_size=8)
+add_backend_pattern_rule("onnxruntime", exportable, one_anchor_group, max_size=8, regions=4)

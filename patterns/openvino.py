@@ -10,11 +10,11 @@ from collage_tvm.registry import add_backend_pattern_rule, register_backend
 
 register_backend("openvino", kind="graph", device="cpu",
                  lowering="collage_tvm.backends.openvino:OpenVinoLowering")
-add_backend_pattern_rule("openvino", exportable, one_anchor_group, max_size=8)
+add_backend_pattern_rule("openvino", exportable, one_anchor_group, max_size=8, regions=4)
 
 # The same library in bf16, OpenVINO's default precision on CPUs with bf16 instructions:
 # used only under an accuracy budget that allows bf16 (--accuracy bf16).
 register_backend("openvino_bf16", kind="graph", device="cpu", precision="bf16",
                  variant_of="openvino",
                  lowering="collage_tvm.backends.openvino:OpenVinoBf16Lowering")
-add_backend_pattern_rule("openvino_bf16", exportable, one_anchor_group, max_size=8)
+add_backend_pattern_rule("openvino_bf16", exportable, one_anchor_group, max_size=8, regions=4)

@@ -96,3 +96,38 @@ def test_user_pattern_file_registers_a_backend(tmp_path):
     g = DataflowGraph(_conv_block())
     assert {c.nodes for c in generate_candidates(g, [get_backend("mylib")])} == {
         frozenset({2}), frozenset({6})}
+
+
+def test_a_graph_library_offers_regions_up_to_the_whole_model():
+    # PatternRule.regions: the nodes in topological order cut into 1, 2, 4, ... ranges;
+    # each range's runs of valid nodes are candidates, the whole model among them. A node
+    # the library cannot run ends a run.
+    from collage_tvm.graph import DataflowGraph
+    from collage_tvm.patterns import generate_candidates
+    from collage_tvm.registry import Backend, PatternRule
+
+    xv = relax.Var("x", relax.TensorType((1, 16), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [xv]):
+        with bb.dataflow():
+            y = xv
+            for k in range(12):
+                y = bb.emit(relax.op.nn.relu(y) if k != 5 else relax.op.nn.softmax(y))
+            out = bb.emit_output(y)
+        bb.emit_func_output(out)
+    graph = DataflowGraph(bb.get()["main"])
+    n = len(graph)
+
+    def lib(regions, skip=None):
+        rule = PatternRule(valid_op=lambda node: node.index != skip, regions=regions)
+        return Backend(name="lib", kind="graph", rules=[rule])
+
+    def regions(cands):
+        return sorted(sorted(c.nodes) for c in cands if c.label == "lib.region")
+
+    found = regions(generate_candidates(graph, [lib(2)]))
+    assert list(range(n)) in found                                   # the whole model
+    assert list(range(n // 2)) in found and list(range(n // 2, n)) in found  # the halves
+    assert not regions(generate_candidates(graph, [lib(0)]))
+    cut = regions(generate_candidates(graph, [lib(1, skip=5)]))
+    assert all(5 not in r for r in cut) and [0, 1, 2, 3, 4] in cut

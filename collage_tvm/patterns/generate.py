@@ -185,6 +185,32 @@ def _expand_rule(graph: DataflowGraph, backend, rule, ipdom) -> list:
             if rule.fusion_rule([graph.nodes[i] for i in group]):
                 out.append(Candidate(backend.name, frozenset(group), f"{backend.name}.fused"))
             end = ipdom[end]
+    if rule.regions:
+        out += _regions(graph, backend, rule.regions, valid)
+    return out
+
+
+def _regions(graph: DataflowGraph, backend, levels: int, valid: list) -> list:
+    """Region candidates (``PatternRule.regions``): the nodes in topological order cut into
+    ``2 ** k`` equal ranges for k = 0..``levels``; in each range, every maximal run of valid
+    nodes holding at least two computing nodes is one candidate. A run of consecutive
+    nodes in topological order is convex: a path between two of its nodes passes only
+    through nodes ordered between them."""
+    n, out = len(graph), []
+    for k in range(levels + 1):
+        parts = 2 ** k
+        if n // parts < 2:
+            break
+        for p in range(parts):
+            lo, hi = p * n // parts, (p + 1) * n // parts
+            run: list = []
+            for i in list(range(lo, hi)) + [None]:
+                if i is not None and valid[i]:
+                    run.append(i)
+                    continue
+                if sum(1 for j in run if graph.nodes[j].call is not None) >= 2:
+                    out.append(Candidate(backend.name, frozenset(run), f"{backend.name}.region"))
+                run = []
     return out
 
 
