@@ -283,7 +283,7 @@ def _rewrite(mod, backends, target, db, options: SearchOptions, report) -> tvm.I
             return place(graph.producers, cands, costs, eps, exact=False).cost
 
         # 3%: below it, two measured placements are within the noise of these machines
-        res = split_search(folded, cost, budget_s=min(options.budget, 120.0), min_gain=0.03)
+        res = split_search(folded, cost, budget_s=options.budget, min_gain=0.03)
     finally:
         measurer.close()
     report.rewrite = {"folded_affine_tails": folded is not mod, "applied": res.applied,

@@ -319,7 +319,8 @@ def main(argv=None) -> int:
                    help="op-level DP with the paper's additive cost (no measured cost of "
                         "changing runtime between consecutive kernels)")
     o.add_argument("--budget", type=float, default=300.0,
-                   help="time budget of the graph-level search in seconds (default 300)")
+                   help="time budget in seconds of the graph-level search and of the rewrite "
+                        "search, each (default 300)")
     o.add_argument("--in-process", action="store_true",
                    help="measure in this process (faster start, no crash isolation)")
     o.add_argument("--accuracy", default="f32", metavar="BUDGET", help=ACCURACY_HELP)
@@ -376,7 +377,8 @@ def main(argv=None) -> int:
                    help="zoo model size (default paper)")
     b.add_argument("--backends", default="tvm,dnnl,mkl,onnxruntime,openvino")
     b.add_argument("--graph-level", action="store_true", help="also run the two-level search")
-    b.add_argument("--budget", type=float, default=300.0)
+    b.add_argument("--budget", type=float, default=300.0,
+                   help="seconds of graph-level search and of rewrite search, each (default 300)")
     b.add_argument("--db", default=None)
     b.add_argument("--rewrite", action="store_true",
                    help="also Collage placed-only beside rewritten+placed (the z3-verified "

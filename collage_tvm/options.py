@@ -58,7 +58,7 @@ class SearchOptions:
     refine_rounds: int = _rounds("|refined", 2)
     # Rounds of in-context calibration of the op-level placement (``placer.calibrate``).
     calibrate_rounds: int = _rounds("|calibrated", 4)
-    # Seconds the graph-level search may take.
+    # Seconds the graph-level search may take; the rewrite search (rewrite=True) too.
     budget: float = _not_key(300.0, "a bound on the search's time; the placement found "
                              "within it stands for later builds")
     # Time the placement end to end beside every single-backend build; ship the fastest.

@@ -127,9 +127,11 @@ def split_search(mod, cost, rewrites=REWRITES, max_ops: int = 30, alpha: float =
                  budget_s: float = 60.0, max_graphs: int = 500,
                  min_gain: float = 0.0) -> SearchResult:
     """``search`` over ``mod`` split into pieces of at most ``max_ops`` bindings (module
-    doc). Each piece gets a share of ``budget_s`` and ``max_graphs`` by its size, and keeps a
-    rewrite only when it gains ``min_gain`` of the piece's share of the graph's cost; the
-    whole result only when it gains ``min_gain`` of the graph's cost."""
+    doc). A piece with no site inside is not searched; the others share three quarters of
+    ``budget_s`` and of ``max_graphs`` by their number of sites (time a piece leaves unused
+    goes to the next ones), the search across pieces the rest. A piece keeps a rewrite only
+    when it gains ``min_gain`` of the piece's share (by size) of the graph's cost; the whole
+    result is kept only when it gains ``min_gain`` of the graph's cost."""
     from .split import pieces_of
 
     t0 = time.perf_counter()
@@ -146,33 +148,42 @@ def split_search(mod, cost, rewrites=REWRITES, max_ops: int = 30, alpha: float =
         vars_ = rw.site_vars(g, site)
         return None if vars_ is None else {owner.get(v) for v in vars_}
 
-    def run(allowed, share: float, floor_ms: float) -> None:
+    def inside(k):
+        # every var of the site is piece k's (or new, made while searching it)
+        return lambda rw, g, site: (o := owners(rw, g, site)) is not None and o <= {k, None}
+
+    def run(allowed, seconds: float, graphs: int, floor_ms: float) -> list:
         nonlocal cur, cur_cost
-        left = budget_s - (time.perf_counter() - t0)
-        res = search(cur, cost, rewrites, alpha, max(0.0, min(left, budget_s * share)),
-                     max(1, int(max_graphs * share)), allowed=allowed, start_cost=cur_cost,
-                     min_gain_ms=floor_ms)
+        res = search(cur, cost, rewrites, alpha, max(0.0, seconds), max(1, graphs),
+                     allowed=allowed, start_cost=cur_cost, min_gain_ms=floor_ms)
         out.graphs += res.graphs - 1
         out.pruned += res.pruned
         if res.stopped != "queue empty":
             out.stopped = res.stopped
-        if res.module is not cur:
-            known = {b.var for b in (_single_block(cur) or [])}
-            new = [b.var for b in (_single_block(res.module) or []) if b.var not in known]
-            cur, cur_cost = res.module, res.cost
-            out.applied += res.applied
-            return new
-        return []
+        if res.module is cur:
+            return []
+        known = {b.var for b in (_single_block(cur) or [])}
+        new = [b.var for b in (_single_block(res.module) or []) if b.var not in known]
+        cur, cur_cost = res.module, res.cost
+        out.applied += res.applied
+        return new
 
+    sites = [sum(1 for rw in rewrites for site in rw.sites(mod) if inside(k)(rw, mod, site))
+             for k in range(len(pieces))]
+    graphs_left = 0.75 * max_graphs
     for k, piece in enumerate(pieces):
-        share = len(piece) / total
-        # inside piece k: every var of the site is the piece's (or new, made in it)
-        new = run(lambda rw, g, site, k=k: (o := owners(rw, g, site)) is not None
-                  and o <= {k, None}, share / 2, min_gain * start * share)
+        if not sites[k]:
+            continue
+        weight = sites[k] / sum(sites[k:])
+        seconds = (0.75 * budget_s - (time.perf_counter() - t0)) * weight
+        before = out.graphs
+        new = run(inside(k), seconds, int(graphs_left * weight),
+                  min_gain * start * len(piece) / total)
+        graphs_left -= out.graphs - before
         owner.update({v: k for v in new})
     # the stitch: sites across pieces (and whole-graph ones), from the joined result
     run(lambda rw, g, site: (o := owners(rw, g, site)) is None or len(o - {None}) > 1,
-        0.5, 0.0)
+        budget_s - (time.perf_counter() - t0), max_graphs - out.graphs, 0.0)
     if cur_cost > start * (1.0 - min_gain):
         cur, cur_cost, out.applied = mod, start, []
     out.module, out.cost = cur, cur_cost
