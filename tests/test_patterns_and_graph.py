@@ -131,3 +131,29 @@ def test_a_graph_library_offers_regions_up_to_the_whole_model():
     assert not regions(generate_candidates(graph, [lib(0)]))
     cut = regions(generate_candidates(graph, [lib(1, skip=5)]))
     assert all(5 not in r for r in cut) and [0, 1, 2, 3, 4] in cut
+
+
+def test_a_region_holding_too_many_weights_is_not_offered(monkeypatch):
+    import numpy as np
+
+    from collage_tvm.graph import DataflowGraph
+    from collage_tvm.patterns import generate, generate_candidates
+    from collage_tvm.registry import Backend, PatternRule
+
+    xv = relax.Var("x", relax.TensorType((1, 16), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [xv]):
+        with bb.dataflow():
+            y = xv
+            for _ in range(8):  # 8 matmuls of 16x16 float32 weights: 1 KiB each
+                y = bb.emit(relax.op.matmul(y, relax.const(np.ones((16, 16), "float32"))))
+            out = bb.emit_output(y)
+        bb.emit_func_output(out)
+    graph = DataflowGraph(bb.get()["main"])
+    lib = Backend(name="lib", kind="graph", rules=[PatternRule(valid_op=lambda n: True,
+                                                               regions=1)])
+    sizes = lambda: sorted(len(c.nodes) for c in generate_candidates(graph, [lib])  # noqa: E731
+                           if c.label == "lib.region")
+    assert max(sizes()) == len(graph)
+    monkeypatch.setattr(generate, "REGION_MAX_BYTES", 5 * 1024)  # the halves fit, not the whole
+    assert sizes() and max(sizes()) < len(graph)

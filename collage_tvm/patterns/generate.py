@@ -12,10 +12,12 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
 from tvm import relax
 
-from ..placement import Candidate
 from ..graph import DataflowGraph
+from ..graph.subgraph import Constant
+from ..placement import Candidate
 
 logger = logging.getLogger("collage_tvm")
 
@@ -190,13 +192,32 @@ def _expand_rule(graph: DataflowGraph, backend, rule, ipdom) -> list:
     return out
 
 
+# A region holding more weights than this is not offered: measuring it copies its weights to
+# the measuring process and into the library (ONNX itself stops at 2 GB), and the smaller
+# regions and groups cover the same nodes.
+REGION_MAX_BYTES = 1 << 30
+
+
+def _weight_bytes(node) -> int:
+    call = node.call
+    if call is None:
+        return 0
+    total = 0
+    for a in call.args:
+        if isinstance(a, Constant):
+            shape = a.value.shape
+            total += int(np.prod(shape, dtype=np.int64)) * np.dtype(str(a.value.dtype)).itemsize
+    return total
+
+
 def _regions(graph: DataflowGraph, backend, levels: int, valid: list) -> list:
     """Region candidates (``PatternRule.regions``): the nodes in topological order cut into
     ``2 ** k`` equal ranges for k = 0..``levels``; in each range, every maximal run of valid
-    nodes holding at least two computing nodes is one candidate. A run of consecutive
-    nodes in topological order is convex: a path between two of its nodes passes only
-    through nodes ordered between them."""
+    nodes holding at least two computing nodes (and at most ``REGION_MAX_BYTES`` of weights)
+    is one candidate. A run of consecutive nodes in topological order is convex: a path
+    between two of its nodes passes only through nodes ordered between them."""
     n, out = len(graph), []
+    weights = [_weight_bytes(node) for node in graph.nodes]
     for k in range(levels + 1):
         parts = 2 ** k
         if n // parts < 2:
@@ -208,7 +229,8 @@ def _regions(graph: DataflowGraph, backend, levels: int, valid: list) -> list:
                 if i is not None and valid[i]:
                     run.append(i)
                     continue
-                if sum(1 for j in run if graph.nodes[j].call is not None) >= 2:
+                if sum(1 for j in run if graph.nodes[j].call is not None) >= 2 and \
+                        sum(weights[j] for j in run) <= REGION_MAX_BYTES:
                     out.append(Candidate(backend.name, frozenset(run), f"{backend.name}.region"))
                 run = []
     return out
