@@ -276,8 +276,11 @@ def _rewrite(mod, backends, target, db, options: SearchOptions, report) -> tvm.I
         eps = measurer.epsilon(backends.values())
 
         def cost(m) -> float:
+            # Without the graph libraries' regions: a rewrite changes every region around
+            # it, and each would be measured again (a whole-model session among them); a
+            # local change is judged on the local candidates.
             graph = DataflowGraph.from_module(m)
-            cands = generate_candidates(graph, backends.values())
+            cands = generate_candidates(graph, backends.values(), regions=False)
             raw, _ = ensure_cover(len(graph), cands, measurer.costs(graph, cands, backends))
             costs = {c: max(0.0, v - eps[c.backend]) for c, v in raw.items()}
             return place(graph.producers, cands, costs, eps, exact=False).cost

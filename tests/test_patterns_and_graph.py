@@ -129,6 +129,7 @@ def test_a_graph_library_offers_regions_up_to_the_whole_model():
     assert list(range(n)) in found                                   # the whole model
     assert list(range(n // 2)) in found and list(range(n // 2, n)) in found  # the halves
     assert not regions(generate_candidates(graph, [lib(0)]))
+    assert not regions(generate_candidates(graph, [lib(2)], regions=False))  # rewrite costing
     cut = regions(generate_candidates(graph, [lib(1, skip=5)]))
     assert all(5 not in r for r in cut) and [0, 1, 2, 3, 4] in cut
 

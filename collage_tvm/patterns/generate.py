@@ -165,7 +165,7 @@ def _between(graph: DataflowGraph, start: int, end: int) -> list | None:
     return sorted(seen)
 
 
-def _expand_rule(graph: DataflowGraph, backend, rule, ipdom) -> list:
+def _expand_rule(graph: DataflowGraph, backend, rule, ipdom, regions: bool = True) -> list:
     out = []
     valid = [False] * len(graph)
     for node in graph.nodes:
@@ -187,7 +187,7 @@ def _expand_rule(graph: DataflowGraph, backend, rule, ipdom) -> list:
             if rule.fusion_rule([graph.nodes[i] for i in group]):
                 out.append(Candidate(backend.name, frozenset(group), f"{backend.name}.fused"))
             end = ipdom[end]
-    if rule.regions:
+    if rule.regions and regions:
         out += _regions(graph, backend, rule.regions, valid)
     return out
 
@@ -236,8 +236,9 @@ def _regions(graph: DataflowGraph, backend, levels: int, valid: list) -> list:
     return out
 
 
-def generate_candidates(graph: DataflowGraph, backends) -> list:
-    """Every candidate of every backend over ``graph``, deduplicated."""
+def generate_candidates(graph: DataflowGraph, backends, regions: bool = True) -> list:
+    """Every candidate of every backend over ``graph``, deduplicated; ``regions=False``
+    leaves out the graph libraries' region candidates (``PatternRule.regions``)."""
     var2val = graph.var2val()
     node_of = {}
     for node in graph.nodes:
@@ -249,7 +250,7 @@ def generate_candidates(graph: DataflowGraph, backends) -> list:
     for backend in backends:
         found = _match_explicit(graph, backend, var2val, node_of, maps)
         for rule in backend.rules:
-            found += _expand_rule(graph, backend, rule, ipdom)
+            found += _expand_rule(graph, backend, rule, ipdom, regions)
         for cand in found:
             if cand not in seen:
                 seen.add(cand)
