@@ -542,3 +542,35 @@ def test_a_resumed_suite_run_runs_named_models_again_with_again(tmp_path):
                  *args]) == 0
     rows = {r["model"]: r for r in json.loads(table.read_text())}
     assert "marker" not in rows["test_AvgPool1d"] and "marker" in rows["test_AvgPool2d"]
+
+
+class _RelPad(nn.Module):
+    """timm's botnet relative logits: F.pad of a (B, W, 2W - 1) tensor, flattened, padded
+    again, reshaped. The TorchScript exporter writes the pads as a computation over
+    constants (ConstantOfShape -> Concat -> Reshape -> Slice -> Transpose -> Reshape ->
+    Cast), with no Shape op anywhere; TVM's importer rejected it: "Dynamic pads"."""
+
+    def forward(self, x):
+        b, w, _ = x.shape
+        x = torch.nn.functional.pad(x, [0, 1]).flatten(1)
+        x = torch.nn.functional.pad(x, [0, w - 1])
+        return torch.relu(x.reshape(b, w + 1, 2 * w - 1)[:, :w, w - 1:])
+
+
+def test_pads_computed_from_constants_fold_so_tvm_can_import_them(tmp_path):
+    import onnx
+
+    from collage_tvm.frontend.fold_shapes import fold_shapes
+    from collage_tvm.tools.suites import Case, export_onnx
+
+    model, x = _RelPad().eval(), torch.randn(2, 5, 9)
+    expected = [model(x).numpy()]
+    proto = onnx.load(export_onnx(model, (x,), str(tmp_path / "relpad.onnx")))
+    assert "Shape" not in {n.op_type for n in proto.graph.node}
+    folded, n = fold_shapes(proto)
+    inits = {i.name for i in folded.graph.initializer}
+    pads = [node.input[1] for node in folded.graph.node if node.op_type == "Pad"]
+    assert n > 0 and pads and all(p in inits for p in pads)
+    case = Case("relpad", proto, [x.numpy()], expected, rtol=1e-5, atol=1e-6, floors=False)
+    r = tvm_only_check(case, make_target("llvm"))
+    assert r["collage"] == "match" and r["uncovered"] == [], r

@@ -14,8 +14,8 @@ constants, and every node whose inputs are all constants is evaluated with the O
 reference implementation and replaced by an initializer (outputs up to ``max_elements``;
 random, control-flow and sequence operators are never folded). Rounds repeat while
 something folded, since a reshape with a constant target makes the next shape static.
-Nodes left without a consumer are dropped. A model with no ``Shape``/``Size`` is left as
-it is, and so is one over protobuf's 2 GB (shape inference serializes it; its weights
+Nodes left without a consumer are dropped. A model that computes no shape (no
+``Shape``/``Size``, every pad, target shape and slice bound a constant) is left as it is, and so is one over protobuf's 2 GB (shape inference serializes it; its weights
 are external data). Folding is best effort: a node the reference
 cannot evaluate stays as it is, and a model shape inference cannot read is returned
 unchanged.
@@ -32,7 +32,28 @@ _NEVER = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLik
 _MAX_ROUNDS = 64  # each round reaches one reshape further: Swin's 12 blocks take ~16
 _SMALL = 4096  # initializers kept in the shape-inference skeleton (elements)
 _SHAPE_OPS = {"Shape", "Size"}
+# Inputs TVM's importer needs constant (a pad, a target shape, slice bounds, ...), by op.
+_SHAPE_INPUTS = {"Pad": (1,), "Reshape": (1,), "Expand": (1,), "Tile": (1,),
+                 "Slice": (1, 2, 3, 4), "ConstantOfShape": (0,), "Resize": (1, 2, 3),
+                 "Upsample": (1,), "Unsqueeze": (1,), "Squeeze": (1,), "Range": (0, 1, 2),
+                 "TopK": (1,), "OneHot": (1,)}
 _MAX_BYTES = 2_000_000_000
+
+
+def _computes_shapes(graph) -> bool:
+    """Whether ``graph`` computes a shape at run time: a ``Shape``/``Size``, or an input
+    TVM needs constant (``_SHAPE_INPUTS``) that is computed by other nodes, e.g. the pads
+    the TorchScript exporter writes for ``F.pad`` as ConstantOfShape -> Concat -> Reshape
+    -> Slice -> Transpose -> Reshape -> Cast of constants (timm's botnet)."""
+    known = {i.name for i in graph.initializer} | {
+        o for n in graph.node if n.op_type == "Constant" for o in n.output}
+    for n in graph.node:
+        if n.op_type in _SHAPE_OPS:
+            return True
+        for k in _SHAPE_INPUTS.get(n.op_type, ()):
+            if k < len(n.input) and n.input[k] and n.input[k] not in known:
+                return True
+    return False
 
 
 def fold_shapes(proto, input_shapes: dict | None = None, max_elements: int = 1 << 20):
@@ -41,7 +62,7 @@ def fold_shapes(proto, input_shapes: dict | None = None, max_elements: int = 1 <
     ``input_shapes``: input name -> static shape, applied before shape inference."""
     import onnx
 
-    if not any(n.op_type in _SHAPE_OPS for n in proto.graph.node):
+    if not _computes_shapes(proto.graph):
         return proto, 0  # nothing computes a shape: TVM imports it as it is
     if proto.ByteSize() > _MAX_BYTES:
         return proto, 0  # shape inference serializes the model: protobuf's 2 GB limit
