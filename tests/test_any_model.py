@@ -574,3 +574,16 @@ def test_pads_computed_from_constants_fold_so_tvm_can_import_them(tmp_path):
     case = Case("relpad", proto, [x.numpy()], expected, rtol=1e-5, atol=1e-6, floors=False)
     r = tvm_only_check(case, make_target("llvm"))
     assert r["collage"] == "match" and r["uncovered"] == [], r
+
+
+def test_a_suite_model_with_a_zero_initialised_head_gets_random_weights():
+    # timm's ResMLP starts with a zero classifier head: its output would be zero for any
+    # input, and any build would "match". The suite draws such weights at random.
+    from collage_tvm.tools.suites import no_zero_weights
+
+    head = nn.Linear(8, 4)
+    nn.init.zeros_(head.weight)
+    nn.init.zeros_(head.bias)
+    model = no_zero_weights(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), head))
+    assert head.weight.abs().max() > 0 and not head.bias.any()  # biases stay as they were
+    assert model(torch.randn(2, 8)).abs().max() > 0

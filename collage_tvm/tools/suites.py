@@ -268,7 +268,7 @@ def torchvision_model(name: str):
     kwargs = {"image_size": size} if name.startswith("vit_") else {}
     torch.manual_seed(0)
     model = models.get_model(name, weights=None, **kwargs).eval()
-    return model, (_image((1, 3, size, size)),)
+    return no_zero_weights(model), (_image((1, 3, size, size)),)
 
 
 # At least one architecture of each family the issue names, and more (57 in all); the small
@@ -305,7 +305,21 @@ def timm_model(name: str):
         model = timm.create_model(name, pretrained=False, img_size=size)
     except TypeError:  # a convolutional net: no fixed input size to set
         model = timm.create_model(name, pretrained=False)
-    return model.eval(), (_image((1, 3, size, size)),)
+    return no_zero_weights(model.eval()), (_image((1, 3, size, size)),)
+
+
+def no_zero_weights(model):
+    """``model`` with every all-zero weight matrix or kernel (2-D or more) drawn at random
+    (normal, std 0.02, seeded): timm initialises some classifier heads to zero (ResMLP's),
+    and a model whose output is zero whatever its input matches anything."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2 and not param.any():
+                param.copy_(0.02 * torch.randn(param.shape, generator=gen))
+    return model
 
 
 def _last_hidden_cls():
