@@ -398,3 +398,40 @@ def test_split_conv_over_concat_is_searched_and_judged_by_cost():
     xv = [rng.standard_normal((1, 3, 8, 8)).astype("float32") for _ in range(2)]
     got = numeric.run(relax.transform.Normalize()(res.module)["main"], xv)[0]
     np.testing.assert_allclose(got, numeric.run(mod["main"], xv)[0], rtol=1e-4, atol=1e-5)
+
+
+def test_sibling_matmuls_of_an_attention_are_merged_when_it_pays():
+    # A transformer's Q, K and V projections: three matmuls of one input by constant
+    # weights. A cost where one wider matmul beats two merges all three; same outputs.
+    from collage_tvm.rewrite.passes import sibling_matmul_sites
+    from collage_tvm.rewrite.search import search
+
+    rng = np.random.default_rng(0)
+    xv = relax.Var("x", relax.TensorType((1, 4, 8), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [xv]):
+        with bb.dataflow():
+            q, k, v = (bb.emit(relax.op.matmul(xv, relax.const(
+                rng.standard_normal((8, 8)).astype("float32")))) for _ in range(3))
+            att = bb.emit(relax.op.nn.softmax(relax.op.matmul(
+                q, relax.op.permute_dims(k, [0, 2, 1]))))
+            out = bb.emit_output(relax.op.matmul(att, v))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    assert len(sibling_matmul_sites(mod)) == 2
+
+    def cost(m):  # a matmul by a constant 10, wider ones 12, a split 1
+        total = 0.0
+        for b in m["main"].body.blocks[0].bindings:
+            name = getattr(getattr(b.value, "op", None), "name", "")
+            if name == "relax.matmul" and isinstance(b.value.args[1], tvm.ir.expr.GenericConst):
+                total += 12.0 if int(b.value.args[1].value.shape[1]) > 8 else 10.0
+            elif name == "relax.split":
+                total += 1.0
+        return total
+
+    res = search(mod, cost)
+    assert res.applied == ["merge_sibling_matmuls"] * 2 and res.cost == 12.0 + 2 * 1.0
+    x = rng.standard_normal((1, 4, 8)).astype("float32")
+    got = numeric.run(relax.transform.Normalize()(res.module)["main"], [x])[0]
+    np.testing.assert_allclose(got, numeric.run(mod["main"], [x])[0], rtol=1e-4, atol=1e-5)

@@ -293,3 +293,65 @@ def split_conv_over_concat(mod: tvm.IRModule, site: int) -> tvm.IRModule:
         elif not (b.var.same_as(concat_var) and not still_used):
             out.append(b)
     return _with_blocks(mod, [out])
+
+
+# --------------------------------------------------------------------------- sibling matmuls
+
+def _matmul_with_constant_weight(binding):
+    """The ``matmul(x, W)`` call of ``binding`` with ``W`` a 2-D float32 constant, else None."""
+    if _op_name(binding) != "relax.matmul":
+        return None
+    call = binding.value
+    if not isinstance(call.args[1], tvm.ir.expr.GenericConst) or \
+            len(call.args[1].value.shape) != 2 or str(call.args[1].value.dtype) != "float32":
+        return None
+    ty = binding.var.ty
+    if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
+        return None
+    return call
+
+
+def sibling_matmul_sites(mod: tvm.IRModule) -> list:
+    """Sites of ``merge_sibling_matmuls`` in ``main``'s dataflow block: pairs (i, j) of
+    binding indices of two ``matmul`` of one input by constant 2-D weights of one row count
+    (consecutive members of each family: a transformer's Q, K and V projections)."""
+    bindings = _single_block(mod)
+    if bindings is None:
+        return []
+    families: dict = {}
+    for i, b in enumerate(bindings):
+        mm = _matmul_with_constant_weight(b)
+        if mm is None:
+            continue
+        key = (mm.args[0], int(mm.args[1].value.shape[0]), str(mm.attrs.out_dtype))
+        families.setdefault(key, []).append(i)
+    return [(f[k], f[k + 1]) for f in families.values() for k in range(len(f) - 1)]
+
+
+def merge_sibling_matmuls(mod: tvm.IRModule, site: tuple) -> tvm.IRModule:
+    """Substitution ``merge_sibling_matmuls`` at ``site`` (from ``sibling_matmul_sites``):
+    one matmul by the two weights side by side, split along the last axis; the two results
+    keep their vars (bound to the split's parts)."""
+    bindings = list(_single_block(mod))
+    i, j = site
+    first, second = bindings[i].value, bindings[j].value
+    w1, w2 = first.args[1].value.numpy(), second.args[1].value.numpy()
+    merged_call = relax.Call(first.op, [first.args[0],
+                                        relax.const(np.concatenate([w1, w2], axis=1))],
+                             first.attrs)
+    bb = relax.BlockBuilder()
+    with bb.function("scratch", []):  # a scope to infer the new bindings' types in
+        with bb.dataflow():
+            merged_ty = bb.normalize(merged_call).ty
+            merged = relax.DataflowVar("merged_matmul", merged_ty)
+            split_call = relax.op.split(merged, [w1.shape[1]], axis=-1)
+            parts = relax.DataflowVar("merged_parts", bb.normalize(split_call).ty)
+            bb.emit_output(relax.const(0.0))
+        bb.emit_func_output(relax.const(0.0))
+    new = (bindings[:i]
+           + [relax.VarBinding(merged, merged_call), relax.VarBinding(parts, split_call),
+              relax.VarBinding(bindings[i].var, relax.TupleGetItem(parts, 0))]
+           + bindings[i + 1:j]
+           + [relax.VarBinding(bindings[j].var, relax.TupleGetItem(parts, 1))]
+           + bindings[j + 1:])
+    return _with_blocks(mod, [new])

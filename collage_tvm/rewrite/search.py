@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from tvm_ffi.structural import structural_hash
 
 from .passes import (_single_block, concat_conv_sites, fold_conv_affine,
-                     fold_conv_affine_sites, merge_sibling_convs, sibling_conv_sites,
-                     split_conv_over_concat)
+                     fold_conv_affine_sites, merge_sibling_convs, merge_sibling_matmuls,
+                     sibling_conv_sites, sibling_matmul_sites, split_conv_over_concat)
 
 
 def _whole_graph(_mod, _site):
@@ -58,6 +58,8 @@ REWRITES = (
     Rewrite("merge_sibling_convs", sibling_conv_sites, merge_sibling_convs, _binding_vars),
     Rewrite("split_conv_over_concat", concat_conv_sites, split_conv_over_concat,
             _conv_and_input),
+    Rewrite("merge_sibling_matmuls", sibling_matmul_sites, merge_sibling_matmuls,
+            _binding_vars),
 )
 
 

@@ -121,6 +121,35 @@ def _merge_relax(case):
     return source["main"], relax.transform.Normalize()(merge_sibling_convs(source, site))["main"]
 
 
+# --------------------------------------------------------------------------- sibling matmuls
+
+def _merge_matmul_statement():
+    merged = V.matmul(V.x, V.concat(-1, V.w, V.v))
+    source = (V.matmul(V.x, V.w), V.matmul(V.x, V.v))
+    target = (V.split0(-1, merged), V.split1(-1, merged))
+    return z3.And(source[0] == target[0], source[1] == target[1]), True, ()
+
+
+def _merge_matmul_relax(case):
+    from tvm import relax
+
+    from .passes import merge_sibling_matmuls, sibling_matmul_sites
+
+    rng = np.random.default_rng(0)
+    xv = relax.Var("x", relax.TensorType(case["input"], "float32"))
+    k = case["input"][-1]
+    bb = relax.BlockBuilder()
+    with bb.function("main", [xv]):
+        with bb.dataflow():
+            outs = [bb.emit(relax.op.matmul(xv, relax.const(
+                rng.standard_normal((k, n)).astype("float32")))) for n in (4, 6)]
+            out = bb.emit_output(relax.Tuple(outs))
+        bb.emit_func_output(out)
+    source = bb.get()
+    (site,) = sibling_matmul_sites(source)
+    return source["main"], relax.transform.Normalize()(merge_sibling_matmuls(source, site))["main"]
+
+
 # --------------------------------------------------------------------------- conv of a concat
 
 def _concat_conv_statement():
@@ -205,6 +234,12 @@ SUBSTITUTIONS = (
         "two convolutions of one input with the same stride and padding become one "
         "convolution over their stacked kernels, split along the channels",
         _merge_statement, _merge_relax, _cases(stride=(1, 2), padding=(0, 1))),
+    Substitution(
+        "merge_sibling_matmuls",
+        "two matmuls of one input by constant weights of one row count become one matmul by "
+        "the weights side by side, split along the last axis (a transformer's Q, K, V)",
+        _merge_matmul_statement, _merge_matmul_relax,
+        _cases(input=((5, 8), (1, 16), (1, 3, 8), (2, 2, 3, 8)))),
     Substitution(
         "split_conv_over_concat",
         "a convolution over a channel concat becomes the sum of one convolution per part, "

@@ -88,6 +88,10 @@ def _axioms() -> dict:
         "conv of stacked kernels is stacked convs": z3.ForAll(
             [st, pd, x, w, v], conv2d(st, pd, 1, x, concat(0, w, v))
             == concat(1, conv2d(st, pd, 1, x, w), conv2d(st, pd, 1, x, v))),
+        # a matmul by weights side by side (along their last axis, -1 here) is the matmuls
+        # side by side
+        "matmul by stacked weights is stacked matmuls": z3.ForAll(
+            [x, w, v], matmul(x, concat(-1, w, v)) == concat(-1, matmul(x, w), matmul(x, v))),
         # split undoes concat
         "split0 of concat": z3.ForAll([ax, x, y], split0(ax, concat(ax, x, y)) == x),
         "split1 of concat": z3.ForAll([ax, x, y], split1(ax, concat(ax, x, y)) == y),
