@@ -166,17 +166,25 @@ def merge_sibling_convs(mod: tvm.IRModule, site: tuple) -> tvm.IRModule:
     convolution over the two kernels stacked, split along the channels; the two results
     keep their vars (bound to the split's parts)."""
     bindings = list(_single_block(mod))
-    i, j = site
-    first, second = bindings[i].value, bindings[j].value
+    first, second = bindings[site[0]].value, bindings[site[1]].value
     w1, w2 = first.args[1].value.numpy(), second.args[1].value.numpy()
     merged_call = relax.Call(first.op, [first.args[0], relax.const(np.concatenate([w1, w2]))],
                              first.attrs)
+    return _merge_siblings(mod, site, merged_call, "merged_conv", w1.shape[0], 1)
+
+
+def _merge_siblings(mod, site: tuple, merged_call, name: str, first_size: int,
+                    axis: int) -> tvm.IRModule:
+    """The bindings ``site`` = (i, j) of ``main``'s block replaced by ``merged_call``
+    (bound before i), its split at ``first_size`` along ``axis``, and the two original vars
+    bound to the split's parts."""
+    bindings = list(_single_block(mod))
+    i, j = site
     bb = relax.BlockBuilder()
     with bb.function("scratch", []):  # a scope to infer the new bindings' types in
         with bb.dataflow():
-            merged_ty = bb.normalize(merged_call).ty
-            merged = relax.DataflowVar("merged_conv", merged_ty)
-            split_call = relax.op.split(merged, [w1.shape[0]], axis=1)
+            merged = relax.DataflowVar(name, bb.normalize(merged_call).ty)
+            split_call = relax.op.split(merged, [first_size], axis=axis)
             parts = relax.DataflowVar("merged_parts", bb.normalize(split_call).ty)
             bb.emit_output(relax.const(0.0))
         bb.emit_func_output(relax.const(0.0))
@@ -333,25 +341,9 @@ def merge_sibling_matmuls(mod: tvm.IRModule, site: tuple) -> tvm.IRModule:
     one matmul by the two weights side by side, split along the last axis; the two results
     keep their vars (bound to the split's parts)."""
     bindings = list(_single_block(mod))
-    i, j = site
-    first, second = bindings[i].value, bindings[j].value
+    first, second = bindings[site[0]].value, bindings[site[1]].value
     w1, w2 = first.args[1].value.numpy(), second.args[1].value.numpy()
     merged_call = relax.Call(first.op, [first.args[0],
                                         relax.const(np.concatenate([w1, w2], axis=1))],
                              first.attrs)
-    bb = relax.BlockBuilder()
-    with bb.function("scratch", []):  # a scope to infer the new bindings' types in
-        with bb.dataflow():
-            merged_ty = bb.normalize(merged_call).ty
-            merged = relax.DataflowVar("merged_matmul", merged_ty)
-            split_call = relax.op.split(merged, [w1.shape[1]], axis=-1)
-            parts = relax.DataflowVar("merged_parts", bb.normalize(split_call).ty)
-            bb.emit_output(relax.const(0.0))
-        bb.emit_func_output(relax.const(0.0))
-    new = (bindings[:i]
-           + [relax.VarBinding(merged, merged_call), relax.VarBinding(parts, split_call),
-              relax.VarBinding(bindings[i].var, relax.TupleGetItem(parts, 0))]
-           + bindings[i + 1:j]
-           + [relax.VarBinding(bindings[j].var, relax.TupleGetItem(parts, 1))]
-           + bindings[j + 1:])
-    return _with_blocks(mod, [new])
+    return _merge_siblings(mod, site, merged_call, "merged_matmul", w1.shape[1], -1)
