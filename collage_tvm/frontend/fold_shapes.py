@@ -15,10 +15,10 @@ reference implementation and replaced by an initializer (outputs up to ``max_ele
 random, control-flow and sequence operators are never folded). Rounds repeat while
 something folded, since a reshape with a constant target makes the next shape static.
 Nodes left without a consumer are dropped. A model that computes no shape (no
-``Shape``/``Size``, every pad, target shape and slice bound a constant) is left as it is, and so is one over protobuf's 2 GB (shape inference serializes it; its weights
-are external data). Folding is best effort: a node the reference
-cannot evaluate stays as it is, and a model shape inference cannot read is returned
-unchanged.
+``Shape``/``Size``, every pad, target shape and slice bound a constant) is left as it is,
+and so is one over protobuf's 2 GB (shape inference serializes it; its weights are external
+data). Folding is best effort: a node the reference cannot evaluate stays as it is, and a
+model shape inference cannot read is returned unchanged.
 """
 from __future__ import annotations
 

@@ -163,6 +163,26 @@ def function_key(func: relax.Function) -> str:
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:32]
 
 
+def tensor_bytes(shape, dtype) -> int:
+    """Bytes of a tensor of static ``shape`` and ``dtype``."""
+    return int(np.prod([int(d) for d in shape], dtype=np.int64)) * np.dtype(str(dtype)).itemsize
+
+
+def constant_bytes(expr) -> int:
+    """Bytes of the constants (weights) ``expr`` holds: in call arguments and tuple fields,
+    nested."""
+    total, pending = 0, [expr]
+    while pending:
+        e = pending.pop()
+        if isinstance(e, Constant):
+            total += tensor_bytes(e.value.shape, e.value.dtype)
+        elif isinstance(e, relax.Call):
+            pending.extend(e.args)
+        elif isinstance(e, relax.Tuple):
+            pending.extend(e.fields)
+    return total
+
+
 def random_inputs(params, seed: int = 0) -> list:
     """Random numpy arrays for ``params`` (floats in [-1, 1), ints small and non-negative)."""
     rng = np.random.default_rng(seed)

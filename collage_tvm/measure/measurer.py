@@ -135,7 +135,8 @@ class Measurer:
         backend's lowering pickles, else here; any exception is an infinite cost with its
         reason, never a failed search. ``key``: the candidate's DB key, under which the
         process that measures keeps the built candidate for the next time (the second pass,
-        side-by-side re-timing); one function per key while this measurer lives."""
+        side-by-side re-timing); functions under one key differ at most in their weights'
+        values, which do not change their time."""
         if self._worker is not None and all(self._picklable(b) for b, _, _ in items):
             entries = [(b, tvm.ir.save_json(tvm.IRModule({"main": f})), k) for b, f, k in items]
             return self._worker.call(what, entries, self.target_json, self.build_vm, *extra)

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-import numpy as np
 import tvm
-from tvm import relax
 
-from ..graph.subgraph import Constant, random_inputs
+from ..graph.subgraph import constant_bytes, random_inputs, tensor_bytes
 from ..target import target_device
 from .timing import time_main, time_side_by_side, time_switch
 
@@ -34,32 +32,17 @@ def clear_cache() -> None:
     _built.clear()
 
 
-def _nbytes(ty) -> int:
-    shape = [int(s) for s in ty.shape]
-    return int(np.prod(shape, dtype=np.int64)) * np.dtype(str(ty.dtype)).itemsize
-
-
 def _held_bytes(func) -> int:
     """What a built ``func`` holds: its weights, plus its inputs and as much again four
     times over for the buffers the VM keeps (a rough bound)."""
-    total = 5 * sum(_nbytes(p.ty) for p in func.params)
-    pending = [b.value for block in func.body.blocks for b in block.bindings]
-    while pending:
-        e = pending.pop()
-        if isinstance(e, Constant):
-            data = e.value
-            total += int(np.prod(data.shape, dtype=np.int64)) * np.dtype(str(data.dtype)).itemsize
-        elif isinstance(e, relax.Call):
-            pending.extend(e.args)
-        elif isinstance(e, relax.Tuple):
-            pending.extend(e.fields)
-    return total
+    return 5 * sum(tensor_bytes(p.ty.shape, p.ty.dtype) for p in func.params) + sum(
+        constant_bytes(b.value) for block in func.body.blocks for b in block.bindings)
 
 
 def _vm_and_args(func, backend, target, build_vm, key=None) -> tuple:
     """A VM running ``func`` on ``backend`` and random inputs for it. With a ``key`` (the
-    measurer's name for that function: one function per key until ``clear_cache``), built
-    once and then taken from the cache."""
+    measurer's DB key: functions under one key differ at most in their weights' values,
+    which do not change their time), built once and then taken from the cache."""
     if key is None:
         return _build(func, backend, target, build_vm)
     key = (backend.name, str(target), repr(build_vm), key)

@@ -12,11 +12,10 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import numpy as np
 from tvm import relax
 
 from ..graph import DataflowGraph
-from ..graph.subgraph import Constant
+from ..graph.subgraph import constant_bytes
 from ..placement import Candidate
 
 logger = logging.getLogger("collage_tvm")
@@ -198,18 +197,6 @@ def _expand_rule(graph: DataflowGraph, backend, rule, ipdom, regions: bool = Tru
 REGION_MAX_BYTES = 1 << 30
 
 
-def _weight_bytes(node) -> int:
-    call = node.call
-    if call is None:
-        return 0
-    total = 0
-    for a in call.args:
-        if isinstance(a, Constant):
-            shape = a.value.shape
-            total += int(np.prod(shape, dtype=np.int64)) * np.dtype(str(a.value.dtype)).itemsize
-    return total
-
-
 def _regions(graph: DataflowGraph, backend, levels: int, valid: list) -> list:
     """Region candidates (``PatternRule.regions``): the nodes in topological order cut into
     ``2 ** k`` equal ranges for k = 0..``levels``; in each range, every maximal run of valid
@@ -217,7 +204,7 @@ def _regions(graph: DataflowGraph, backend, levels: int, valid: list) -> list:
     is one candidate. A run of consecutive nodes in topological order is convex: a path
     between two of its nodes passes only through nodes ordered between them."""
     n, out = len(graph), []
-    weights = [_weight_bytes(node) for node in graph.nodes]
+    weights = [constant_bytes(node.value) for node in graph.nodes]
     for k in range(levels + 1):
         parts = 2 ** k
         if n // parts < 2:

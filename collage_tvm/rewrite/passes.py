@@ -145,19 +145,29 @@ def sibling_conv_sites(mod: tvm.IRModule) -> list:
     binding indices of two ``conv2d`` with one input, constant weights of one input-channel
     count and kernel size, and the same strides, padding, dilation, groups = 1 and layouts
     (consecutive members of each such family)."""
+    def family(b):
+        conv = _conv_with_constant_weight(b)
+        if conv is None or int(conv.attrs.groups) != 1:
+            return None
+        a = conv.attrs
+        return (conv.args[0], tuple(int(v) for v in a.strides), tuple(int(v) for v in a.padding),
+                tuple(int(v) for v in a.dilation), conv.args[1].value.shape[1:],
+                str(a.out_dtype))
+
+    return _sibling_pairs(mod, family)
+
+
+def _sibling_pairs(mod: tvm.IRModule, family) -> list:
+    """Pairs (i, j) of binding indices of ``main``'s dataflow block with one ``family(binding)``
+    (None: in none), consecutive members of each family."""
     bindings = _single_block(mod)
     if bindings is None:
         return []
     families: dict = {}
     for i, b in enumerate(bindings):
-        conv = _conv_with_constant_weight(b)
-        if conv is None or int(conv.attrs.groups) != 1:
-            continue
-        a = conv.attrs
-        shape = conv.args[1].value.shape
-        key = (conv.args[0], tuple(int(v) for v in a.strides), tuple(int(v) for v in a.padding),
-               tuple(int(v) for v in a.dilation), shape[1:], str(a.out_dtype))
-        families.setdefault(key, []).append(i)
+        key = family(b)
+        if key is not None:
+            families.setdefault(key, []).append(i)
     return [(f[k], f[k + 1]) for f in families.values() for k in range(len(f) - 1)]
 
 
@@ -323,17 +333,12 @@ def sibling_matmul_sites(mod: tvm.IRModule) -> list:
     """Sites of ``merge_sibling_matmuls`` in ``main``'s dataflow block: pairs (i, j) of
     binding indices of two ``matmul`` of one input by constant 2-D weights of one row count
     (consecutive members of each family: a transformer's Q, K and V projections)."""
-    bindings = _single_block(mod)
-    if bindings is None:
-        return []
-    families: dict = {}
-    for i, b in enumerate(bindings):
+    def family(b):
         mm = _matmul_with_constant_weight(b)
-        if mm is None:
-            continue
-        key = (mm.args[0], int(mm.args[1].value.shape[0]), str(mm.attrs.out_dtype))
-        families.setdefault(key, []).append(i)
-    return [(f[k], f[k + 1]) for f in families.values() for k in range(len(f) - 1)]
+        return None if mm is None else (mm.args[0], int(mm.args[1].value.shape[0]),
+                                        str(mm.attrs.out_dtype))
+
+    return _sibling_pairs(mod, family)
 
 
 def merge_sibling_matmuls(mod: tvm.IRModule, site: tuple) -> tvm.IRModule:

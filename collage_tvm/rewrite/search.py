@@ -170,8 +170,12 @@ def split_search(mod, cost, rewrites=REWRITES, max_ops: int = 30, alpha: float =
         out.applied += res.applied
         return new
 
-    sites = [sum(1 for rw in rewrites for site in rw.sites(mod) if inside(k)(rw, mod, site))
-             for k in range(len(pieces))]
+    sites = [0] * len(pieces)  # sites inside each piece, each rewrite's sites listed once
+    for rw in rewrites:
+        for site in rw.sites(mod):
+            o = owners(rw, mod, site)
+            if o is not None and len(o - {None}) == 1:
+                sites[next(iter(o - {None}))] += 1
     graphs_left = 0.75 * max_graphs
     for k, piece in enumerate(pieces):
         if not sites[k]:
