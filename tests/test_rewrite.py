@@ -216,6 +216,35 @@ def test_search_keeps_the_graph_when_no_rewrite_pays_and_stops_at_its_limits():
     assert search(mod, _fake_cost(8.5), max_graphs=2).stopped == "max_graphs"
 
 
+def test_search_does_not_queue_every_combination_of_neutral_rewrites():
+    from collage_tvm.rewrite.search import search
+
+    rng = np.random.default_rng(0)
+    xv = relax.Var("x", relax.TensorType((1, 3, 8, 8), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [xv]):
+        with bb.dataflow():
+            outs = []
+            for k in range(4):  # four inputs, two sibling convs each: four independent sites
+                a = bb.emit(relax.op.multiply(xv, relax.const(float(k + 2), "float32")))
+                outs += [bb.emit(relax.op.nn.conv2d(a, relax.const(
+                    rng.standard_normal((4, 3, 3, 3)).astype("float32")), padding=1))
+                    for _ in range(2)]
+            out = bb.emit_output(relax.op.concat(outs, axis=1))
+        bb.emit_func_output(out)
+    mod = bb.get()
+
+    def neutral(g):  # a merged conv costs what its two parts did; the split is free
+        return sum(float(b.value.args[1].value.shape[0]) * 2.5
+                   for b in g["main"].body.blocks[0].bindings
+                   if getattr(getattr(b.value, "op", None), "name", "") == "relax.nn.conv2d")
+
+    res = search(mod, neutral, alpha=1.05)
+    # each merge costed once (it opens no site: its family had two convs); no combination
+    assert res.graphs == 1 + 4 and res.closed == 4 and res.applied == []
+    assert res.stopped == "queue empty"
+
+
 def test_search_keeps_the_graph_when_the_gain_is_below_min_gain():
     from collage_tvm.rewrite.search import search
 

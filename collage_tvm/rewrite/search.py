@@ -6,6 +6,12 @@ below ``alpha`` times the best so far, so rewrites that cost a little now but op
 cheaper graph later are still explored (alpha 1.05 as in MetaFlow). Stops when the queue is
 empty, ``budget_s`` has passed or ``max_graphs`` graphs were costed.
 
+A graph no cheaper than the best is queued only when it has a site its parent lacked (the
+rewrite opened one: a wider conv with a third sibling, a fold made possible): a rewrite
+that opens nothing can only be combined with the parent's other sites, and the parent's
+expansion tries those. Without this, k independent rewrites that each change the cost by
+less than alpha queue all 2^k combinations (inception_v3's sibling merges).
+
 ``cost(mod) -> float`` is the caller's: the build passes a cost from measured per-candidate
 costs of the backends that will run the graph (so a rewrite is judged on those backends);
 the tests pass a fake table.
@@ -71,6 +77,7 @@ class SearchResult:
     applied: list = field(default_factory=list)     # names of the rewrites on the best path
     graphs: int = 0                                  # graphs costed
     pruned: int = 0                                  # new graphs not queued (cost >= alpha*best)
+    closed: int = 0                                  # not queued: no cheaper, no new site
     seconds: float = 0.0
     stopped: str = "queue empty"
     pieces: list = field(default_factory=list)      # split_search: sizes of the pieces
@@ -87,37 +94,52 @@ def search(mod, cost, rewrites=REWRITES, alpha: float = 1.05, budget_s: float = 
     start = cost(mod) if start_cost is None else start_cost
     best, best_cost, best_path = mod, start, []
     tie = itertools.count()
-    queue = [(start, next(tie), mod, [])]
+
+    def sites_of(g) -> list:
+        return [(rw, site) for rw in rewrites for site in rw.sites(g)
+                if allowed is None or allowed(rw, g, site)]
+
+    def keys(g, sites) -> set:
+        return {(rw.name, None if (v := rw.site_vars(g, site)) is None else tuple(v))
+                for rw, site in sites}
+
+    queue = [(start, next(tie), mod, [], None)]
     seen = {structural_hash(mod)}
     result = SearchResult(mod, start, start, graphs=1)
     while queue:
         if time.perf_counter() - t0 > budget_s:
             result.stopped = "budget"
             break
-        c, _, g, path = heapq.heappop(queue)
+        c, _, g, path, g_sites = heapq.heappop(queue)
         if c < best_cost:
             best, best_cost, best_path = g, c, path
-        for rw in rewrites:
-            for site in rw.sites(g):
-                if allowed is not None and not allowed(rw, g, site):
+        g_sites = sites_of(g) if g_sites is None else g_sites
+        g_keys = None
+        for rw, site in g_sites:
+            new = rw.apply(g, site)
+            h = structural_hash(new)
+            if h in seen:
+                continue
+            seen.add(h)
+            if result.graphs >= max_graphs:
+                result.stopped = "max_graphs"
+                queue = []
+                break
+            new_cost = cost(new)
+            result.graphs += 1
+            if new_cost >= alpha * best_cost:
+                result.pruned += 1
+                continue
+            new_sites = None
+            if new_cost >= best_cost:
+                new_sites = sites_of(new)
+                g_keys = keys(g, g_sites) if g_keys is None else g_keys
+                if keys(new, new_sites) <= g_keys:
+                    result.closed += 1
                     continue
-                new = rw.apply(g, site)
-                h = structural_hash(new)
-                if h in seen:
-                    continue
-                seen.add(h)
-                if result.graphs >= max_graphs:
-                    result.stopped = "max_graphs"
-                    queue = []
-                    break
-                new_cost = cost(new)
-                result.graphs += 1
-                if new_cost < alpha * best_cost:
-                    heapq.heappush(queue, (new_cost, next(tie), new, path + [rw.name]))
-                    if new_cost < best_cost:
-                        best, best_cost, best_path = new, new_cost, path + [rw.name]
-                else:
-                    result.pruned += 1
+            heapq.heappush(queue, (new_cost, next(tie), new, path + [rw.name], new_sites))
+            if new_cost < best_cost:
+                best, best_cost, best_path = new, new_cost, path + [rw.name]
     if best_cost > start * (1.0 - min_gain) or best_cost > start - min_gain_ms:
         best, best_cost, best_path = mod, start, []
     result.module, result.cost, result.applied = best, best_cost, best_path
@@ -160,6 +182,7 @@ def split_search(mod, cost, rewrites=REWRITES, max_ops: int = 30, alpha: float =
                      allowed=allowed, start_cost=cur_cost, min_gain_ms=floor_ms)
         out.graphs += res.graphs - 1
         out.pruned += res.pruned
+        out.closed += res.closed
         if res.stopped != "queue empty":
             out.stopped = res.stopped
         if res.module is cur:
