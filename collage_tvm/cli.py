@@ -288,10 +288,12 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     o = sub.add_parser("optimize", help="search a placement for a model and build it")
     o.add_argument("model", help="an .onnx file")
-    o.add_argument("--target", default="llvm")
+    o.add_argument("--target", default="llvm",
+                   help="llvm (this CPU, default), cuda (this machine's GPU) or cuda:sm_90")
     o.add_argument("--backends", default="tvm,dnnl",
                    help="comma-separated (default tvm,dnnl); built in: tvm, dnnl, mkl, "
-                        "onnxruntime, openvino")
+                        "onnxruntime, openvino; on a cuda target: tvm, cudnn, cublas "
+                        "(tensorrt: patterns only, not runnable here)")
     o.add_argument("--db", default=None, help="cost DB path (default ~/.cache/collage-tvm/costs.db)")
     o.add_argument("--patterns", action="append", help="extra pattern file (repeatable)")
     o.add_argument("--input-shape", action="append", metavar="NAME=D1xD2x...",

@@ -31,12 +31,48 @@ def make_target(target="llvm") -> tvm.target.Target:
         import json
 
         return tvm.target.Target(json.loads(target))
-    raise ValueError(f"unsupported target {target!r}: use 'llvm' or a target dict "
-                     "(GPU targets come with the GPU backends)")
+    if target == "cuda":
+        arch, why = cuda_arch()
+        if arch is None:
+            raise ValueError(f"target 'cuda': {why}. To build for a GPU that is not here, "
+                             "name its architecture: 'cuda:sm_90'")
+        return tvm.target.Target({"kind": "cuda", "arch": arch})
+    if isinstance(target, str) and target.startswith("cuda:"):
+        arch = target.split(":", 1)[1]
+        if not (arch.startswith("sm_") and arch[3:].isdigit()):
+            raise ValueError(f"target {target!r}: the architecture must look like sm_90")
+        return tvm.target.Target({"kind": "cuda", "arch": arch})
+    raise ValueError(f"unsupported target {target!r}: use 'llvm', 'cuda' (this machine's "
+                     "GPU), 'cuda:sm_90' or a target dict")
+
+
+def cuda_arch() -> tuple[str | None, str]:
+    """(``"sm_90"``, "") for this machine's first CUDA device, else (None, why not).
+
+    TVM's CUDA runtime loads only where ``libcudart`` of its CUDA is found: importing a
+    CUDA build of torch first loads it (DESIGN.md, platform facts)."""
+    try:
+        import torch  # noqa: F401 - loads libcudart for TVM's CUDA runtime, where it has one
+    except Exception:  # noqa: BLE001 - no torch: TVM may still find CUDA on its own
+        pass
+    if tvm.get_global_func("device_api.cuda", True) is None:
+        return None, ("TVM's CUDA runtime is not loaded (its libcudart.so was not found: "
+                      "import a CUDA 13 build of torch first, or put CUDA 13's lib folder on "
+                      "LD_LIBRARY_PATH)")
+    dev = tvm.cuda(0)
+    if not dev.exist:
+        return None, "no CUDA device is visible"
+    return "sm_" + str(dev.compute_version).replace(".", ""), ""
 
 
 def target_device(target: tvm.target.Target):
     return tvm.cuda() if target.kind.name == "cuda" else tvm.cpu()
+
+
+def device_sync(target: tvm.target.Target):
+    """What a timing loop calls before reading the clock: the GPU's synchronize on a CUDA
+    target (a call returns once its kernels are queued), None on the CPU."""
+    return tvm.cuda().sync if target.kind.name == "cuda" else None
 
 
 @functools.lru_cache(maxsize=None)
@@ -53,5 +89,11 @@ def cpu_model() -> str:
 
 
 def device_fingerprint(target: tvm.target.Target) -> str:
-    """What a measured cost depends on besides the kernel: CPU model, cores, target."""
-    return f"{cpu_model()}|{host_cores()}c|{target.kind.name}:{target.attrs.get('mcpu', '')}"
+    """What a measured cost depends on besides the kernel: CPU model, cores, target; on a
+    CUDA target the GPU's name and architecture too."""
+    cpu = f"{cpu_model()}|{host_cores()}c"
+    if target.kind.name == "cuda":
+        dev = tvm.cuda(0)
+        gpu = dev.device_name if dev.exist else "no-gpu"
+        return f"{gpu}|{cpu}|cuda:{target.attrs.get('arch', '')}"
+    return f"{cpu}|{target.kind.name}:{target.attrs.get('mcpu', '')}"

@@ -12,6 +12,7 @@ from ..measure.timing import interleaved
 from ..placement import Placement
 from .baselines import single_backend_builds
 from ..precision import CHECK_SEEDS, parse_accuracy
+from ..target import device_sync
 from .evaluate import evaluate, first_line, outputs_on
 
 logger = logging.getLogger("collage_tvm")
@@ -100,7 +101,7 @@ def never_slower(graph, placement: Placement, backends: dict, target,
     contenders = {n: runs[n] for n in runs
                   if results[n]["match"] and results[n]["ms"] <= 2 * fastest}
     if len(contenders) > 1:
-        for name, ms in interleaved(contenders).items():
+        for name, ms in interleaved(contenders, sync=device_sync(target)).items():
             results[name]["first_ms"], results[name]["ms"] = results[name]["ms"], ms
     results = {n: (dict(results[results[n]["same_as"]], same_as=results[n]["same_as"])
                    if "same_as" in results[n] else results[n])

@@ -14,7 +14,7 @@ from collections import OrderedDict
 import tvm
 
 from ..graph.subgraph import constant_bytes, random_inputs, tensor_bytes
-from ..target import target_device
+from ..target import device_sync, target_device
 from .timing import time_main, time_side_by_side, time_switch
 
 # What the worker may be asked to run (``Worker.call``).
@@ -79,11 +79,13 @@ def measure_switch(funcs: list, target, build_vm) -> tuple:
     ``time_switch``."""
     (vm_a, args_a), (vm_b, args_b) = (_vm_and_args(f, b, target, build_vm, k)
                                       for f, b, k in funcs)
-    cost, extra = time_switch(vm_a["main"], args_a, vm_b["main"], args_b)
+    cost, extra = time_switch(vm_a["main"], args_a, vm_b["main"], args_b,
+                              sync=device_sync(target))
     return cost, None, extra
 
 
 def measure_side_by_side(funcs: list, target, build_vm) -> tuple:
     """(list of ms, None, extra) of ``[(func, backend, key), ...]`` timed side by side."""
     vms = [_vm_and_args(f, b, target, build_vm, k) for f, b, k in funcs]
-    return time_side_by_side([(vm["main"], args) for vm, args in vms]), None, {}
+    return time_side_by_side([(vm["main"], args) for vm, args in vms],
+                             sync=device_sync(target)), None, {}

@@ -3,11 +3,23 @@
 Every stage that times something uses these (the measurer, in-context calibration, the
 final check, the bench), so the machine's drift and the runtimes' thread pools are
 handled one way everywhere.
+
+``sync``: on a GPU a call returns when its kernels are queued, not done; the loops call
+``sync()`` (the device's synchronize, ``target.device_sync``) before reading the clock.
+None on the CPU.
 """
 from __future__ import annotations
 
 import statistics
 import time
+
+import tvm
+
+
+def _done(sync) -> float:
+    if sync is not None:
+        sync()
+    return time.perf_counter()
 
 
 def time_main(vm, args, dev, cutoff_ms: float | None = None, target_ms: float = 1.0,
@@ -21,16 +33,17 @@ def time_main(vm, args, dev, cutoff_ms: float | None = None, target_ms: float = 
     timed one call per sample.
     """
     fn = vm["main"]
+    sync = dev.sync if dev.dlpack_device_type() != tvm.cpu().dlpack_device_type() else None
     t0 = time.perf_counter()
     fn(*args)
-    first_ms = (time.perf_counter() - t0) * 1e3
+    first_ms = (_done(sync) - t0) * 1e3
     if cutoff_ms is not None and first_ms > cutoff_ms:
         return first_ms, f"cut short: first run {first_ms:.3f} ms > cutoff {cutoff_ms:.3f} ms", {
             "repeats": 1}
     fn(*args)  # second warm-up: caches, lazy init in libraries
-    t0 = time.perf_counter()
+    t0 = _done(sync)
     fn(*args)
-    warm_ms = (time.perf_counter() - t0) * 1e3
+    warm_ms = (_done(sync) - t0) * 1e3
     number = max(1, int(target_ms / max(warm_ms, 1e-3)))
     evaluator = vm.time_evaluator("main", dev, number=number, repeat=repeat)
     samples: list = []
@@ -44,7 +57,8 @@ def time_main(vm, args, dev, cutoff_ms: float | None = None, target_ms: float = 
     return statistics.median(samples), None, {"repeats": len(samples) * number}
 
 
-def time_switch(fn_a, args_a, fn_b, args_b, rounds: int = 9, target_ms: float = 8.0) -> tuple:
+def time_switch(fn_a, args_a, fn_b, args_b, rounds: int = 9, target_ms: float = 8.0,
+                sync=None) -> tuple:
     """(switch_ms, extra): what one change of runtime costs between two kernels.
 
     Each round times ``a`` alone, ``b`` alone and ``a, b`` alternating (the same number of
@@ -52,11 +66,11 @@ def time_switch(fn_a, args_a, fn_b, args_b, rounds: int = 9, target_ms: float = 
     excess of an alternating pair over one ``a`` plus one ``b`` (a pair holds two switches).
     """
     def loop(seq, n):
-        t0 = time.perf_counter()
+        t0 = _done(sync)
         for _ in range(n):
             for fn, args in seq:
                 fn(*args)
-        return (time.perf_counter() - t0) * 1e3 / n
+        return (_done(sync) - t0) * 1e3 / n
 
     a, b = (fn_a, args_a), (fn_b, args_b)
     for _ in range(3):  # warm-up: lazy init, caches, thread pools
@@ -74,14 +88,14 @@ def time_switch(fn_a, args_a, fn_b, args_b, rounds: int = 9, target_ms: float = 
                                        "repeats": rounds * n}
 
 
-def time_side_by_side(runs: list, rounds: int = 9, target_ms: float = 2.0) -> list:
+def time_side_by_side(runs: list, rounds: int = 9, target_ms: float = 2.0, sync=None) -> list:
     """Median ms per call of each ``(fn, args)``, timed in alternating rounds (the same
     drift hits each), after two warm-up calls each."""
     def loop(fn, args, n):
-        t0 = time.perf_counter()
+        t0 = _done(sync)
         for _ in range(n):
             fn(*args)
-        return (time.perf_counter() - t0) * 1e3 / n
+        return (_done(sync) - t0) * 1e3 / n
 
     for fn, args in runs:
         fn(*args)
@@ -94,7 +108,7 @@ def time_side_by_side(runs: list, rounds: int = 9, target_ms: float = 2.0) -> li
     return [statistics.median(s) for s in samples]
 
 
-def interleaved(fns: dict, rounds: int = 7, min_ms: float = 200.0) -> dict:
+def interleaved(fns: dict, rounds: int = 7, min_ms: float = 200.0, sync=None) -> dict:
     """Median ms per call of each function, timed in alternating rounds (noise hits all alike).
 
     Each batch starts with one untimed call: whatever the function before it left behind (a
@@ -106,17 +120,17 @@ def interleaved(fns: dict, rounds: int = 7, min_ms: float = 200.0) -> dict:
         fn()
     number = {}
     for name, fn in fns.items():
-        t0 = time.perf_counter()
+        t0 = _done(sync)
         fn()
-        number[name] = max(1, int(min_ms / max((time.perf_counter() - t0) * 1e3, 1e-3)))
+        number[name] = max(1, int(min_ms / max((_done(sync) - t0) * 1e3, 1e-3)))
     samples: dict = {n: [] for n in fns}
     names = list(fns)
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             fn = fns[name]
             fn()  # lead-in, untimed
-            t0 = time.perf_counter()
+            t0 = _done(sync)
             for _ in range(number[name]):
                 fn()
-            samples[name].append((time.perf_counter() - t0) * 1e3 / number[name])
+            samples[name].append((_done(sync) - t0) * 1e3 / number[name])
     return {n: statistics.median(s) for n, s in samples.items()}

@@ -1,0 +1,231 @@
+"""The GPU backends (cudnn, cublas, tensorrt) and the cuda target.
+
+Without a GPU: which groups each GPU backend claims, the partitioned module for a cuda
+target, what each lowering reads from a group (its plan) and refuses, the reasons a
+backend gives for not running here, and TVM's own CUDA build (it compiles without a
+device). With a GPU (``gpu`` marker, skipped with the reason elsewhere): each lowering's
+numerics against torch on the device, and a whole build on ``cuda`` checked against the
+TVM-only build. docs/GPU.md says how to run them on a CUDA 13 machine.
+"""
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+from collage_tvm.graph import DataflowGraph
+from collage_tvm.graph.subgraph import extract_function
+from collage_tvm.partition import partition
+from collage_tvm.patterns import generate_candidates
+from collage_tvm.placer.op_level import place
+from collage_tvm.registry import get_backend
+
+try:
+    from collage_tvm.backends._cuda import torch_cuda
+    from collage_tvm.backends._epilogue import analyse
+    from collage_tvm.backends.cublas import CublasLowering
+    from collage_tvm.backends.cudnn import CudnnLowering
+except ImportError:
+    from backends._cuda import torch_cuda
+    from backends._epilogue import analyse
+    from backends.cublas import CublasLowering
+    from backends.cudnn import CudnnLowering
+
+HAVE_GPU, NO_GPU_REASON = torch_cuda()
+
+
+def gpu(test):
+    """The ``gpu`` marker (``pytest -m gpu`` on a GPU machine), skipped with the reason here."""
+    skip = pytest.mark.skipif(not HAVE_GPU, reason=f"needs a CUDA GPU: {NO_GPU_REASON}")
+    return pytest.mark.gpu(skip(test))
+
+
+RNG = np.random.default_rng(0)
+op = relax.op
+
+
+def _const(*shape):
+    return relax.const(RNG.standard_normal(shape).astype("float32"))
+
+
+def _cnn_and_mlp():
+    """conv+bias+relu, conv+bias+residual+relu, an NHWC conv, a dense+bias+gelu(tanh), a
+    dense+bias+gelu(erf), a batched matmul: what each GPU table should and should not claim."""
+    x = relax.Var("x", relax.TensorType((1, 8, 8, 8), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(op.nn.conv2d(x, _const(8, 8, 3, 3), padding=[1, 1, 1, 1]))  # 0
+            y = bb.emit(op.add(y, _const(1, 8, 1, 1)))                                 # 1
+            y = bb.emit(op.nn.relu(y))                                                 # 2
+            z = bb.emit(op.nn.conv2d(y, _const(8, 8, 1, 1)))                           # 3
+            z = bb.emit(op.add(z, _const(1, 8, 1, 1)))                                 # 4
+            z = bb.emit(op.add(z, y))                                                  # 5
+            z = bb.emit(op.nn.relu(z))                                                 # 6
+            t = bb.emit(op.permute_dims(z, [0, 2, 3, 1]))                              # 7 NHWC
+            t = bb.emit(op.nn.conv2d(t, _const(8, 3, 3, 8), padding=[1, 1, 1, 1],
+                                     data_layout="NHWC", kernel_layout="OHWI"))        # 8
+            f = bb.emit(op.reshape(t, (8, 64)))                                        # 9
+            d = bb.emit(op.matmul(f, _const(64, 32)))                                  # 10
+            d = bb.emit(op.add(d, _const(32)))                                         # 11
+            d = bb.emit(op.nn.gelu_tanh(d))                                            # 12
+            e = bb.emit(op.matmul(d, _const(32, 32)))                                  # 13
+            e = bb.emit(op.add(e, _const(32)))                                         # 14
+            e = bb.emit(op.nn.gelu(e))                                                 # 15
+            q = bb.emit(op.reshape(e, (2, 4, 32)))                                     # 16
+            k = bb.emit(op.permute_dims(q, [0, 2, 1]))                                 # 17
+            s = bb.emit(op.matmul(q, k))                                               # 18
+            out = bb.emit_output(s)
+        bb.emit_func_output(out)
+    return bb.get()["main"]
+
+
+def _claims(graph, name):
+    return {c.nodes for c in generate_candidates(graph, [get_backend(name)])}
+
+
+def test_cudnn_and_cublas_claim_their_epilogue_groups_and_nothing_they_cannot_run():
+    g = DataflowGraph(_cnn_and_mlp())
+    names = [n.op_name for n in g.nodes]
+    assert names[8] == "relax.nn.conv2d" and names[18] == "relax.matmul"
+    cudnn = _claims(g, "cudnn")
+    assert frozenset({0, 1, 2}) in cudnn            # conv + bias + relu: one cuDNN kernel
+    assert frozenset({3, 4, 5, 6}) in cudnn         # conv + bias + residual + relu
+    assert not any(8 in c for c in cudnn)           # NHWC: not our cuDNN table's layout
+    assert not any(i in c for c in cudnn for i in (10, 13, 18))  # no matmul on cuDNN
+    cublas = _claims(g, "cublas")
+    assert frozenset({10, 11, 12}) in cublas        # dense + bias + gelu(tanh): cuBLASLt epilogue
+    assert frozenset({13, 14}) in cublas            # dense + bias, the erf gelu left out
+    assert not any(15 in c for c in cublas)
+    assert frozenset({18}) in cublas                # batched matmul of two run-time tensors
+    assert not any(i in c for c in cublas for i in (0, 3, 8))
+    trt = _claims(g, "tensorrt")                   # TVM's TensorRT table, as TVM ships it
+    assert frozenset({8}) in trt and any(0 in c for c in trt)
+
+
+def _cuda_partition():
+    """The test model placed on a cuda target by a fake cost table (cuDNN and cuBLAS
+    cheaper than TVM where they apply), partitioned."""
+    func = _cnn_and_mlp()
+    g = DataflowGraph(func)
+    backends = {n: get_backend(n) for n in ("tvm", "cudnn", "cublas")}
+    cands = generate_candidates(g, list(backends.values()))
+    costs = {c: (1.0 if c.backend != "tvm" else 2.0) * len(c.nodes) ** 0.5 for c in cands}
+    placement = place(g.producers, cands, costs, {})
+    return g, placement, partition(g, placement.groups, backends)
+
+
+def test_a_cuda_placement_partitions_into_cudnn_cublas_and_tvm_functions():
+    g, placement, mod = _cuda_partition()
+    used = {c.backend for c in placement.groups}
+    assert used == {"tvm", "cudnn", "cublas"}
+    external = {gv.name_hint: f for gv, f in mod.functions.items()
+                if isinstance(f, relax.Function) and f.attrs is not None and "Codegen" in f.attrs}
+    codegens = sorted(str(f.attrs["Codegen"]) for f in external.values())
+    assert "collage_cudnn" in codegens and "collage_cublas" in codegens
+    # every external function is one the lowering can read: its plan names the anchor
+    for f in external.values():
+        lib = str(f.attrs["Codegen"])[len("collage_"):]
+        plan = analyse(f, lib, batched_matmul=lib == "cublas")
+        assert plan.anchor == ("relax.matmul" if lib == "cublas" else "relax.nn.conv2d")
+    assert sorted(i for c in placement.groups for i in c.nodes) == list(range(len(g)))
+
+
+def test_tvm_alone_builds_the_model_for_cuda_without_a_device():
+    from collage_tvm.target import make_target
+    from collage_tvm.tuning.compile import compile_module
+
+    mod = tvm.IRModule({"main": _cnn_and_mlp()})
+    exe = compile_module(mod, make_target("cuda:sm_90"))  # dlight's default GPU schedules
+    assert exe is not None
+
+
+def test_lowerings_read_the_plan_and_refuse_what_their_library_cannot_run():
+    g = DataflowGraph(_cnn_and_mlp())
+
+    def group(nodes):
+        return extract_function(g, frozenset(nodes), lift_constants=False)[0]
+
+    conv = analyse(group({3, 4, 5, 6}), "cudnn")
+    assert conv.anchor == "relax.nn.conv2d" and conv.unary == ("relu", "")
+    assert conv.bias.shape == (8,) and isinstance(conv.residual, int)
+    dense = analyse(group({10, 11, 12}), "cublas")
+    assert dense.unary == ("gelu", "tanh") and dense.weight.shape == (32, 64)  # (N, K)
+    assert analyse(group({18}), "cublas", batched_matmul=True).anchor == "relax.matmul"
+    with pytest.raises(NotImplementedError, match="cublas: batched matmul"):
+        analyse(group({18}), "cublas")  # a library that has no batched GEMM says so
+    with pytest.raises(NotImplementedError, match="cublas: relax.nn.conv2d is not supported"):
+        CublasLowering().lower(group({0, 1, 2}))
+    with pytest.raises(NotImplementedError, match="cudnn: matmul is not supported"):
+        CudnnLowering().lower(group({10, 11}))
+    with pytest.raises(NotImplementedError, match=r"cublas: the activation \('gelu', 'none'\)"):
+        CublasLowering().lower(group({13, 14, 15}))
+
+
+def test_gpu_backends_say_why_they_do_not_run_here_and_a_cpu_target_skips_them():
+    from collage_tvm.build import resolve_backends
+    from collage_tvm.target import make_target
+
+    ok, why = get_backend("tensorrt").available()
+    assert not ok and "TensorRT" in why
+    with pytest.raises(NotImplementedError, match="tensorrt: TensorRT"):
+        get_backend("tensorrt").get_lowering().lower(_cnn_and_mlp())
+    _, skipped = resolve_backends(["cudnn", "cublas"], make_target("llvm"))
+    assert skipped == {"cudnn": "runs on cuda, the target is cpu",
+                       "cublas": "runs on cuda, the target is cpu"}
+    if not HAVE_GPU:
+        _, skipped = resolve_backends(["cudnn", "cublas", "dnnl"], make_target("cuda:sm_90"))
+        assert skipped["cudnn"] == NO_GPU_REASON and skipped["cublas"] == NO_GPU_REASON
+        assert skipped["dnnl"] == "runs on cpu, the target is cuda"
+        with pytest.raises(ValueError, match="target 'cuda': .* 'cuda:sm_90'"):
+            make_target("cuda")
+    with pytest.raises(ValueError, match="sm_90"):
+        make_target("cuda:ampere")
+
+
+# ------------------------------------------------------------------ on a GPU
+
+def _on_gpu(func, lowering, arrays):
+    fn = lowering.lower(func)
+    dev = tvm.cuda(0)
+    out = fn(*[tvm.runtime.tensor(a, dev) for a in arrays])
+    return out.numpy()
+
+
+@gpu
+def test_cudnn_numerics_on_the_gpu():
+    import torch
+
+    g = DataflowGraph(_cnn_and_mlp())
+    func = extract_function(g, frozenset({3, 4, 5, 6}), lift_constants=False)[0]
+    plan = analyse(func, "cudnn")
+    x = RNG.standard_normal((1, 8, 8, 8)).astype("float32")
+    got = _on_gpu(func, CudnnLowering(), [x, x] if plan.nparams == 2 else [x])
+    t = torch.from_numpy
+    want = torch.relu(torch.nn.functional.conv2d(t(x), t(plan.weight), t(plan.bias)) + t(x))
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-4, atol=1e-4)
+
+
+@gpu
+def test_cublas_numerics_on_the_gpu():
+    import torch
+
+    g = DataflowGraph(_cnn_and_mlp())
+    func = extract_function(g, frozenset({10, 11, 12}), lift_constants=False)[0]
+    plan = analyse(func, "cublas")
+    x = RNG.standard_normal((8, 64)).astype("float32")
+    got = _on_gpu(func, CublasLowering(), [x])
+    t = torch.from_numpy
+    want = torch.nn.functional.gelu(t(x) @ t(plan.weight).T + t(plan.bias), approximate="tanh")
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-4, atol=1e-4)
+
+
+@gpu
+def test_a_whole_build_on_cuda_matches_tvm_alone(tmp_path):
+    import collage_tvm
+
+    mod = tvm.IRModule({"main": _cnn_and_mlp()})
+    res = collage_tvm.optimize(mod, "cuda", ["tvm", "cudnn", "cublas"], db=str(tmp_path / "c.db"),
+                               progress=False, compare=True)
+    comp = res.report.comparison
+    assert "tvm-only" in comp and "collage" in comp
+    assert all(r["match"] for r in comp.values()), comp
