@@ -18,7 +18,7 @@ import tvm
 from tvm import relax
 
 from .check import first_line, latency_evaluator, never_slower, outputs_on, tvm_reference
-from .frontend import dynamic_input, load_model, normalize_for_collage
+from .frontend import ModelError, dynamic_input, load_model, normalize_for_collage
 from .graph import DataflowGraph, NotDataflow
 from .graph.subgraph import function_key
 from .lower import (candidate_vm, candidate_vm_for, compile_module, compile_placement,
@@ -67,6 +67,7 @@ class BuildReport:
     rewrite: dict = field(default_factory=dict)      # the rewrite search: applied, costs, counts
     tuning: dict = field(default_factory=dict)       # the tuning database used: path, records
     precision: dict = field(default_factory=dict)    # budget, and per precision why (not) used
+    whole_model: dict = field(default_factory=dict)  # TVM cannot import it: the library running it
 
     def summary(self) -> str:
         if self.placement_from_log:
@@ -133,6 +134,31 @@ def resolve_backends(names, target, accuracy=None) -> tuple[dict, dict]:
             continue
         backends[name] = b
     return backends, skipped
+
+
+def _whole_on_a_library(err, backends: dict, input_shapes, report) -> tvm.IRModule:
+    """The module running the ONNX model TVM's importer refused (``err``) wholly on the
+    first of ``backends`` that is a graph library and loads it (``lower.whole``); ``err``
+    again, with each library's reason added, when none does."""
+    from .lower.whole import NotWhole, whole_model_module
+
+    reasons = []
+    for name, backend in backends.items():
+        if backend.kind != "graph":
+            continue
+        try:
+            mod = whole_model_module(err.proto, backend, input_shapes)
+        except NotWhole as why:
+            reasons.append(f"{name}: {why}")
+            continue
+        report.whole_model = {"backend": name, "why": first_line(err)}
+        logger.warning("TVM cannot import the model (%s); it runs wholly on %s",
+                       first_line(err), name)
+        return mod
+    if reasons:
+        raise ModelError(f"{err}; no graph library runs it whole either ({'; '.join(reasons)})"
+                         ) from err
+    raise err
 
 
 def _known_backend(name: str):
@@ -203,9 +229,16 @@ def search(model, target="llvm", options: SearchOptions | None = None, db=None,
     options = options or SearchOptions()
     t_start = time.perf_counter()
     target = make_target(target)
-    mod = normalize_for_collage(load_model(model, example_inputs, input_shapes))
     backends, skipped = resolve_backends(options.backends, target, options.accuracy)
     report = BuildReport(backends=list(backends), skipped=skipped)
+    try:
+        mod = normalize_for_collage(load_model(model, example_inputs, input_shapes))
+    except ModelError as err:
+        if err.proto is None:
+            raise
+        mod = _whole_on_a_library(err, backends, input_shapes, report)
+        report.times["import"] = time.perf_counter() - t_start
+        return SearchResult(None, Placement([], math.nan), backends, report, target, mod)
     if not options.accuracy.strict:
         report.precision = {"accuracy": str(options.accuracy), **{
             p: (why or "available") if ok else f"not used: {why}"

@@ -75,6 +75,10 @@ def _optimize(args) -> int:
     if rep.kept_on_tvm:
         print(f"  kept on TVM (nothing else could run or time them): "
               f"{', '.join(sorted(set(rep.kept_on_tvm)))}")
+    if rep.whole_model:
+        print(f"TVM cannot import this model ({rep.whole_model['why']}): it runs wholly on "
+              f"{rep.whole_model['backend']}, no placement to search, write or show")
+        return 0
     if res.graph is None:
         print("the whole model was compiled by TVM alone: no placement to write or show")
         return 0

@@ -114,6 +114,38 @@ def test_a_model_with_control_flow_is_compiled_by_tvm_alone_with_the_reason(tmp_
     assert matches([got.numpy()], case.outputs, case.rtol, case.atol)
 
 
+class _Lstm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(8, 16, batch_first=True)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(self.lstm(x)[0][:, -1])
+
+
+def test_a_model_tvm_cannot_import_runs_wholly_on_a_graph_library(tmp_path, capsys):
+    from collage_tvm.cli import main
+    from collage_tvm.frontend.load import ModelError
+
+    path = str(tmp_path / "lstm.onnx")
+    m = _Lstm().eval()
+    torch.onnx.export(m, (torch.randn(1, 5, 8),), path, dynamo=False, opset_version=17)
+    with pytest.raises(ModelError, match="ONNX import failed.*LSTM"):  # TVM alone refuses it
+        collage_tvm.optimize(path, "llvm", ["tvm", "dnnl"], db=str(tmp_path / "c.db"))
+    res = collage_tvm.optimize(path, "llvm", ["tvm", "dnnl", "onnxruntime"],
+                               db=str(tmp_path / "c.db"), progress=False)
+    assert res.graph is None and res.report.whole_model["backend"] == "onnxruntime"
+    assert "LSTM" in res.report.whole_model["why"]
+    x = torch.randn(1, 5, 8)
+    got = relax.VirtualMachine(res.executable, tvm.cpu())["main"](tvm.runtime.tensor(x.numpy()))
+    with torch.no_grad():
+        assert matches([got.numpy()], [m(x).numpy()], 1e-4, 1e-5)
+    assert main(["optimize", path, "--backends", "tvm,onnxruntime",
+                 "--db", str(tmp_path / "c.db")]) == 0
+    assert "it runs wholly on onnxruntime" in capsys.readouterr().out
+
+
 def _dynamic_batch_onnx(path):
     m = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU()).eval()
     torch.onnx.export(m, (torch.randn(1, 3, 8, 8),), path, dynamo=False, opset_version=17,

@@ -11,7 +11,10 @@ from .static_slices import static_slices
 
 
 class ModelError(ValueError):
-    """The model could not be imported; the message says what was wrong."""
+    """The model could not be imported; the message says what was wrong. ``proto``: the
+    ONNX model (shapes folded) when TVM's ONNX importer refused it, else None."""
+
+    proto = None
 
 
 def load_model(model, example_inputs=None, input_shapes: dict | None = None) -> tvm.IRModule:
@@ -100,7 +103,9 @@ def _from_onnx(proto, input_shapes, where: str) -> tvm.IRModule:
     try:
         return from_onnx(proto, shape_dict=input_shapes, keep_params_in_input=False)
     except Exception as err:
-        raise ModelError(f"{where}: ONNX import failed: {type(err).__name__}: {err}") from err
+        error = ModelError(f"{where}: ONNX import failed: {type(err).__name__}: {err}")
+        error.proto = proto
+        raise error from err
 
 
 def _is_torch_module(model) -> bool:

@@ -1,0 +1,83 @@
+"""A model TVM cannot import, run whole on a graph library that can.
+
+TVM's ONNX importer refuses some operators (LSTM, GRU, ...) that ONNX Runtime and OpenVINO
+run. Such a model has no Relax graph to place, but it still has a build: a Relax ``main``
+whose one call hands the ONNX model, as it is, to a graph library (``R.call_pure_packed``
+into the library's session, as every external group is called). The executable runs in a
+``relax.VirtualMachine`` like any other build; Collage's search has nothing to choose.
+"""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from .external import _LIVE
+
+_COUNTER = itertools.count()
+
+
+class NotWhole(Exception):
+    """The model cannot run whole on a library either; the message says why."""
+
+
+def _static_type(value_info, what: str):
+    import onnx
+
+    t = value_info.type.tensor_type
+    if not value_info.type.HasField("tensor_type") or not t.HasField("shape"):
+        raise NotWhole(f"{what} {value_info.name!r} is not a tensor of known rank")
+    dims = []
+    for d in t.shape.dim:
+        if not d.HasField("dim_value"):
+            raise NotWhole(f"{what} {value_info.name!r} has a dynamic dimension "
+                           f"({d.dim_param or '?'}): give it with --input-shape")
+        dims.append(int(d.dim_value))
+    dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.elem_type)).name
+    return relax.TensorType(tuple(dims), dtype)
+
+
+def whole_model_module(proto, backend, input_shapes: dict | None = None) -> tvm.IRModule:
+    """A Relax module whose ``main`` runs ONNX ``proto`` wholly on graph library
+    ``backend`` (a ``registry.Backend`` whose lowering has ``compile(model, specs, sole)``);
+    raises ``NotWhole`` when its inputs or outputs have no static shapes or the library
+    cannot load it."""
+    import onnx
+
+    input_shapes = dict(input_shapes or {})
+    if input_shapes:  # the shapes the user gave replace the declared ones before inference
+        proto = onnx.ModelProto.FromString(proto.SerializeToString())
+        for vi in proto.graph.input:
+            if vi.name in input_shapes:
+                dims = vi.type.tensor_type.shape.dim
+                del dims[:]
+                for d in input_shapes[vi.name]:
+                    dims.add().dim_value = int(d)
+    inferred = onnx.shape_inference.infer_shapes(proto, strict_mode=False, data_prop=True)
+    weights = {i.name for i in proto.graph.initializer}
+    inputs = [vi for vi in inferred.graph.input if vi.name not in weights]
+    in_types = [_static_type(vi, "input") for vi in inputs]
+    out_types = [_static_type(vi, "output") for vi in inferred.graph.output]
+    specs = [(tuple(int(d) for d in t.shape.values), str(t.dtype)) for t in out_types]
+    lowering = backend.get_lowering()
+    compile_whole = getattr(lowering, "compile", None)
+    if compile_whole is None:
+        raise NotWhole(f"{backend.name} is not a graph library that runs an ONNX model")
+    try:
+        fn = compile_whole(proto, specs, True)
+    except Exception as err:  # noqa: BLE001 - the library's refusal is the reason
+        raise NotWhole(f"{backend.name} cannot load it: {type(err).__name__}: "
+                       f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}") from err
+    symbol = f"collage.whole.{backend.name}.{next(_COUNTER)}"
+    tvm.register_global_func(symbol, fn, override=True)
+    _LIVE[symbol] = fn
+    params = [relax.Var(f"in{k}", t) for k, t in enumerate(in_types)]
+    ret = out_types[0] if len(out_types) == 1 else relax.TupleType(out_types)
+    bb = relax.BlockBuilder()
+    with bb.function("main", params):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.call_pure_packed(symbol, *params, ty_args=ret))
+        bb.emit_func_output(out)
+    return bb.get().with_attr("collage.symbols", [symbol])
