@@ -222,8 +222,20 @@ def _bench(args, parser) -> int:
                      f"known: {', '.join(bench.known_models())}")
     options = SearchOptions(backends=args.backends, graph_level=args.graph_level,
                             budget=args.budget, accuracy=args.accuracy)
+    if args.target != "llvm":
+        from .target import make_target
+
+        try:
+            target = make_target(args.target)
+        except ValueError as err:
+            parser.error(str(err))
+        if target.kind.name == "cuda" and (args.tune or args.ablation or args.rewrite
+                                           or args.accuracy != "f32"):
+            parser.error("bench --target cuda: --tune, --ablation, --rewrite and --accuracy "
+                         "are CPU only for now")
     results = bench.run(models, args.out, db=args.db, options=options, size=args.size,
-                        ablation=args.ablation, rewrite=args.rewrite, tune=args.tune)
+                        ablation=args.ablation, rewrite=args.rewrite, tune=args.tune,
+                        target=args.target)
     print("\n" + bench.markdown(results))
     print(f"\nwritten: {', '.join(f'{args.out}/{w}' for w in results['files'])}")
     return 0
@@ -381,7 +393,12 @@ def main(argv=None) -> int:
                         "min(--budget, 120) s of graph-level search a model)")
     b.add_argument("--size", choices=["small", "paper"], default="paper",
                    help="zoo model size (default paper)")
-    b.add_argument("--backends", default="tvm,dnnl,mkl,onnxruntime,openvino")
+    b.add_argument("--backends", default="tvm,dnnl,mkl,onnxruntime,openvino",
+                   help="(on --target cuda: e.g. tvm,cudnn,cublas)")
+    b.add_argument("--target", default="llvm",
+                   help="llvm (this CPU, default) or cuda (this machine's GPU: the "
+                        "frameworks are PyTorch eager, torch.compile and torch.compile with "
+                        "CUDA graphs on it; docs/GPU.md)")
     b.add_argument("--graph-level", action="store_true", help="also run the two-level search")
     b.add_argument("--budget", type=float, default=300.0,
                    help="seconds of graph-level search and of rewrite search, each (default 300)")

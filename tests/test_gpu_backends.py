@@ -182,6 +182,18 @@ def test_gpu_backends_say_why_they_do_not_run_here_and_a_cpu_target_skips_them()
         make_target("cuda:ampere")
 
 
+def test_bench_on_a_cuda_target_says_what_it_cannot_do(capsys):
+    from collage_tvm.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["bench", "resnet_small", "--target", "cuda:sm_90", "--rewrite"])
+    assert "--rewrite and --accuracy are CPU only for now" in capsys.readouterr().err
+    if not HAVE_GPU:
+        with pytest.raises(SystemExit):
+            main(["bench", "resnet_small", "--target", "cuda"])
+        assert "target 'cuda':" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------ on a GPU
 
 def _on_gpu(func, lowering, arrays):

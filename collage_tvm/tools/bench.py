@@ -105,6 +105,8 @@ def machine() -> dict:
         info["openvino"] = openvino.__version__.split("-")[0]
     except ImportError:
         pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
     return info
 
 
@@ -234,6 +236,81 @@ def frameworks(name: str, size: str, onnx_path: str, collage_executable, accurac
         result[fw] = {"ms": ms[fw], "match": check["match"], "max_err": check["max_err"],
                       "rel_err": check["rel_err"], **extra.get(fw, {})}
     return result
+
+
+def gpu_frameworks(name: str, size: str, collage_executable, accuracy=None) -> dict:
+    """The frameworks on the GPU beside the shipped Collage build (issue #19): PyTorch eager
+    on CUDA, ``torch.compile`` (inductor, default mode) and ``torch.compile(mode=
+    "reduce-overhead")`` (inductor with CUDA graphs), all in f32 (TF32 off, as Collage's
+    lowerings run), timed interleaved with the device synchronised before each clock read.
+    Rows as ``frameworks``; errors against PyTorch eager on the CPU in f32."""
+    from collage_tvm.precision import parse_accuracy
+
+    accuracy = parse_accuracy(accuracy)
+    import torch
+    import tvm
+    from tvm import relax
+
+    from collage_tvm.check import run_outputs
+    from collage_tvm.measure.timing import interleaved
+
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model, x = model_and_input(name, size)
+    with torch.inference_mode():
+        ref = _numpy_outputs(model(x))
+    gpu_model, gx = model.to("cuda"), x.to("cuda")
+    runs: dict = {}
+    outs: dict = {}
+    extra: dict = {}
+
+    def eager():
+        with torch.inference_mode():
+            return gpu_model(gx)
+
+    runs["pytorch (cuda)"] = eager
+    outs["pytorch (cuda)"] = _numpy_outputs(_to_cpu(eager()))
+    for label, mode in (("torch.compile", "default"),
+                        ("torch.compile (cuda graphs)", "reduce-overhead")):
+        print(f"  {label}: compiling {name} with inductor, mode {mode}", flush=True)
+        try:
+            compiled = torch.compile(gpu_model, mode=mode)
+
+            def inductor(fn=compiled):
+                with torch.inference_mode():
+                    return fn(gx)
+
+            t0 = time.perf_counter()
+            for _ in range(3):  # CUDA graphs are recorded on the third call
+                out = inductor()
+            outs[label] = _numpy_outputs(_to_cpu(out))
+            extra[label] = {"compile_s": time.perf_counter() - t0}
+            runs[label] = inductor
+        except Exception as err:  # noqa: BLE001 - a failed compile is reported, not fatal
+            outs[label] = _why(err)
+    dev = tvm.cuda()
+    vm = relax.VirtualMachine(collage_executable, dev)
+    args = [tvm.runtime.tensor(x.numpy(), dev)]
+    runs["collage"] = lambda main=vm["main"]: main(*args)
+    outs["collage"] = run_outputs(vm, args)
+    print(f"  timing {', '.join(runs)} interleaved on the GPU", flush=True)
+    ms = interleaved(runs, sync=torch.cuda.synchronize)
+    result = {}
+    for fw, out in outs.items():
+        if isinstance(out, str):
+            result[fw] = {"error": out, "ms": math.nan, "match": False}
+            continue
+        check = accuracy.check(out, ref)
+        result[fw] = {"ms": ms[fw], "match": check["match"], "max_err": check["max_err"],
+                      "rel_err": check["rel_err"], "precision": "f32", **extra.get(fw, {})}
+    return result
+
+
+def _to_cpu(out):
+    """A torch output (tensor or tuple of them) on the CPU."""
+    if isinstance(out, (tuple, list)):
+        return type(out)(_to_cpu(o) for o in out)
+    return out.cpu() if hasattr(out, "cpu") else out
 
 
 def _float(out):
@@ -400,15 +477,21 @@ def _with_progress(options: SearchOptions, **changes) -> SearchOptions:
 
 def bench_model(name: str, out_dir: str, options: SearchOptions, db, glue: bool = True,
                 size: str = "paper", ablation: bool = False, rewrite: bool = False,
-                tune: float = 0.0) -> dict:
+                tune: float = 0.0, target="llvm") -> dict:
     """One model: the Collage search with ``options`` (and the never-slower comparison),
     the frameworks, the glue check; with ``ablation``, the ablation steps; with
     ``rewrite``, placed-only beside rewritten+placed (``rewrite_steps``); with ``tune``
     seconds, first ``collage_tvm.tune`` (the search then uses tuned TVM), and at the end
-    the search untuned beside tuned (``tuning_steps``)."""
+    the search untuned beside tuned (``tuning_steps``). ``target`` "cuda": the search on
+    the GPU and the frameworks there (``gpu_frameworks``); the steps above are CPU only."""
     from collage_tvm.build import optimize
+    from collage_tvm.target import make_target
 
     backends = options.backends
+    on_gpu = make_target(target).kind.name == "cuda"
+    if on_gpu and (tune > 0 or ablation or rewrite or not options.accuracy.strict):
+        raise ValueError("bench on a cuda target: --tune, --ablation, --rewrite and --accuracy "
+                         "are CPU only for now")
     path = model_onnx(name, size, out_dir)
     entry: dict = {"model": name, "size": size}
     if tune > 0:
@@ -421,7 +504,7 @@ def bench_model(name: str, out_dir: str, options: SearchOptions, db, glue: bool 
         budget = "" if options.accuracy.strict else f", accuracy budget {options.accuracy}"
         print(f"\n== {name}: Collage {label} ({', '.join(backends)}{budget})", flush=True)
         t0 = time.perf_counter()
-        res = optimize(path, "llvm", db=db, options=_with_progress(options, compare=True))
+        res = optimize(path, target, db=db, options=_with_progress(options, compare=True))
         rep = res.report
         entry[label] = {"comparison": rep.comparison, "shipped": rep.shipped,
                         "times": rep.times, "wall_s": time.perf_counter() - t0,
@@ -444,13 +527,14 @@ def bench_model(name: str, out_dir: str, options: SearchOptions, db, glue: bool 
             f32 = f32_res.executable
         print(f"\n== {name}: frameworks beside the shipped Collage build", flush=True)
         entry["accuracy"] = str(options.accuracy)
-        entry["frameworks"] = frameworks(name, size, path, res.executable, options.accuracy,
-                                         f32)
+        entry["frameworks"] = (gpu_frameworks(name, size, res.executable) if on_gpu else
+                               frameworks(name, size, path, res.executable, options.accuracy,
+                                          f32))
         for fw, r in entry["frameworks"].items():
             print(f"  {fw:<24} {r['ms']:>10.3f} ms  match={r['match']}"
                   + (f"  ({r['error']})" if r.get("error") else
                      f"  error {r['rel_err']:.1e} of the scale"), flush=True)
-    for lib in [b for b in GLUE_LIBRARIES if b in backends] if glue else []:
+    for lib in [b for b in GLUE_LIBRARIES if b in backends] if glue and not on_gpu else []:
         print(f"\n== {name}: glue overhead, wholly on {lib} through collage-tvm vs plain {lib}",
               flush=True)
         entry.setdefault("glue", {})[lib] = g = glue_overhead(path, lib)
@@ -493,7 +577,8 @@ def _print_comparison(comparison: dict, shipped: str) -> None:
 
 
 def markdown(results: dict) -> str:
-    lines = [f"Machine: {results['machine']['cpu']}, {results['machine']['cores']} cores; "
+    gpu = f", GPU {results['machine']['gpu']}" if results["machine"].get("gpu") else ""
+    lines = [f"Machine: {results['machine']['cpu']}, {results['machine']['cores']} cores{gpu}; "
              f"TVM {results['machine']['tvm']}, onnxruntime {results['machine']['onnxruntime']}, "
              f"OpenVINO {results['machine'].get('openvino', '-')}, torch {results['machine']['torch']}",
              ""]
@@ -711,7 +796,7 @@ def plot_ablation(results: dict, path: str) -> str:
 
 def run(models, out_dir: str, backends=None, db=None, *, options: SearchOptions | None = None,
         size: str = "paper", ablation: bool = False, rewrite: bool = False,
-        tune: float = 0.0, **option_fields) -> dict:
+        tune: float = 0.0, target="llvm", **option_fields) -> dict:
     """Bench ``models``; writes results.json (after each model), results.md, results.png
     and, with ``ablation``, results_ablation.png into ``out_dir``; ``rewrite``: also
     placed-only beside rewritten+placed (``rewrite_steps``); ``tune``: seconds of
@@ -729,7 +814,7 @@ def run(models, out_dir: str, backends=None, db=None, *, options: SearchOptions 
     for name in models:
         try:
             entry = bench_model(name, out_dir, options, db, size=size, ablation=ablation,
-                                rewrite=rewrite, tune=tune)
+                                rewrite=rewrite, tune=tune, target=target)
         except Exception as err:  # noqa: BLE001 - one model's failure must not lose the others
             logger.exception("bench: %s failed", name)
             entry = {"model": name, "size": size, "error": _why(err)}
