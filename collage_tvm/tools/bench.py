@@ -226,7 +226,12 @@ def frameworks(name: str, size: str, onnx_path: str, collage_executable, accurac
         runs[label] = lambda main=vm["main"]: main(*args)
         outs[label] = run_outputs(vm, args)
     print(f"  timing {', '.join(runs)} interleaved", flush=True)
-    ms = interleaved(runs)
+    return _rows(outs, interleaved(runs), ref, accuracy, extra)
+
+
+def _rows(outs: dict, ms: dict, ref, accuracy, extra: dict) -> dict:
+    """Framework -> {"ms", "match", "max_err", "rel_err", ...} (or {"error"}) of its outputs
+    ``outs[fw]`` (an error string when it failed) against ``ref`` by ``accuracy``."""
     result = {}
     for fw, out in outs.items():
         if isinstance(out, str):
@@ -294,16 +299,8 @@ def gpu_frameworks(name: str, size: str, collage_executable, accuracy=None) -> d
     runs["collage"] = lambda main=vm["main"]: main(*args)
     outs["collage"] = run_outputs(vm, args)
     print(f"  timing {', '.join(runs)} interleaved on the GPU", flush=True)
-    ms = interleaved(runs, sync=torch.cuda.synchronize)
-    result = {}
-    for fw, out in outs.items():
-        if isinstance(out, str):
-            result[fw] = {"error": out, "ms": math.nan, "match": False}
-            continue
-        check = accuracy.check(out, ref)
-        result[fw] = {"ms": ms[fw], "match": check["match"], "max_err": check["max_err"],
-                      "rel_err": check["rel_err"], "precision": "f32", **extra.get(fw, {})}
-    return result
+    extra = {fw: {"precision": "f32", **extra.get(fw, {})} for fw in outs}
+    return _rows(outs, interleaved(runs, sync=torch.cuda.synchronize), ref, accuracy, extra)
 
 
 def _to_cpu(out):
