@@ -241,3 +241,18 @@ def test_a_whole_build_on_cuda_matches_tvm_alone(tmp_path):
     comp = res.report.comparison
     assert "tvm-only" in comp and "collage" in comp
     assert all(r["match"] for r in comp.values()), comp
+
+
+def test_a_cuda_build_without_external_calls_runs_as_cuda_graphs():
+    from collage_tvm.target import make_target
+    from collage_tvm.tuning.compile import CUDA_GRAPH, compile_module, cuda_graph_safe
+
+    mod = tvm.IRModule({"main": _cnn_and_mlp()})
+    assert cuda_graph_safe(mod)
+    assert not cuda_graph_safe(mod.with_attr("collage.symbols", ["collage.cudnn.x.0"]))
+    target = make_target("cuda:sm_90")
+    with tvm.transform.PassContext(config={CUDA_GRAPH: True}), target:
+        lowered = relax.get_default_pipeline(target)(mod)
+    assert any("cuda_graph" in gv.name_hint for gv in lowered.get_global_vars())
+    assert "cuda_graph" in compile_module(mod, target).as_text()  # compile_module sets it
+    assert "cuda_graph" not in compile_module(mod, make_target("llvm")).as_text()

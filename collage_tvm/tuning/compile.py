@@ -53,8 +53,32 @@ def pipeline(target, database=None):
 
 def compile_module(mod: tvm.IRModule, target, database=None):
     """``tvm.compile`` of ``mod`` through :func:`pipeline`, runnable without a C compiler
-    when it has no kernel of its own (:func:`skip_empty_link`)."""
-    return skip_empty_link(tvm.compile(mod, target, relax_pipeline=pipeline(target, database)))
+    when it has no kernel of its own (:func:`skip_empty_link`); on a CUDA target with CUDA
+    graphs where that is safe (:func:`cuda_graph_safe`)."""
+    config = {}
+    if target.kind.name == "cuda" and cuda_graph_safe(mod):
+        config[CUDA_GRAPH] = True
+    cur = tvm.transform.PassContext.current()
+    with tvm.transform.PassContext(opt_level=cur.opt_level, config={**dict(cur.config), **config},
+                                   required_pass=list(cur.required_pass),
+                                   disabled_pass=list(cur.disabled_pass)):
+        return skip_empty_link(tvm.compile(mod, target,
+                                           relax_pipeline=pipeline(target, database)))
+
+
+#: TVM's switch for ``RewriteCUDAGraph`` (in its default CUDA pipeline): static regions of
+#: the VM's calls captured once as a CUDA graph and replayed, one launch instead of many.
+CUDA_GRAPH = "relax.backend.use_cuda_graph"
+
+
+def cuda_graph_safe(mod: tvm.IRModule) -> bool:
+    """Whether ``mod`` may run as CUDA graphs: it calls no external backend. TVM's pass
+    would capture an external call too (``R.call_pure_packed`` into a cuDNN or cuBLAS call
+    through torch), and torch's caching allocator hands out and reuses memory that a
+    replayed graph would still write to; a placement with external calls runs its kernels
+    one launch each, and the search charges each call its measured overhead (epsilon)."""
+    attrs = mod.attrs
+    return attrs is None or "collage.symbols" not in attrs or not list(attrs["collage.symbols"])
 
 
 def _empty_source(m) -> bool:
