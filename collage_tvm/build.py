@@ -158,7 +158,8 @@ def _whole_on_a_library(err, backends: dict, input_shapes, report) -> tvm.IRModu
     if reasons:
         raise ModelError(f"{err}; no graph library runs it whole either ({'; '.join(reasons)})"
                          ) from err
-    raise err
+    raise ModelError(f"{err}; a graph library could run the whole model: add onnxruntime or "
+                     "openvino to the backends") from err
 
 
 def _known_backend(name: str):
