@@ -256,3 +256,16 @@ def test_a_cuda_build_without_external_calls_runs_as_cuda_graphs():
     assert any("cuda_graph" in gv.name_hint for gv in lowered.get_global_vars())
     assert "cuda_graph" in compile_module(mod, target).as_text()  # compile_module sets it
     assert "cuda_graph" not in compile_module(mod, make_target("llvm")).as_text()
+
+
+def test_the_gpu_machine_set_up_scripts_parse_and_refuse_a_wrong_step(tmp_path):
+    import os
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for script in ("gpu_wheels.sh", "gpu_install.sh"):
+        path = os.path.join(root, "tools", script)
+        assert subprocess.run(["bash", "-n", path]).returncode == 0, script
+    bad = subprocess.run(["bash", os.path.join(root, "tools", "gpu_install.sh"), "part3"],
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert bad.returncode == 2 and "usage: tools/gpu_install.sh part1|part2" in bad.stderr

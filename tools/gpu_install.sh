@@ -6,9 +6,8 @@
 # installs nothing new.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-mkdir -p .gpu/keep
 case "${1:-}" in
-  part1) cp .gpu/part1/* .gpu/keep/ ;;
+  part1) mkdir -p .gpu/keep && cp .gpu/part1/* .gpu/keep/ ;;
   part2)
     if [ ! -f /tmp/site/.installed ]; then
       cp .gpu/part2/* .gpu/keep/
