@@ -326,7 +326,8 @@ def _rewrite(mod, backends, target, db, options: SearchOptions, report) -> tvm.I
     report.rewrite = {"folded_affine_tails": folded is not mod, "applied": res.applied,
                       "start_ms": res.start_cost, "best_ms": res.cost, "graphs": res.graphs,
                       "pruned": res.pruned,
-                      "closed": res.closed, "stopped": res.stopped, "pieces": res.pieces}
+                      "closed": res.closed, "stopped": res.stopped, "pieces": res.pieces,
+                      "seconds": res.seconds}
     report.times["rewrite"] = time.perf_counter() - t0
     logger.info("rewrite: %s", report.rewrite)
     return res.module
