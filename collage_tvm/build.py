@@ -299,6 +299,7 @@ def _rewrite(mod, backends, target, db, options: SearchOptions, report) -> tvm.I
     work), then the cost-based search over the others, each graph costed as the op-level DP
     places it on ``backends`` with measured costs (new kernels are measured and cached): a
     rewrite is judged on the backends that will run it."""
+    from .measure.measurer import DeadlinePassed
     from .rewrite import fold_conv_affine
     from .rewrite.search import split_search
 
@@ -308,6 +309,7 @@ def _rewrite(mod, backends, target, db, options: SearchOptions, report) -> tvm.I
                         progress=False)
     try:
         eps = measurer.epsilon(backends.values())
+        t_search = time.perf_counter()
 
         def cost(m) -> float:
             # Without the graph libraries' regions: a rewrite changes every region around
@@ -315,7 +317,15 @@ def _rewrite(mod, backends, target, db, options: SearchOptions, report) -> tvm.I
             # local change is judged on the local candidates.
             graph = DataflowGraph.from_module(m)
             cands = generate_candidates(graph, backends.values(), regions=False)
-            raw, _ = ensure_cover(len(graph), cands, measurer.costs(graph, cands, backends))
+            try:
+                measured = measurer.costs(graph, cands, backends)
+            except DeadlinePassed:  # the budget is spent: this graph is not costed
+                return math.inf
+            # The graph as imported (the first costed) is costed in full, whatever the
+            # time; past the budget, a rewritten graph with a kernel not yet measured is
+            # left uncosted, so the search stops within its budget.
+            measurer.deadline = t_search + options.budget
+            raw, _ = ensure_cover(len(graph), cands, measured)
             costs = {c: max(0.0, v - eps[c.backend]) for c, v in raw.items()}
             return place(graph.producers, cands, costs, eps, exact=False).cost
 

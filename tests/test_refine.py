@@ -188,6 +188,27 @@ def test_library_candidates_are_timed_in_graph_order_and_twice(tmp_path):
     assert m2.costs(graph, cands, backends) == costs and not seen
 
 
+def test_past_its_deadline_a_measurer_answers_from_the_db_and_measures_nothing(tmp_path):
+    import time
+
+    from collage_tvm.measure.measurer import DeadlinePassed
+
+    graph = _conv_relu_graph()
+    backends = {"tvm": get_backend("tvm")}
+    cands = generate_candidates(graph, list(backends.values()))
+    db = CostDB(str(tmp_path / "c.db"))
+    m = Measurer(make_target("llvm"), db, candidate_vm, isolate=False, progress=False)
+    m._measure = lambda backend, func, cutoff_ms, key=None: (5.0, None, {})
+    m.deadline = time.perf_counter() - 1.0
+    with pytest.raises(DeadlinePassed, match="not measured, the deadline has passed"):
+        m.costs(graph, cands, backends)
+    assert m.measured == 0
+    m.deadline = None
+    costs = m.costs(graph, cands, backends)
+    m.deadline = time.perf_counter() - 1.0  # everything is in the DB now: no measuring
+    assert m.costs(graph, cands, backends) == costs
+
+
 def test_refine_takes_the_largest_stakes_first_and_keeps_to_its_budget(tmp_path):
     graph = _conv_relu_graph()
     tvm_b = get_backend("tvm")

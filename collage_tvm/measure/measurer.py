@@ -79,8 +79,14 @@ def _reason(err: BaseException) -> str:
     return f"{type(err).__name__}: {str(err).strip()[:400]}"
 
 
+class DeadlinePassed(Exception):
+    """A cost was not in the DB and ``Measurer.deadline`` had passed: nothing was measured."""
+
+
 class Measurer:
-    """Looks costs up in ``db`` and measures the misses (in a child process when ``isolate``)."""
+    """Looks costs up in ``db`` and measures the misses (in a child process when ``isolate``).
+    ``deadline`` (a ``time.perf_counter()`` value, None: none): past it, a miss raises
+    ``DeadlinePassed`` instead of being measured (a budgeted search stops on time)."""
 
     def __init__(self, target, db: CostDB, build_vm, isolate: bool = True,
                  progress: bool = True, cutoff_factor: float = 4.0, second_pass: bool = True,
@@ -110,6 +116,7 @@ class Measurer:
         self.side_by_side = 0  # sets of candidates re-timed side by side (retime)
         self.second_pass = second_pass
         self.tuning = tuning
+        self.deadline: float | None = None
         self.seconds = {"second pass": 0.0, "re-time": 0.0}  # where measuring time went
 
     def close(self) -> None:
@@ -160,6 +167,8 @@ class Measurer:
         if rec is not None:
             self.hits += 1
             return rec.cost_ms
+        if self.deadline is not None and time.perf_counter() > self.deadline:
+            raise DeadlinePassed(f"{name} {label}: not measured, the deadline has passed")
         cost, reason, extra = measure()
         self.measured += 1
         if math.isinf(cost):
