@@ -214,6 +214,14 @@ def test_search_keeps_the_graph_when_no_rewrite_pays_and_stops_at_its_limits():
     res = search(mod, _fake_cost(50.0))
     assert res.module is mod and res.cost == res.start_cost == 30.0
     assert search(mod, _fake_cost(8.5), max_graphs=2).stopped == "max_graphs"
+    import time
+
+    def slow(g):  # each costing takes 50 ms; the start graph has two sites
+        time.sleep(0.05)
+        return _fake_cost(8.5)(g)
+
+    res = search(mod, slow, budget_s=0.07)  # the budget ends between the two sites
+    assert res.stopped == "budget" and res.graphs == 2 and res.seconds < 0.2
 
 
 def test_search_does_not_queue_every_combination_of_neutral_rewrites():

@@ -116,6 +116,10 @@ def search(mod, cost, rewrites=REWRITES, alpha: float = 1.05, budget_s: float = 
         g_sites = sites_of(g) if g_sites is None else g_sites
         g_keys = None
         for rw, site in g_sites:
+            if time.perf_counter() - t0 > budget_s:  # a graph may have many sites
+                result.stopped = "budget"
+                queue = []
+                break
             new = rw.apply(g, site)
             h = structural_hash(new)
             if h in seen:
