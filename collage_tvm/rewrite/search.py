@@ -4,7 +4,8 @@ A priority queue of graphs by cost, cheapest first. Each graph popped is expande
 substitution at every site; a new graph (by structural hash) is queued when its cost is
 below ``alpha`` times the best so far, so rewrites that cost a little now but open a
 cheaper graph later are still explored (alpha 1.05 as in MetaFlow). Stops when the queue is
-empty, ``budget_s`` has passed or ``max_graphs`` graphs were costed.
+empty, ``max_graphs`` graphs were costed, or the next costing would end past ``budget_s``
+(the mean time of the costings so far is what is left to fit).
 
 A graph no cheaper than the best is queued only when it has a site its parent lacked (the
 rewrite opened one: a wider conv with a third sibling, a fold made possible): a rewrite
@@ -106,8 +107,14 @@ def search(mod, cost, rewrites=REWRITES, alpha: float = 1.05, budget_s: float = 
     queue = [(start, next(tie), mod, [], None)]
     seen = {structural_hash(mod)}
     result = SearchResult(mod, start, start, graphs=1)
+    costing = []  # seconds each costing took: the next is not started unless one fits
+
+    def out_of_time() -> bool:
+        mean = sum(costing) / len(costing) if costing else 0.0
+        return time.perf_counter() - t0 + mean > budget_s
+
     while queue:
-        if time.perf_counter() - t0 > budget_s:
+        if out_of_time():
             result.stopped = "budget"
             break
         c, _, g, path, g_sites = heapq.heappop(queue)
@@ -116,7 +123,7 @@ def search(mod, cost, rewrites=REWRITES, alpha: float = 1.05, budget_s: float = 
         g_sites = sites_of(g) if g_sites is None else g_sites
         g_keys = None
         for rw, site in g_sites:
-            if time.perf_counter() - t0 > budget_s:  # a graph may have many sites
+            if out_of_time():  # a graph may have many sites
                 result.stopped = "budget"
                 queue = []
                 break
@@ -129,7 +136,9 @@ def search(mod, cost, rewrites=REWRITES, alpha: float = 1.05, budget_s: float = 
                 result.stopped = "max_graphs"
                 queue = []
                 break
+            t_cost = time.perf_counter()
             new_cost = cost(new)
+            costing.append(time.perf_counter() - t_cost)
             result.graphs += 1
             if new_cost >= alpha * best_cost:
                 result.pruned += 1
