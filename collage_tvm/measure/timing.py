@@ -33,7 +33,8 @@ def time_main(vm, args, dev, cutoff_ms: float | None = None, target_ms: float = 
     timed one call per sample.
     """
     fn = vm["main"]
-    sync = dev.sync if dev.dlpack_device_type() != tvm.cpu().dlpack_device_type() else None
+    on_cpu = dev is None or dev.dlpack_device_type() == tvm.cpu().dlpack_device_type()
+    sync = None if on_cpu else dev.sync
     t0 = time.perf_counter()
     fn(*args)
     first_ms = (_done(sync) - t0) * 1e3
