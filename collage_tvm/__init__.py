@@ -9,6 +9,16 @@ import os as _os
 # spinning in backends/onnxruntime.py. A user's own setting wins.
 _os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
 
+# An uninstalled checkout (the source tree on PYTHONPATH, as on the GPU machine, docs/GPU.md):
+# setup.py installs the built-in lowerings of ../backends as collage_tvm.backends; here the
+# checkout's root joins the package's search path so that name resolves the same way.
+_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if _os.path.isfile(_os.path.join(_root, "backends", "cudnn.py")) and _root not in __path__:
+    import importlib.util as _util
+
+    if _util.find_spec(__name__ + ".backends") is None:
+        __path__.append(_root)
+
 from .build import CollageResult, build, optimize  # noqa: E402
 from .options import SearchOptions  # noqa: E402
 from .pipeline import pipeline  # noqa: E402

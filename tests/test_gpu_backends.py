@@ -269,3 +269,21 @@ def test_the_gpu_machine_set_up_scripts_parse_and_refuse_a_wrong_step(tmp_path):
     bad = subprocess.run(["bash", os.path.join(root, "tools", "gpu_install.sh"), "part3"],
                          capture_output=True, text=True, cwd=tmp_path)
     assert bad.returncode == 2 and "usage: tools/gpu_install.sh part1|part2" in bad.stderr
+
+
+def test_an_uninstalled_checkout_finds_the_built_in_lowerings(tmp_path):
+    # The GPU machine runs the source tree from PYTHONPATH, without installing it: the
+    # lowerings of backends/ must still resolve as collage_tvm.backends (setup.py's name).
+    import os
+    import site
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    paths = [root] + site.getsitepackages()
+    code = ("import collage_tvm; from collage_tvm.registry import get_backend; "
+            "print(get_backend('dnnl').available()[0], get_backend('cudnn').get_lowering().name)")
+    out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True,
+                         cwd=tmp_path, env={**os.environ, "PYTHONPATH": os.pathsep.join(paths)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "cudnn"]
