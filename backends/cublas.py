@@ -77,11 +77,13 @@ def build(plan: Plan) -> Callable:
     out_shape = tuple(plan.out_shape)
     to_torch, from_torch, check = device_io(plan.nparams, "cublas")
 
+    def gemm_plain(x, w):  # mm or a strided batched GEMM, the bias in place after it
+        y = torch.matmul(x, w)
+        return y if bias is None else y.add_(bias)
+
     def gemm(x, w):
-        if w_i is not None:  # two run-time tensors: mm or a strided batched GEMM
-            y = torch.matmul(x, w)
-            if bias is not None:
-                y.add_(bias)
+        if w_i is not None:  # two run-time tensors
+            y = gemm_plain(x, w)
             return y if act is None else _activate(y, act)
         x2 = x.reshape(-1, x.shape[-1])
         if bias is not None and act is not None:
@@ -104,10 +106,6 @@ def build(plan: Plan) -> Callable:
                 y = gemm_plain(x, w).add_(r)
                 y = y if act is None else _activate(y, act)
         return from_torch(y.contiguous())
-
-    def gemm_plain(x, w):
-        y = torch.matmul(x, w)
-        return y if bias is None else y.add_(bias)
 
     run.__name__ = "cublas_matmul"
     run.plan = plan

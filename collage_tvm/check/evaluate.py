@@ -11,7 +11,7 @@ from ..graph.subgraph import random_inputs
 from ..lower import compile_placement
 from ..measure.timing import time_main
 from ..precision import compare_outputs  # noqa: F401 - re-exported: the check's comparison
-from ..target import target_device
+from ..target import device_sync, target_device
 
 
 def run_outputs(vm, args) -> list:
@@ -44,7 +44,7 @@ def evaluate(executable, graph, target, reference=None, rtol=1e-3, atol=1e-3, se
     args = [tvm.runtime.tensor(a, dev) for a in random_inputs(graph.params, seed)]
     outputs = run_outputs(vm, args)
     ms, why, _ = time_main(vm, args, dev, cutoff_ms=cutoff_ms, target_ms=50.0, repeat=3,
-                           max_batches=3)
+                           max_batches=3, sync=device_sync(target))
     main = vm["main"]
     result = {"ms": ms, "outputs": outputs, "match": None, "max_err": math.nan,
               "run": lambda: main(*args), "timed_once": why is not None}

@@ -110,6 +110,15 @@ def release_with(executable, mod: tvm.IRModule) -> None:
         weakref.finalize(executable, _release, symbols)
 
 
+def register(prefix: str, fn) -> str:
+    """Register ``fn`` as a global packed function under a fresh symbol ``<prefix>.<n>``,
+    kept alive in ``_LIVE`` until ``release_with`` frees it; returns the symbol."""
+    symbol = f"{prefix}.{next(_COUNTER)}"
+    tvm.register_global_func(symbol, fn, override=True)
+    _LIVE[symbol] = fn
+    return symbol
+
+
 def _timed(fn, log: list):
     clock = time.perf_counter
 
@@ -142,9 +151,7 @@ def lower_external(mod: tvm.IRModule, backends: dict, timings: dict | None = Non
         fn = _lower_cached(backends[name], func)
         if timings is not None:
             fn = _timed(fn, timings.setdefault(int(func.attrs["collage.group"]), []))
-        symbol = f"{func.attrs['global_symbol']}.{next(_COUNTER)}"
-        tvm.register_global_func(symbol, fn, override=True)
-        _LIVE[symbol] = fn
+        symbol = register(str(func.attrs["global_symbol"]), fn)
         symbols[gv] = (symbol, func.ret_ty)
     if not symbols:
         return mod

@@ -8,15 +8,11 @@ into the library's session, as every external group is called). The executable r
 """
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import tvm
 from tvm import relax
 
-from .external import _LIVE
-
-_COUNTER = itertools.count()
+from .external import register
 
 
 class NotWhole(Exception):
@@ -70,9 +66,7 @@ def whole_model_module(proto, backend, input_shapes: dict | None = None) -> tvm.
     except Exception as err:  # noqa: BLE001 - the library's refusal is the reason
         raise NotWhole(f"{backend.name} cannot load it: {type(err).__name__}: "
                        f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}") from err
-    symbol = f"collage.whole.{backend.name}.{next(_COUNTER)}"
-    tvm.register_global_func(symbol, fn, override=True)
-    _LIVE[symbol] = fn
+    symbol = register(f"collage.whole.{backend.name}", fn)
     params = [relax.Var(f"in{k}", t) for k, t in enumerate(in_types)]
     ret = out_types[0] if len(out_types) == 1 else relax.TupleType(out_types)
     bb = relax.BlockBuilder()

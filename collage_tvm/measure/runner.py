@@ -71,7 +71,8 @@ def measure_function(funcs: list, target, build_vm, cutoff_ms=None) -> tuple:
     failure."""
     (entry,) = funcs
     vm, args = _vm_and_args(*entry[:2], target, build_vm, entry[2])
-    return time_main(vm, args, target_device(target), cutoff_ms=cutoff_ms)
+    return time_main(vm, args, target_device(target), cutoff_ms=cutoff_ms,
+                     sync=device_sync(target))
 
 
 def measure_switch(funcs: list, target, build_vm) -> tuple:

@@ -13,8 +13,6 @@ from __future__ import annotations
 import statistics
 import time
 
-import tvm
-
 
 def _done(sync) -> float:
     if sync is not None:
@@ -23,7 +21,8 @@ def _done(sync) -> float:
 
 
 def time_main(vm, args, dev, cutoff_ms: float | None = None, target_ms: float = 1.0,
-              repeat: int = 5, max_batches: int = 4) -> tuple[float, str | None, dict]:
+              repeat: int = 5, max_batches: int = 4,
+              sync=None) -> tuple[float, str | None, dict]:
     """Median ms of ``vm["main"](*args)``: warm-up, then batches of ``repeat`` samples of
     about ``target_ms`` each until two medians agree (3%).
 
@@ -33,8 +32,6 @@ def time_main(vm, args, dev, cutoff_ms: float | None = None, target_ms: float = 
     timed one call per sample.
     """
     fn = vm["main"]
-    on_cpu = dev is None or dev.dlpack_device_type() == tvm.cpu().dlpack_device_type()
-    sync = None if on_cpu else dev.sync
     t0 = time.perf_counter()
     fn(*args)
     first_ms = (_done(sync) - t0) * 1e3
