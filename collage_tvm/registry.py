@@ -17,6 +17,7 @@ from typing import Callable
 
 from .lowering import Lowering, missing_methods
 from .precision import PRECISIONS
+from .target import tvm_threads
 
 logger = logging.getLogger("collage_tvm")
 
@@ -134,8 +135,9 @@ class Backend:
             import tvm
 
             # "+fused": built through TVM's CPU pipeline, fused operators one kernel
-            # (collage_tvm.tuning.compile); costs measured before that are not reused.
-            return f"tvm-{tvm.__version__}+fused"
+            # (collage_tvm.tuning.compile); "+tN": run on N threads (collage_tvm/__init__:
+            # before, TVM's pool had half the cores). Costs measured otherwise are not reused.
+            return f"tvm-{tvm.__version__}+fused+t{tvm_threads()}"
         return self.get_lowering().version()
 
     @property

@@ -15,6 +15,11 @@ def host_cores() -> int:
         return os.cpu_count() or 1
 
 
+def tvm_threads() -> int:
+    """How many threads TVM's runtime runs a parallel kernel on (its pool's size)."""
+    return int(tvm.get_global_func("runtime.NumThreads")())
+
+
 def make_target(target="llvm") -> tvm.target.Target:
     """``"llvm"`` means this host: its CPU (so LLVM uses AVX2/AVX-512) and its cores."""
     if isinstance(target, tvm.target.Target):

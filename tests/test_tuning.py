@@ -67,6 +67,33 @@ def test_a_fused_candidate_is_one_kernel_and_computes_what_tvm_computes():
                                _run(tvm.compile(mod, TARGET), x), rtol=1e-5, atol=1e-5)
 
 
+def _threads_in_fresh_process(**env):
+    """(TVM's pool size, the process's cores, the tvm backend's version) in a new
+    interpreter that imported collage_tvm, with ``env`` set and no thread setting inherited."""
+    import subprocess
+    import sys
+
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("TVM_NUM_THREADS", "OMP_NUM_THREADS")}
+    code = ("import collage_tvm, json; from collage_tvm.target import tvm_threads, host_cores; "
+            "print(json.dumps([tvm_threads(), host_cores(), "
+            "collage_tvm.get_backend('tvm').version()]))")
+    out = subprocess.run([sys.executable, "-c", code], env={**base, **env}, check=True,
+                         capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_tvm_runs_its_kernels_on_every_core_and_its_costs_say_on_how_many():
+    # TVM alone would take half the logical CPUs on x86 (one thread on a 2-vCPU machine),
+    # while the libraries it is compared with take all of them.
+    threads, cores, version = _threads_in_fresh_process()
+    assert threads == cores
+    assert version.endswith(f"+t{cores}")
+    # A user's own setting wins, and the cost DB keeps its costs apart.
+    threads, _, version = _threads_in_fresh_process(TVM_NUM_THREADS="1")
+    assert threads == 1 and version.endswith("+t1")
+
+
 def test_a_database_of_another_tvm_version_or_target_is_ignored_with_a_message(tmp_path, caplog):
     path = tmp_path / "t"
     tuning.TuningDB(str(path), TARGET)
@@ -75,6 +102,11 @@ def test_a_database_of_another_tvm_version_or_target_is_ignored_with_a_message(t
     with caplog.at_level("WARNING", logger="collage_tvm"):
         assert tuning.open_tuning_db(str(path), TARGET) is None
     assert "0.1.0" in caplog.text and "tuning database ignored" in caplog.text
+    # Records timed on another number of TVM threads are not mixed in either.
+    (path / "meta.json").write_text(json.dumps({**meta, "threads": meta["threads"] + 1}))
+    with caplog.at_level("WARNING", logger="collage_tvm"):
+        assert tuning.open_tuning_db(str(path), TARGET) is None
+    assert "threads" in caplog.text
     # A missing directory is no database (and is not created unless asked).
     assert tuning.open_tuning_db(str(tmp_path / "none"), TARGET) is None
     assert not (tmp_path / "none").exists()

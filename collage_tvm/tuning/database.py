@@ -17,7 +17,7 @@ import re
 
 import tvm
 
-from ..target import device_fingerprint
+from ..target import device_fingerprint, tvm_threads
 from .compile import kernel_key, kernels, workload
 
 logger = logging.getLogger("collage_tvm")
@@ -27,7 +27,10 @@ RECORDS = "database_tuning_record.json"  # MetaSchedule's JSONDatabase, one reco
 
 
 def _meta(target) -> dict:
-    return {"tvm": tvm.__version__, "target": str(target), "device": device_fingerprint(target)}
+    # threads: the records' times were measured on TVM's pool of that size (collage_tvm/
+    # __init__); a schedule chosen on one thread is not the one that wins on two.
+    return {"tvm": tvm.__version__, "target": str(target), "device": device_fingerprint(target),
+            "threads": tvm_threads()}
 
 
 def target_id(target) -> str:
@@ -66,7 +69,7 @@ class TuningDB:
             with open(meta_path) as f:
                 found = json.load(f)
             want = _meta(target)
-            diff = [k for k in ("tvm", "target") if found.get(k) != want[k]]
+            diff = [k for k in ("tvm", "target", "threads") if found.get(k) != want[k]]
             if diff:
                 raise ValueError(f"tuning database {self.path} was made for "
                                  + ", ".join(f"{k} {found.get(k)!r}" for k in diff)
