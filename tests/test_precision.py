@@ -46,6 +46,24 @@ def test_relative_error_is_the_largest_error_over_the_output_scale():
     assert check["match"] and not Accuracy().check([ref[0] + np.float32(0.2)], ref)["match"]
 
 
+def test_the_strict_check_forgives_float32_rounding_of_huge_outputs_but_not_errors():
+    # inception_v3 with random batch-norm statistics: outputs reach 1e9, and an element
+    # near zero differs by thousands between two correct float32 builds. The strict check
+    # had rejected every build but tvm-only, which then shipped 18x slower.
+    rng = np.random.default_rng(0)
+    ref = (rng.standard_normal(1000) * 1e9).astype("float32")
+    ref[0] = 10.0
+    rounded = ref.copy()
+    rounded[0] += 3000.0   # 3e-6 of the scale: rounding
+    assert Accuracy().check([rounded], [ref])["match"]
+    wrong = ref.copy()
+    wrong[0] += 1e7        # 1e-2 of the scale: an error
+    assert not Accuracy().check([wrong], [ref])["match"]
+    # At scale 1 nothing changes: 0.2 off a 20 is still a mismatch.
+    small = [np.array([10.0, -20.0, 0.5], "float32")]
+    assert not Accuracy().check([small[0] + np.float32(0.2)], small)["match"]
+
+
 def test_a_strict_or_too_tight_budget_keeps_every_backend_f32():
     target = make_target("llvm")
     for budget in ("f32", 1e-3):

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..precision import scaled_atol  # noqa: F401 - the suites' tolerance (tests use it here)
 from .zoo import _image  # a seeded random input (seed 1), as the zoo makes them
 
 ONNX_SUITES = ("node", "pytorch-converted", "pytorch-operator", "simple")
@@ -369,17 +370,6 @@ def export_onnx(model, inputs, path: str, exporter: str = "torchscript") -> str:
 
 
 # --------------------------------------------------------------------------- one model
-
-def scaled_atol(atol: float, scale: float) -> float:
-    """The absolute tolerance for outputs whose largest magnitude is ``scale``: ``atol``
-    at scale 1, at most 1e-3 of the scale below it (random weights can leave outputs at
-    1e-9, which a fixed atol would match trivially), and ``atol`` times the scale above it
-    (float32 elements near zero in an output reaching 1e9, inception_v3's with random
-    batch-norm statistics, carry rounding errors of thousands)."""
-    if scale <= 0:
-        return atol
-    return min(atol, 1e-3 * scale) if scale <= 1 else atol * scale
-
 
 def collage_check(model, inputs: list, expected: list, backends, db, rtol: float = 1e-3,
                   atol: float = 1e-4, graph_level: bool = False, budget: float = 60.0,
