@@ -40,7 +40,10 @@ setup(
         # torch and stay unloaded: collage_tvm.tools.suites.import_torchvision); timm's
         # models are built with pretrained=False.
         "test": ["pytest>=8", "transformers==5.23.0", "onnxscript==0.7.2",
-                 "torchvision==0.28.0", "timm==1.0.29"],
+                 "torchvision==0.28.0", "timm==1.0.29", "onnx2torch==1.5.15"],
+        # the inductor backend (torch.compile of a subgraph; a GPU graph library): onnx2torch
+        # translates the subgraph's ONNX into torch ops; it imports torchvision.
+        "gpu": ["onnx2torch==1.5.15"],
     },
     entry_points={"console_scripts": ["collage-tvm=collage_tvm.cli:main"]},
 )

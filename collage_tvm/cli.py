@@ -308,7 +308,7 @@ def main(argv=None) -> int:
                    help="llvm (this CPU, default), cuda (this machine's GPU) or cuda:sm_90")
     o.add_argument("--backends", default="tvm,dnnl",
                    help="comma-separated (default tvm,dnnl); built in: tvm, dnnl, mkl, "
-                        "onnxruntime, openvino; on a cuda target: tvm, cudnn, cublas "
+                        "onnxruntime, openvino; on a cuda target: tvm, cudnn, cublas, inductor "
                         "(tensorrt: patterns only, not runnable here)")
     o.add_argument("--db", default=None, help="cost DB path (default ~/.cache/collage-tvm/costs.db)")
     o.add_argument("--patterns", action="append", help="extra pattern file (repeatable)")

@@ -1,4 +1,4 @@
-"""The GPU backends (cudnn, cublas, tensorrt) and the cuda target.
+"""The GPU backends (cudnn, cublas, inductor, tensorrt) and the cuda target.
 
 Without a GPU: which groups each GPU backend claims, the partitioned module for a cuda
 target, what each lowering reads from a group (its plan) and refuses, the reasons a
@@ -24,11 +24,13 @@ try:
     from collage_tvm.backends._epilogue import analyse
     from collage_tvm.backends.cublas import CublasLowering
     from collage_tvm.backends.cudnn import CudnnLowering
+    from collage_tvm.backends.inductor import InductorLowering
 except ImportError:
     from backends._cuda import torch_cuda
     from backends._epilogue import analyse
     from backends.cublas import CublasLowering
     from backends.cudnn import CudnnLowering
+    from backends.inductor import InductorLowering
 
 HAVE_GPU, NO_GPU_REASON = torch_cuda()
 
@@ -180,6 +182,38 @@ def test_gpu_backends_say_why_they_do_not_run_here_and_a_cpu_target_skips_them()
             make_target("cuda")
     with pytest.raises(ValueError, match="sm_90"):
         make_target("cuda:ampere")
+
+
+class _InductorOnCpu(InductorLowering):
+    """The inductor lowering on the CPU: the same translation and torch.compile, no GPU."""
+
+    device = "cpu"
+
+
+def test_inductor_offers_regions_and_runs_a_subgraph_as_compiled_torch_ops():
+    g = DataflowGraph(_cnn_and_mlp())
+    claims = _claims(g, "inductor")
+    assert frozenset({0, 1, 2}) in claims             # one heavy operator with its epilogue
+    assert frozenset(range(9, 20)) in claims          # a region: one compiled call, 11 ops
+    assert not any(8 in c for c in claims)            # the NHWC conv: the exporter refuses it
+    ok, why = _InductorOnCpu().available()
+    assert ok, why
+    # Two subgraphs translated through ONNX into torch ops and compiled by inductor, against
+    # TVM's build: conv+bias+relu, conv+bias+residual+relu, a transpose; then the dense
+    # layers with both gelus and a batched matmul.
+    for nodes, shape in ((range(8), (1, 8, 8, 8)), (range(9, 19), (1, 8, 8, 8))):
+        func = extract_function(g, frozenset(nodes), lift_constants=False)[0]
+        fn = _InductorOnCpu().lower(func)
+        x = RNG.standard_normal(shape).astype("float32")
+        got = fn(tvm.runtime.tensor(x))
+        vm = relax.VirtualMachine(tvm.compile(tvm.IRModule({"main": func}), "llvm"), tvm.cpu())
+        want = vm["main"](tvm.runtime.tensor(x))
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-4)
+    with pytest.raises(TypeError, match="takes 1 tensors, got 2"):
+        fn(tvm.runtime.tensor(x), tvm.runtime.tensor(x))
+    # Without a GPU the backend says why, as cudnn and cublas do.
+    if not HAVE_GPU:
+        assert get_backend("inductor").available() == (False, NO_GPU_REASON)
 
 
 def test_bench_on_a_cuda_target_says_what_it_cannot_do(capsys):

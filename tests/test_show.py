@@ -179,7 +179,8 @@ def test_cli_errors_name_the_problem(record, tmp_path, capsys, case):
 
 
 def test_backend_colours_fixed_distinct_and_deterministic():
-    names = ["tvm", "dnnl", "mkl", "onnxruntime", "openvino", "cublas", "cudnn", "tensorrt"]
+    names = ["tvm", "dnnl", "mkl", "onnxruntime", "openvino", "cublas", "cudnn", "tensorrt",
+             "inductor"]
     assert show.backend_colours(names) == {b: show.BACKEND_COLOURS[b] for b in names}
     assert len(set(show.BACKEND_COLOURS.values())) == len(show.BACKEND_COLOURS)
     others = ["alpha", "beta", "gamma", "delta"]

@@ -11,10 +11,11 @@ rm -rf .gpu && mkdir -p .gpu/dl .gpu/part1 .gpu/part2
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .gpu/dl \
   apache-tvm==0.27.0.post1 apache-tvm-ffi==0.1.14.post0 deap==1.4.4
+"$PY" -m pip download -q --no-deps -d .gpu/dl onnx2torch==1.5.15  # pure Python: the inductor backend
 tvm=$(ls .gpu/dl/apache_tvm-*.whl)
 split -b 52m "$tvm" .gpu/part1/tvm.whl.
 mv .gpu/part1/tvm.whl.ab .gpu/part2/
 basename "$tvm" > .gpu/part1/tvm.name
-mv .gpu/dl/apache_tvm_ffi-*.whl .gpu/dl/deap-*.whl .gpu/part2/
+mv .gpu/dl/apache_tvm_ffi-*.whl .gpu/dl/deap-*.whl .gpu/dl/onnx2torch-*.whl .gpu/part2/
 rm -rf .gpu/dl
 du -sh .gpu/part1 .gpu/part2

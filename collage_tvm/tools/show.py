@@ -24,6 +24,7 @@ from collage_tvm.tools import need_matplotlib
 BACKEND_COLOURS = {
     "tvm": "#80b1d3", "dnnl": "#fdb462", "mkl": "#b3de69", "onnxruntime": "#bebada",
     "openvino": "#fb8072", "cublas": "#ffed6f", "cudnn": "#8dd3c7", "tensorrt": "#fccde5",
+    "inductor": "#ee854a",
 }
 FALLBACK_COLOURS = ("#ccebc5", "#bc80bd", "#d9d9d9", "#e5c494", "#9edae5", "#c49c94",
                     "#dbdb8d", "#ff9896")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .._torchvision import import_torchvision
 from ..precision import scaled_atol  # noqa: F401 - the suites' tolerance (tests use it here)
 from .zoo import _image  # a seeded random input (seed 1), as the zoo makes them
 
@@ -213,43 +214,6 @@ def transformers_model(name: str):
 TORCHVISION_SIZES = {"inception_v3": 96, "maxvit_t": 224, "vit_h_14": 56}
 
 
-def import_torchvision():
-    """``torchvision``, imported against the pinned CPU build of torch.
-
-    The PyPI wheel's C++ ops (``_C.so``: nms, roi_align, deformable convolution -- detection
-    operators) link ``libtorch_cuda``, which a CPU torch lacks; torchvision then skips them,
-    but registers fake kernels for ``nms`` and ``qnms`` without checking, and the import fails
-    with ``operator torchvision::nms does not exist``. Declaring those two schemas first lets
-    the pure-Python rest (every classification model) import; calling nms would still fail,
-    as it does in that install anyway. Nothing is declared when the ops load."""
-    import importlib.util
-    import sys
-
-    import torch
-
-    if "torchvision" in sys.modules:
-        return sys.modules["torchvision"]
-    spec = importlib.util.find_spec("torchvision")
-    if spec is None:
-        raise ImportError("torchvision is not installed (the test extra: pip install -e '.[test]')")
-    so = glob.glob(os.path.join(os.path.dirname(spec.origin), "_C*.so"))
-    try:
-        if so:
-            torch.ops.load_library(so[0])
-        ok = hasattr(torch.ops.torchvision, "nms")
-    except (OSError, RuntimeError):
-        ok = False
-    if not ok:
-        lib = torch.library.Library("torchvision", "FRAGMENT")
-        for op in ("nms", "qnms"):
-            lib.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-        _KEEP.append(lib)  # a Library object un-registers its definitions when collected
-    import torchvision
-
-    return torchvision
-
-
-_KEEP: list = []
 
 
 def torchvision_names() -> list:
