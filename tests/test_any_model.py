@@ -278,6 +278,43 @@ def test_final_check_on_one_op_models_and_nan_outputs(suite, name, tmp_path):
     assert row["status"] == "built" and row["match"], row
 
 
+def test_integer_division_by_a_random_input_never_divides_by_zero(tmp_path):
+    """test_div_int8 and friends (onnx node tests): Collage's measurements and final check
+    run each build on random inputs; an integer zero among them as a divisor is a SIGFPE that
+    killed the whole search (and the suite with it). Divisors are now drawn from [1, 4).
+    Run in a child process, so that a regression is a failed test, not a dead pytest."""
+    import subprocess
+    import sys
+
+    from collage_tvm.graph.subgraph import divisor_params, random_inputs
+
+    code = ("from collage_tvm.tools.suites import onnx_cases, collage_check\n"
+            "names = ['test_div_int8', 'test_mod_int64_fmod']\n"
+            "for c in onnx_cases('node'):\n"
+            "    if c.name in names:\n"
+            "        row = collage_check(c.model, c.inputs, c.outputs, ['tvm', 'onnxruntime'],\n"
+            f"                            {str(tmp_path / 'c.db')!r}, c.rtol, c.atol)\n"
+            "        print(c.name, row['status'], row.get('match'))\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split("\n")[-3:-1] == ["test_div_int8 built True",
+                                              "test_mod_int64_fmod built True"], run.stdout
+    # Found through a cast; an index input keeps 0 (a valid index everywhere).
+    a = relax.Var("a", relax.TensorType((64,), "int32"))
+    b = relax.Var("b", relax.TensorType((64,), "int8"))
+    i = relax.Var("i", relax.TensorType((64,), "int64"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [a, b, i]):
+        with bb.dataflow():
+            q = bb.emit(relax.op.floor_divide(a, bb.emit(relax.op.astype(b, "int32"))))
+            out = bb.emit_output(relax.op.take(q, i, axis=0))
+        bb.emit_func_output(out)
+    func = bb.get()["main"]
+    assert divisor_params(func) == {func.params[1]}
+    _, bs, idx = random_inputs(func)
+    assert bs.min() >= 1 and idx.min() == 0
+
+
 def test_a_placement_that_fails_to_compile_ships_tvm_alone_with_the_reason(tmp_path, monkeypatch):
     import importlib
 

@@ -41,7 +41,7 @@ def evaluate(executable, graph, target, reference=None, rtol=1e-3, atol=1e-3, se
     "timed_once": the first timed run passed ``cutoff_ms`` and is the reported time}."""
     dev = target_device(target)
     vm = relax.VirtualMachine(executable, dev)
-    args = [tvm.runtime.tensor(a, dev) for a in random_inputs(graph.params, seed)]
+    args = [tvm.runtime.tensor(a, dev) for a in random_inputs(graph.func, seed)]
     outputs = run_outputs(vm, args)
     ms, why, _ = time_main(vm, args, dev, cutoff_ms=cutoff_ms, target_ms=50.0, repeat=3,
                            max_batches=3, sync=device_sync(target))
@@ -63,7 +63,7 @@ def outputs_on(executable, graph, target, seeds) -> list:
     """The outputs of the build on the random inputs of each seed: [[arrays] per seed]."""
     dev = target_device(target)
     vm = relax.VirtualMachine(executable, dev)
-    return [run_outputs(vm, [tvm.runtime.tensor(a, dev) for a in random_inputs(graph.params, s)])
+    return [run_outputs(vm, [tvm.runtime.tensor(a, dev) for a in random_inputs(graph.func, s)])
             for s in seeds]
 
 

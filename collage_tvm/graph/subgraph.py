@@ -183,8 +183,46 @@ def constant_bytes(expr) -> int:
     return total
 
 
+#: Operators whose second operand divides: an integer zero there is a SIGFPE that ends the
+#: whole process (TVM's kernel, the libraries' alike), not an error to catch.
+DIVIDING_OPS = ("relax.divide", "relax.floor_divide", "relax.mod", "relax.floor_mod")
+#: Operators an integer passes through unchanged in value on its way to a divisor.
+_VALUE_PRESERVING = ("relax.astype", "relax.broadcast_to", "relax.reshape", "relax.expand_dims",
+                     "relax.squeeze", "relax.permute_dims", "relax.flatten")
+
+
+def divisor_params(func) -> set:
+    """``func``'s parameters (``relax.Var``) that reach the divisor of an integer division or modulo
+    (through casts and reshapes): their random values must not be zero."""
+    bound: dict = {}
+    calls: list = []
+    for block in getattr(func.body, "blocks", ()):
+        for b in block.bindings:
+            if isinstance(b, relax.VarBinding):
+                bound[b.var] = b.value
+                if isinstance(b.value, relax.Call) and isinstance(b.value.op, tvm.ir.Op):
+                    calls.append(b.value)
+    params = set(func.params)
+    out = set()
+    for call in calls:
+        if call.op.name not in DIVIDING_OPS or len(call.args) < 2:
+            continue
+        e = call.args[1]
+        while e in bound and isinstance(bound[e], relax.Call) and \
+                isinstance(bound[e].op, tvm.ir.Op) and bound[e].op.name in _VALUE_PRESERVING:
+            e = bound[e].args[0]
+        if e in params:
+            out.add(e)
+    return out
+
+
 def random_inputs(params, seed: int = 0) -> list:
-    """Random numpy arrays for ``params`` (floats in [-1, 1), ints small and non-negative)."""
+    """Random numpy arrays for the parameters of ``params`` (a function, or its parameter
+    list): floats in [-1, 1), ints small and non-negative (valid indices), and in [1, 4)
+    where the function divides by them (``divisor_params``; given a function only)."""
+    nonzero = set()
+    if isinstance(params, relax.Function):
+        nonzero, params = divisor_params(params), params.params
     rng = np.random.default_rng(seed)
     out = []
     for p in params:
@@ -195,5 +233,6 @@ def random_inputs(params, seed: int = 0) -> list:
         elif dtype == "bool":
             out.append(rng.integers(0, 2, size=shape).astype(bool))
         else:
-            out.append(rng.integers(0, 4, size=shape).astype(dtype))
+            low = 1 if p in nonzero else 0
+            out.append(rng.integers(low, 4, size=shape).astype(dtype))
     return out

@@ -66,7 +66,7 @@ def placement_runner(graph, backends: dict, target, seed: int = 0):
     """``make_run(groups, timings) -> run`` for in-context calibration: ``run()`` runs the
     placement once on fixed random inputs; external calls log their times in ``timings``."""
     dev = target_device(target)
-    arrays = random_inputs(graph.params, seed)
+    arrays = random_inputs(graph.func, seed)
 
     def make_run(groups, timings: dict):
         executable, _ = compile_placement(graph, groups, backends, target, timings)

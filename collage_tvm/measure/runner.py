@@ -63,7 +63,7 @@ def _vm_and_args(func, backend, target, build_vm, key=None) -> tuple:
 def _build(func, backend, target, build_vm) -> tuple:
     dev = target_device(target)
     vm = build_vm(func, backend, target)
-    return vm, [tvm.runtime.tensor(a, dev) for a in random_inputs(func.params)]
+    return vm, [tvm.runtime.tensor(a, dev) for a in random_inputs(func)]
 
 
 def measure_function(funcs: list, target, build_vm, cutoff_ms=None) -> tuple:

@@ -63,7 +63,7 @@ def glue_overhead(onnx_path: str, library: str = "onnxruntime", target="llvm") -
                               target)
     dev = target_device(target)
     vm = relax.VirtualMachine(ex, dev)
-    arrays = random_inputs(graph.params)
+    arrays = random_inputs(graph.func)
     args = [tvm.runtime.tensor(a, dev) for a in arrays]
     plain, plain_outputs = _plain_runner(library, backend, open(onnx_path, "rb").read(), arrays)
     match, max_err = compare_outputs(run_outputs(vm, args), plain_outputs)
@@ -437,7 +437,7 @@ def variant_steps(onnx_path: str, variants: list, db) -> list:
         if res.report.rewrite:
             step["rewrite"] = res.report.rewrite
         vm = relax.VirtualMachine(res.executable, dev)
-        args = [tvm.runtime.tensor(a, dev) for a in random_inputs(res.graph.params)]
+        args = [tvm.runtime.tensor(a, dev) for a in random_inputs(res.graph.func)]
         outputs.append(run_outputs(vm, args))
         main = vm["main"]
         t0 = time.perf_counter()
