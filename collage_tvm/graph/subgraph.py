@@ -227,7 +227,9 @@ def random_inputs(params, seed: int = 0) -> list:
     out = []
     for p in params:
         shape = [int(s) for s in p.ty.shape]
-        dtype = str(p.ty.dtype)
+        # A tensor whose dtype the importer left unknown (an ONNX sequence input stacked
+        # into one tensor: onnx node test_identity_sequence): float32, as such sequences are.
+        dtype = "float32" if p.ty.dtype is None else str(p.ty.dtype)
         if dtype.startswith("float"):
             out.append(rng.uniform(-1, 1, size=shape).astype(dtype))
         elif dtype == "bool":
