@@ -37,7 +37,7 @@ setup(
         # downloaded); pulls no torch of its own beside the pinned CPU build.
         # onnxscript: torch.onnx.export(dynamo=True), the second PyTorch exporter.
         # torchvision 0.28 is the release for torch 2.13 (its C++ detection ops need a CUDA
-        # torch and stay unloaded: collage_tvm.tools.suites.import_torchvision); timm's
+        # torch and stay unloaded: collage_tvm._torchvision); timm's
         # models are built with pretrained=False.
         "test": ["pytest>=8", "transformers==5.23.0", "onnxscript==0.7.2",
                  "torchvision==0.28.0", "timm==1.0.29", "onnx2torch==1.5.15"],

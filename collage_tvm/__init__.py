@@ -15,10 +15,9 @@ _os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
 # two). The pool takes every core this process may run on, as the other runtimes do
 # (read when TVM's pool starts, like the spin count). A user's own setting wins.
 if "TVM_NUM_THREADS" not in _os.environ and "OMP_NUM_THREADS" not in _os.environ:
-    try:
-        _os.environ["TVM_NUM_THREADS"] = str(len(_os.sched_getaffinity(0)))
-    except AttributeError:
-        _os.environ["TVM_NUM_THREADS"] = str(_os.cpu_count() or 1)
+    from .target import host_cores as _host_cores
+
+    _os.environ["TVM_NUM_THREADS"] = str(_host_cores())
 
 # An uninstalled checkout (the source tree on PYTHONPATH, as on the GPU machine, docs/GPU.md):
 # setup.py installs the built-in lowerings of ../backends as collage_tvm.backends; here the

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .._torchvision import import_torchvision
-from ..precision import scaled_atol  # noqa: F401 - the suites' tolerance (tests use it here)
+from ..precision import scaled_atol
 from .zoo import _image  # a seeded random input (seed 1), as the zoo makes them
 
 ONNX_SUITES = ("node", "pytorch-converted", "pytorch-operator", "simple")
@@ -212,8 +212,6 @@ def transformers_model(name: str):
 # on 2 cores), else the smallest it accepts (inception: 75+; maxvit_t: 224, its 7x7 partitions
 # of every stage; ViT-H/14: a multiple of its 14-pixel patches, passed as ``image_size``).
 TORCHVISION_SIZES = {"inception_v3": 96, "maxvit_t": 224, "vit_h_14": 56}
-
-
 
 
 def torchvision_names() -> list:
