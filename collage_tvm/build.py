@@ -14,13 +14,14 @@ import os
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import tvm
 from tvm import relax
 
 from .check import first_line, latency_evaluator, never_slower, outputs_on, tvm_reference
 from .frontend import ModelError, dynamic_input, load_model, normalize_for_collage
 from .graph import DataflowGraph, NotDataflow
-from .graph.subgraph import function_key
+from .graph.subgraph import function_key, given_inputs
 from .lower import (candidate_vm, candidate_vm_for, compile_module, compile_placement,
                     lower_placement, placement_runner)
 from .measure.db import CostDB
@@ -225,8 +226,32 @@ def search(model, target="llvm", options: SearchOptions | None = None, db=None,
 
     A placement found in the placement log (same model, target, backend versions, search
     options and tuning records) is used as it is: nothing is measured. ``tuning_db``: see
-    ``open_tuning``.
+    ``open_tuning``. ``example_inputs`` (arrays or tensors, one per model input): a torch
+    module is traced with them, and every build is checked and timed on them first
+    (``given_inputs``; the later check seeds stay random).
     """
+    with given_inputs(_example_arrays(example_inputs)):
+        return _search_model(model, target, options, db, placement_log, example_inputs,
+                             input_shapes, tuning_db)
+
+
+def _example_arrays(example_inputs) -> list | None:
+    """The user's example inputs as numpy arrays (None when there are none)."""
+    if example_inputs is None:
+        return None
+    items = list(example_inputs) if isinstance(example_inputs, (list, tuple)) else [example_inputs]
+    out = []
+    for a in items:
+        if hasattr(a, "detach"):  # a torch tensor
+            a = a.detach().cpu().numpy()
+        elif hasattr(a, "numpy"):  # a tvm tensor
+            a = a.numpy()
+        out.append(np.asarray(a))
+    return out
+
+
+def _search_model(model, target, options, db, placement_log, example_inputs, input_shapes,
+                  tuning_db) -> SearchResult:
     options = options or SearchOptions()
     t_start = time.perf_counter()
     target = make_target(target)

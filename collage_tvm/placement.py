@@ -108,6 +108,8 @@ def valid_nodes(graph, backend) -> set:
     out = set()
     for rule in backend.rules:
         for node in graph.nodes:
+            if node.index in graph.pinned:
+                continue  # stays a TVM op inline (``DataflowGraph.pinned``)
             try:
                 if rule.valid_op(node):
                     out.add(node.index)

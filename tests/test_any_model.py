@@ -328,6 +328,80 @@ def test_a_sequence_input_of_unknown_dtype_gets_float_random_inputs():
         assert row["status"] == "built" and row["match"], (name, row)
 
 
+def _node_case(name):
+    from collage_tvm.tools.suites import input_shapes
+
+    case = next(c for c in onnx_cases("node") if c.name == name)
+    return case, input_shapes(case)
+
+
+def test_shape_vars_a_match_cast_defines_order_and_pin_the_nodes_that_read_them():
+    """test_squeeze (axes as an input): TVM's importer computes the output shape at run time
+    and binds it with match_casts that define symbolic vars; the final reshape reads them but
+    none of the match_cast's Relax vars. The graph missed that edge, the placement ran the
+    reshape first, and TVM failed ('PrimExpr ... has not been computed'). Now the edge is
+    there, and the nodes defining or reading such vars get their single TVM op only."""
+    from collage_tvm.build import resolve_backends
+    from collage_tvm.frontend import load_model, normalize_for_collage
+    from collage_tvm.graph import DataflowGraph
+    from collage_tvm.patterns import generate_candidates
+
+    case, shapes = _node_case("test_squeeze")
+    graph = DataflowGraph.from_module(normalize_for_collage(load_model(case.model, None, shapes)))
+    definers = [n for n in graph.nodes if n.defines]
+    reshape = graph.nodes[graph.outputs[0]]
+    assert definers and reshape.op_name == "relax.reshape"
+    assert definers[-1].index in reshape.inputs, (definers, reshape)
+    assert {n.index for n in definers} | {reshape.index} <= graph.pinned
+    backends, _ = resolve_backends(["tvm", "onnxruntime"], make_target("llvm"))
+    cands = generate_candidates(graph, list(backends.values()))
+    for c in cands:
+        if c.nodes & graph.pinned:
+            assert c.backend == "tvm" and len(c.nodes) == 1, c
+    # Nodes that only compute the shape's values stay placeable on the library.
+    assert any(c.backend == "onnxruntime" for c in cands)
+
+
+@pytest.mark.parametrize("name", ["test_squeeze", "test_unsqueeze_two_axes",
+                                  "test_range_float_type_positive_delta"])
+def test_models_whose_shapes_are_computed_at_run_time_build_and_match(name, tmp_path):
+    """Three of the 16 onnx node cases that crashed the search (run-time shapes from input
+    values: squeeze/unsqueeze axes, a range's limits)."""
+    from collage_tvm.tools.suites import collage_check
+
+    case, shapes = _node_case(name)
+    row = collage_check(case.model, case.inputs, case.outputs, ["tvm", "onnxruntime"],
+                        str(tmp_path / "c.db"), case.rtol, case.atol, input_shapes=shapes)
+    assert row["status"] == "built" and row["match"], row
+
+
+def test_the_check_runs_every_build_on_the_users_inputs_first(tmp_path):
+    """test_slice_default_axes: starts and ends are inputs. Random ones make a slice of
+    negative extent, on which TVM alone fails too (std::bad_alloc): the search crashed. The
+    user's example inputs are now the first inputs every build is checked and timed on."""
+    import numpy as np
+
+    from collage_tvm import optimize
+    from collage_tvm.graph.subgraph import given_inputs, random_inputs
+
+    case, shapes = _node_case("test_slice_default_axes")
+    res = optimize(case.model, "llvm", ["tvm", "onnxruntime"], db=str(tmp_path / "c.db"),
+                   compare=True, progress=False, input_shapes=shapes,
+                   example_inputs=case.inputs)
+    vm = relax.VirtualMachine(res.executable, tvm.cpu())
+    got = vm["main"](*[tvm.runtime.tensor(a) for a in case.inputs])
+    assert matches([got.numpy()], case.outputs, case.rtol, case.atol)
+    assert res.report.comparison["tvm-only"]["match"]
+    # Only seed 0, and only where the arrays fit the parameters.
+    func = res.graph.func
+    with given_inputs(case.inputs):
+        assert all(np.array_equal(a, b) for a, b in zip(random_inputs(func), case.inputs))
+        assert not np.array_equal(random_inputs(func, seed=1)[1], case.inputs[1])
+        assert random_inputs(func.params[:1])[0].shape == case.inputs[0].shape
+    with given_inputs([case.inputs[0][:1], *case.inputs[1:]]):  # does not fit: random
+        assert random_inputs(func)[0].shape == case.inputs[0].shape
+
+
 def test_a_placement_that_fails_to_compile_ships_tvm_alone_with_the_reason(tmp_path, monkeypatch):
     import importlib
 

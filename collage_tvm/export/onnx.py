@@ -914,10 +914,14 @@ def export_function(func: relax.Function, opset: int = DEFAULT_OPSET,
     expected: dict = {}  # ONNX name -> (op name, relax type) for the shape check
     for block in blocks:
         for binding in block.bindings:
-            if not isinstance(binding, relax.VarBinding):
-                raise ExportError(f"{type(binding).__name__} of {binding.var.name}: "
-                                  "only VarBindings are supported")
             value = binding.value
+            if isinstance(binding, relax.MatchCast):  # a run-time check of a value's type
+                if binding.var.ty is None or _type_reason(binding.var.ty, "match_cast"):
+                    raise ExportError(f"MatchCast of {binding.var.name}: only a cast to a "
+                                      "static tensor type is exported")
+            elif not isinstance(binding, relax.VarBinding):
+                raise ExportError(f"{type(binding).__name__} of {binding.var.name}: "
+                                  "only VarBindings and MatchCasts are supported")
             reason = unsupported_reason(value)
             if reason:
                 raise ExportError(reason)

@@ -49,6 +49,7 @@ class Node:
     inputs: list = field(default_factory=list)  # producer node indices, unique, sorted
     users: list = field(default_factory=list)   # consumer node indices, unique, sorted
     match_ty: object = None  # a MatchCast binding's type (None: a plain VarBinding)
+    defines: list = field(default_factory=list)  # symbolic shape vars this match_cast defines
 
     @property
     def call(self):
@@ -95,6 +96,16 @@ def free_vars(expr) -> list:
     return _distinct(expr, relax.Var)
 
 
+def _symbols_read(binding) -> list:
+    """The symbolic shape vars a binding reads: in its value (a shape expression, a
+    ``call_tir``'s output type) and, for a match_cast, those its type uses but cannot define
+    (``R.Tensor((n * 2,))`` reads ``n``) or that an earlier binding defined."""
+    out = list(relax.analysis.free_symbolic_vars(binding.value))
+    if isinstance(binding, relax.MatchCast):  # a var defined before is checked: a read
+        out += list(relax.analysis.tir_vars_in_type(binding.ty))
+    return out
+
+
 class NotDataflow(ValueError):
     """No graph to place: the function is not one dataflow block (control flow, impure
     calls), or its inputs are not static."""
@@ -121,8 +132,18 @@ class DataflowGraph:
                               f"this one has {len(blocks)} block(s) ({kinds}): control flow or "
                               "impure calls that normalize_for_collage could not bring into one")
         self.block = blocks[0] if blocks else None
+        self._param_symbols = {s for p in self.params
+                               for s in relax.analysis.definable_tir_vars_in_type(p.ty)}
         self.nodes: list[Node] = []
         index_of: dict = {}
+        # Symbolic shape vars (``T.int64()``) a match_cast of the body defines -> its node.
+        # A node that reads one (``R.reshape(x, R.shape([d0, d1]))``) depends on that node
+        # though it reads none of its Relax vars; the function's parameters define the rest.
+        defined_by: dict = {}
+        # Nodes that stay single TVM ops inline in ``main`` (``partition``): those defining
+        # symbolic vars (main computes the shapes after them from those vars) and those
+        # reading them (a function cut around such a node would have free shape vars).
+        self.pinned: set = set()
         for binding in (self.block.bindings if self.block is not None else []):
             value = binding.value
             if isinstance(binding, relax.MatchCast):
@@ -135,7 +156,18 @@ class DataflowGraph:
             else:
                 raise ValueError(f"unsupported binding {type(binding).__name__} for {binding.var}")
             node = Node(len(self.nodes), binding.var, value, name, kind, match_ty=match_ty)
-            node.inputs = sorted({index_of[v] for v in free_vars(value) if v in index_of})
+            reads = {index_of[v] for v in free_vars(value) if v in index_of}
+            symbolic = {defined_by[s] for s in _symbols_read(binding) if s in defined_by}
+            node.inputs = sorted(reads | symbolic)
+            if symbolic:
+                self.pinned.add(node.index)
+            if match_ty is not None:
+                node.defines = [s for s in relax.analysis.definable_tir_vars_in_type(match_ty)
+                                if s not in defined_by and s not in self._param_symbols]
+                for s in node.defines:
+                    defined_by[s] = node.index
+                if node.defines:
+                    self.pinned.add(node.index)
             for p in node.inputs:
                 self.nodes[p].users.append(node.index)
             index_of[binding.var] = node.index

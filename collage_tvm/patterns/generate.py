@@ -225,7 +225,8 @@ def _regions(graph: DataflowGraph, backend, levels: int, valid: list) -> list:
 
 def generate_candidates(graph: DataflowGraph, backends, regions: bool = True) -> list:
     """Every candidate of every backend over ``graph``, deduplicated; ``regions=False``
-    leaves out the graph libraries' region candidates (``PatternRule.regions``)."""
+    leaves out the graph libraries' region candidates (``PatternRule.regions``). A node of
+    ``graph.pinned`` (symbolic shape vars made in the body) gets its single TVM op only."""
     var2val = graph.var2val()
     node_of = {}
     for node in graph.nodes:
@@ -239,6 +240,8 @@ def generate_candidates(graph: DataflowGraph, backends, regions: bool = True) ->
         for rule in backend.rules:
             found += _expand_rule(graph, backend, rule, ipdom, regions)
         for cand in found:
+            if graph.pinned & cand.nodes and (backend.is_external or len(cand.nodes) > 1):
+                continue  # a node defining or reading body-made shape vars stays inline
             if cand not in seen:
                 seen.add(cand)
                 out.append(cand)

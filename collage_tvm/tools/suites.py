@@ -337,7 +337,8 @@ def collage_check(model, inputs: list, expected: list, backends, db, rtol: float
                   atol: float = 1e-4, graph_level: bool = False, budget: float = 60.0,
                   input_shapes: dict | None = None, scale_aware: bool = False) -> dict:
     """One model through ``collage_tvm.optimize`` with ``backends`` and the never-slower
-    check. ``scale_aware``: the absolute tolerance follows the expected outputs' largest
+    check, which runs every build on ``inputs`` first (a slice's bounds as the case gives
+    them, not random ones TVM alone may not run). ``scale_aware``: the absolute tolerance follows the expected outputs' largest
     magnitude (``"scale"`` in the row; ``scaled_atol``). Returns
     {"status": "built"|"unsupported"|"crash", "error", "match", "max_err",
     "search_s", "collage_ms", "best": (build, ms), "shipped", "kept_on_tvm"}."""
@@ -355,7 +356,7 @@ def collage_check(model, inputs: list, expected: list, backends, db, rtol: float
     try:
         res = optimize(model, "llvm", list(backends), db=db, compare=True, progress=False,
                        graph_level=graph_level, budget=budget, calibrate_rounds=0,
-                       refine_rounds=1, input_shapes=input_shapes)
+                       refine_rounds=1, input_shapes=input_shapes, example_inputs=inputs)
     except (ModelError, NotImplementedError) as err:
         return {"status": "unsupported", "error": _first_line(err)}
     except Exception as err:  # noqa: BLE001 - a suite records every failure
