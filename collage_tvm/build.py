@@ -27,7 +27,7 @@ from .lower import (candidate_vm, candidate_vm_for, compile_module, compile_plac
 from .measure.db import CostDB
 from .measure.measurer import Measurer
 from .options import SearchOptions
-from .patterns import generate_candidates
+from .patterns import carved_regions, generate_candidates
 from .placement import Placement, placement_from_record, placement_record
 from .placement_log import PlacementLog
 from .placer.alternatives import refine
@@ -56,6 +56,7 @@ class BuildReport:
     epsilon: dict = field(default_factory=dict)
     switch: dict = field(default_factory=dict)  # (a, b) -> ms per change of runtime
     close_calls: int = 0   # alternative covers within 75% of the chosen one (refine)
+    carved: int = 0        # region candidates cut around winning TVM kernels (_carve)
     side_by_side: int = 0  # sets of candidates re-timed side by side in this build
     calibration: list = field(default_factory=list)  # in-context rounds (placer.calibrate)
     placement_from_log: bool = False
@@ -469,6 +470,10 @@ def _op_level(graph, backends, target, cost_db, options: SearchOptions, report) 
             placement = place(graph.producers, candidates, costs, eps, switch=switch,
                               exact=rnd == 0 or placement.exact)
             t_search += time.perf_counter() - t1
+            if rnd == 0:
+                placement, raw = _carve(graph, placement, candidates, raw, costs, eps, switch,
+                                        backends, measurer, report)
+                costs = {c: max(0.0, v - eps[c.backend]) for c, v in raw.items()}
             if rnd == options.refine_rounds:
                 break
             refined = refine(measurer, placement, candidates, raw, eps, backends,
@@ -488,6 +493,23 @@ def _op_level(graph, backends, target, cost_db, options: SearchOptions, report) 
     report.failures, report.epsilon, report.switch = measurer.failures, eps, switch
     report.estimated_ms = placement.cost
     return placement, candidates, costs, eps, switch
+
+
+def _carve(graph, placement, candidates, raw, costs, eps, switch, backends, measurer, report):
+    """Regions cut around the TVM kernels that beat the library inside a chosen region
+    (``patterns.carved_regions``): measured, added to ``candidates`` (in place) and placed
+    again. Returns (placement, raw costs)."""
+    new = carved_regions(graph, placement.groups, candidates, costs, eps, backends)
+    if not new:
+        return placement, raw
+    raw = {**raw, **measurer.costs(graph, new, backends)}
+    candidates += new
+    report.carved = len(new)
+    costs = {c: max(0.0, v - eps[c.backend]) for c, v in raw.items()}
+    again = place(graph.producers, candidates, costs, eps, switch=switch, exact=placement.exact)
+    logger.info("carved %d region(s) around winning TVM kernels: estimated %.3f -> %.3f ms",
+                len(new), placement.cost, again.cost)
+    return (again if again.cost <= placement.cost else placement), raw
 
 
 def _graph_level(graph, placement, backends, target, report, options: SearchOptions):

@@ -158,3 +158,57 @@ def test_a_region_holding_too_many_weights_is_not_offered(monkeypatch):
     assert max(sizes()) == len(graph)
     monkeypatch.setattr(generate, "REGION_MAX_BYTES", 5 * 1024)  # the halves fit, not the whole
     assert sizes() and max(sizes()) < len(graph)
+
+
+def test_regions_are_cut_around_a_tvm_kernel_that_beats_the_library_inside_them():
+    # Regions come at even ranges of the topological order only: once the DP runs the model
+    # as one library region, a TVM kernel that wins a node inside it (a tuned convolution)
+    # can take that node only if someone offers the region's pieces around it. Fake costs:
+    # a test of the search, not of the libraries.
+    from collage_tvm.patterns import carved_regions
+    from collage_tvm.placer.op_level import place
+    from collage_tvm.registry import Backend, PatternRule
+
+    xv = relax.Var("x", relax.TensorType((1, 16), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [xv]):
+        with bb.dataflow():
+            y = xv
+            for _ in range(12):
+                y = bb.emit(relax.op.nn.relu(y))
+            out = bb.emit_output(y)
+        bb.emit_func_output(out)
+    graph = DataflowGraph(bb.get()["main"])
+    n = len(graph)
+    lib = Backend(name="lib", kind="graph", lowering="never.lowered:Lowering",  # external
+                  rules=[PatternRule(valid_op=lambda node: True, regions=1)])
+    tvm_b = get_backend("tvm")
+    backends = {"lib": lib, "tvm": tvm_b}
+    cands = generate_candidates(graph, [tvm_b, lib])
+    whole = frozenset(range(n))
+
+    def cost(c, tvm_at_6):
+        if c.backend == "tvm":
+            return tvm_at_6 if c.nodes == {6} else 2.0 * len(c.nodes)
+        return {n: 5.0, n // 2: 3.0}.get(len(c.nodes), 1.0 * len(c.nodes))
+
+    eps = {"lib": 0.0, "tvm": 0.0}
+    costs = {c: cost(c, 0.1) for c in cands}
+    first = place(graph.producers, cands, costs, eps)
+    assert [g.nodes for g in first.groups] == [whole]
+    new = carved_regions(graph, first.groups, cands, costs, eps, backends)
+    # The pieces around node 6: 0..5 (already offered: the first half) and 7..n-1.
+    assert [sorted(c.nodes) for c in new] == [list(range(7, n))]
+    assert all(c.backend == "lib" and c.label == "lib.region" for c in new)
+    costs.update({c: 1.0 for c in new})
+    again = place(graph.producers, cands + new, costs, eps)
+    assert sorted(sorted(g.nodes) for g in again.groups) == [list(range(6)), [6],
+                                                             list(range(7, n))]
+    assert again.cost < first.cost
+    # No TVM kernel beats the library on its own nodes: nothing to carve. One that beats it
+    # by too little to pay for the region's loss (its share of the region's 5 ms is 0.38):
+    # nothing worth measuring.
+    for tvm_at_6 in (1.5, 0.9):
+        costs = {c: cost(c, tvm_at_6) for c in cands}
+        assert not carved_regions(graph, place(graph.producers, cands, costs, eps).groups,
+                                  cands, costs, eps, backends)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -221,6 +222,86 @@ def _regions(graph: DataflowGraph, backend, levels: int, valid: list) -> list:
                     out.append(Candidate(backend.name, frozenset(run), f"{backend.name}.region"))
                 run = []
     return out
+
+
+def carved_regions(graph: DataflowGraph, groups, candidates, costs: dict, epsilon: dict,
+                   backends: dict, max_per_region: int = 8) -> list:
+    """Region candidates cut around the TVM kernels that win inside a chosen region.
+
+    Regions are cut at even ranges of the topological order only (``_regions``), so once
+    the DP runs a stretch of the model as one library region, a TVM kernel that beats the
+    library on a few of its operators (a tuned convolution, an elementwise chain TVM fuses)
+    can take them only by breaking the region into pieces nobody offered. For each chosen
+    region (``<lib>.region``) of ``groups``, the TVM candidates inside it that cost less
+    (``costs`` + ``epsilon``) than the libraries' best candidate of exactly their nodes (or,
+    with none, their best single-node candidates summed) are the winners; offered: the region's runs without all winners, and for each of the
+    ``max_per_region`` largest winners by saving, the region's runs around that one alone
+    (each run of consecutive nodes is convex, as in ``_regions``). Returns the candidates
+    not in ``candidates``, to be measured and placed again."""
+    def w(c) -> float:
+        return costs.get(c, math.inf) + epsilon.get(c.backend, 0.0)
+
+    best_ext: dict = {}
+    for c in candidates:
+        if backends[c.backend].is_external:
+            best_ext[c.nodes] = min(best_ext.get(c.nodes, math.inf), w(c))
+
+    def lib_cost(nodes) -> float:  # the libraries' own candidate, else their single ops
+        if nodes in best_ext:
+            return best_ext[nodes]
+        return sum(best_ext.get(frozenset([i]), math.inf) for i in nodes)
+
+    seen = set(candidates)
+    out: list = []
+    for g in groups:
+        if not g.label.endswith(".region") or len(g.nodes) < 3:
+            continue
+        winners = []
+        for c in candidates:
+            if backends[c.backend].is_external or not c.nodes < g.nodes:
+                continue
+            saving = lib_cost(c.nodes) - w(c)
+            if math.isfinite(w(c)) and saving > 0 and any(graph.nodes[i].call is not None
+                                                          for i in c.nodes):
+                winners.append((saving, c))
+        # Disjoint winners, largest saving first (a fused kernel and its conv alone overlap).
+        picked, taken = [], set()
+        for saving, c in sorted(winners, key=lambda sc: -sc[0]):
+            if not c.nodes & taken:
+                picked.append(c)
+                taken |= c.nodes
+        share = sum(best_ext.get(frozenset([i]), math.inf) for i in g.nodes)
+        cuts = ([picked] if len(picked) > 1 else []) + [[c] for c in picked[:max_per_region]]
+        for cut in cuts:
+            nodes = frozenset().union(*(c.nodes for c in cut))
+            runs = _runs(graph, sorted(g.nodes - nodes))
+            # Worth measuring only if it can win by estimate: the pieces charged the region's
+            # time in proportion to the libraries' single-op times of their nodes.
+            if math.isfinite(share) and share > 0:
+                kept = sum(best_ext.get(frozenset([i]), math.inf) for r in runs for i in r)
+                est = (w(g) * kept / share + sum(w(c) for c in cut)
+                       + epsilon.get(g.backend, 0.0) * (len(runs) - 1))
+                if not est < w(g):
+                    continue
+            for run in runs:
+                cand = Candidate(g.backend, frozenset(run), g.label)
+                if cand not in seen:
+                    seen.add(cand)
+                    out.append(cand)
+    return out
+
+
+def _runs(graph: DataflowGraph, nodes: list) -> list:
+    """Maximal runs of consecutive indices in ``nodes`` holding two or more computing nodes."""
+    runs, run = [], []
+    for i in nodes + [None]:
+        if i is not None and (not run or i == run[-1] + 1):
+            run.append(i)
+            continue
+        if sum(1 for j in run if graph.nodes[j].call is not None) >= 2:
+            runs.append(run)
+        run = [i] if i is not None else []
+    return runs
 
 
 def generate_candidates(graph: DataflowGraph, backends, regions: bool = True) -> list:
