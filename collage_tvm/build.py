@@ -56,7 +56,7 @@ class BuildReport:
     epsilon: dict = field(default_factory=dict)
     switch: dict = field(default_factory=dict)  # (a, b) -> ms per change of runtime
     close_calls: int = 0   # alternative covers within 75% of the chosen one (refine)
-    carved: int = 0        # region candidates cut around winning TVM kernels (_carve)
+    carved: dict = field(default_factory=dict)  # regions cut around TVM kernels (_carve)
     side_by_side: int = 0  # sets of candidates re-timed side by side in this build
     calibration: list = field(default_factory=list)  # in-context rounds (placer.calibrate)
     placement_from_log: bool = False
@@ -499,17 +499,31 @@ def _carve(graph, placement, candidates, raw, costs, eps, switch, backends, meas
     """Regions cut around the TVM kernels that beat the library inside a chosen region
     (``patterns.carved_regions``): measured, added to ``candidates`` (in place) and placed
     again. Returns (placement, raw costs)."""
-    new = carved_regions(graph, placement.groups, candidates, costs, eps, backends)
+    cuts: list = []
+    new = carved_regions(graph, placement.groups, candidates, costs, eps, backends, cuts=cuts)
     if not new:
         return placement, raw
     raw = {**raw, **measurer.costs(graph, new, backends)}
     candidates += new
-    report.carved = len(new)
     costs = {c: max(0.0, v - eps[c.backend]) for c, v in raw.items()}
     again = place(graph.producers, candidates, costs, eps, switch=switch, exact=placement.exact)
-    logger.info("carved %d region(s) around winning TVM kernels: estimated %.3f -> %.3f ms",
-                len(new), placement.cost, again.cost)
+    best = min(cuts, key=lambda cut: cut.cost(candidates, costs, eps) - _w(cut.region, costs, eps))
+    report.carved = {
+        "pieces": len(new), "cuts": len(cuts), "estimated_ms": [placement.cost, again.cost],
+        "best_cut": {"around": ["+".join(graph.nodes[i].op_name.removeprefix("relax.")
+                                         for i in sorted(c.nodes)) for c in best.winners],
+                     "region_ms": _w(best.region, costs, eps),
+                     "cut_ms": best.cost(candidates, costs, eps),
+                     "tvm_ms": sum(_w(c, costs, eps) for c in best.winners)}}
+    logger.info("carved %d region(s) around winning TVM kernels: estimated %.3f -> %.3f ms; "
+                "best cut: %.3f ms for a region of %.3f ms (TVM kernels %.3f ms of it)",
+                len(new), placement.cost, again.cost, report.carved["best_cut"]["cut_ms"],
+                report.carved["best_cut"]["region_ms"], report.carved["best_cut"]["tvm_ms"])
     return (again if again.cost <= placement.cost else placement), raw
+
+
+def _w(c, costs: dict, eps: dict) -> float:
+    return costs.get(c, math.inf) + eps.get(c.backend, 0.0)
 
 
 def _graph_level(graph, placement, backends, target, report, options: SearchOptions):

@@ -196,11 +196,15 @@ def test_regions_are_cut_around_a_tvm_kernel_that_beats_the_library_inside_them(
     costs = {c: cost(c, 0.1) for c in cands}
     first = place(graph.producers, cands, costs, eps)
     assert [g.nodes for g in first.groups] == [whole]
-    new = carved_regions(graph, first.groups, cands, costs, eps, backends)
+    cuts = []
+    new = carved_regions(graph, first.groups, cands, costs, eps, backends, cuts=cuts)
     # The pieces around node 6: 0..5 (already offered: the first half) and 7..n-1.
     assert [sorted(c.nodes) for c in new] == [list(range(7, n))]
     assert all(c.backend == "lib" and c.label == "lib.region" for c in new)
     costs.update({c: 1.0 for c in new})
+    (cut,) = cuts
+    assert [c.nodes for c in cut.winners] == [{6}] and cut.region.nodes == whole
+    assert cut.cost(cands + new, costs, eps) == pytest.approx(3.0 + 0.1 + 1.0)
     again = place(graph.producers, cands + new, costs, eps)
     assert sorted(sorted(g.nodes) for g in again.groups) == [list(range(6)), [6],
                                                              list(range(7, n))]

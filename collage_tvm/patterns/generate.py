@@ -225,7 +225,7 @@ def _regions(graph: DataflowGraph, backend, levels: int, valid: list) -> list:
 
 
 def carved_regions(graph: DataflowGraph, groups, candidates, costs: dict, epsilon: dict,
-                   backends: dict, max_per_region: int = 8) -> list:
+                   backends: dict, max_per_region: int = 8, cuts: list | None = None) -> list:
     """Region candidates cut around the TVM kernels that win inside a chosen region.
 
     Regions are cut at even ranges of the topological order only (``_regions``), so once
@@ -271,8 +271,8 @@ def carved_regions(graph: DataflowGraph, groups, candidates, costs: dict, epsilo
                 picked.append(c)
                 taken |= c.nodes
         share = sum(best_ext.get(frozenset([i]), math.inf) for i in g.nodes)
-        cuts = ([picked] if len(picked) > 1 else []) + [[c] for c in picked[:max_per_region]]
-        for cut in cuts:
+        ways = ([picked] if len(picked) > 1 else []) + [[c] for c in picked[:max_per_region]]
+        for cut in ways:
             nodes = frozenset().union(*(c.nodes for c in cut))
             runs = _runs(graph, sorted(g.nodes - nodes))
             # Worth measuring only if it can win by estimate: the pieces charged the region's
@@ -283,12 +283,35 @@ def carved_regions(graph: DataflowGraph, groups, candidates, costs: dict, epsilo
                        + epsilon.get(g.backend, 0.0) * (len(runs) - 1))
                 if not est < w(g):
                     continue
-            for run in runs:
-                cand = Candidate(g.backend, frozenset(run), g.label)
+            pieces = [Candidate(g.backend, frozenset(run), g.label) for run in runs]
+            if cuts is not None:
+                cuts.append(Cut(g, list(cut), pieces))
+            for cand in pieces:
                 if cand not in seen:
                     seen.add(cand)
                     out.append(cand)
     return out
+
+
+@dataclass
+class Cut:
+    """One way ``carved_regions`` cut a chosen region: its TVM ``winners`` and the library
+    ``pieces`` around them (nodes in neither go to their cheapest single candidate)."""
+    region: Candidate
+    winners: list
+    pieces: list
+
+    def cost(self, candidates, costs: dict, epsilon: dict) -> float:
+        """The cut's measured cost (``costs`` + ``epsilon`` per kernel), to set against the
+        region's."""
+        def w(c) -> float:
+            return costs.get(c, math.inf) + epsilon.get(c.backend, 0.0)
+
+        covered = frozenset().union(*(c.nodes for c in self.winners + self.pieces))
+        total = sum(w(c) for c in self.winners + self.pieces)
+        for i in self.region.nodes - covered:
+            total += min((w(c) for c in candidates if c.nodes == {i}), default=math.inf)
+        return total
 
 
 def _runs(graph: DataflowGraph, nodes: list) -> list:

@@ -436,6 +436,8 @@ def variant_steps(onnx_path: str, variants: list, db) -> list:
             step["skipped"] = res.report.skipped
         if res.report.rewrite:
             step["rewrite"] = res.report.rewrite
+        if res.report.carved:
+            step["carved"] = res.report.carved
         vm = relax.VirtualMachine(res.executable, dev)
         args = [tvm.runtime.tensor(a, dev) for a in random_inputs(res.graph.func)]
         outputs.append(run_outputs(vm, args))
@@ -640,6 +642,7 @@ def markdown(results: dict) -> str:
                 "same search with the tuning database, timed interleaved:",
                 ["build", "matches untuned", "ops per backend"],
                 lambda step: [step["label"], _ops(step)])
+            lines += _carve_lines(m["tuned"])
         if "rewrite" in m:
             lines += _steps_table(
                 m["rewrite"], "Graph rewrites (issue #18): placed-only beside "
@@ -649,6 +652,24 @@ def markdown(results: dict) -> str:
                     "applied", [])) + (" (affine tails folded)" if step.get(
                         "rewrite", {}).get("folded_affine_tails") else "")])
     return "\n".join(lines)
+
+
+def _carve_lines(steps: list) -> list:
+    """What cutting regions around the winning TVM kernels found, per step (``_carve``)."""
+    lines = []
+    for step in steps:
+        c = step.get("carved")
+        if not c:
+            continue
+        best = c["best_cut"]
+        lines.append(f"- {step['label']}: {c['pieces']} region piece(s) measured for "
+                     f"{c['cuts']} cut(s) around TVM kernels that beat the library on their "
+                     f"operators; estimate {c['estimated_ms'][0]:.3f} -> "
+                     f"{c['estimated_ms'][1]:.3f} ms. Best cut (around "
+                     f"{', '.join(best['around'][:3])}{' ...' if len(best['around']) > 3 else ''}): "
+                     f"{best['cut_ms']:.3f} ms, TVM's kernels {best['tvm_ms']:.3f} ms of it, "
+                     f"against {best['region_ms']:.3f} ms for the region whole.")
+    return lines + [""] if lines else []
 
 
 def _precision_of(row: str, budget: str) -> str:
