@@ -11,7 +11,7 @@ import time
 
 def _optimize(args) -> int:
     from .build import optimize
-    from .frontend.load import parse_input_shapes
+    from .frontend.load import parse_input_shapes, read_example_inputs
     from .placement import placement_record
     from .registry import load_pattern_file
 
@@ -33,8 +33,9 @@ def _optimize(args) -> int:
               f"{e['estimate_ms']:.3f} ms, measured {e['measured_ms']:.3f} ms; in-context "
               f"ms per call: {extra}", flush=True)
 
+    example = read_example_inputs(args.inputs, args.model) if args.inputs else None
     res = optimize(args.model, args.target, db=args.db, options=_options(args, backends),
-                   input_shapes=parse_input_shapes(args.input_shape),
+                   input_shapes=parse_input_shapes(args.input_shape), example_inputs=example,
                    on_generation=on_generation, on_calibration=on_calibration)
     rep = res.report
     if rep.close_calls:
@@ -315,6 +316,10 @@ def main(argv=None) -> int:
     o.add_argument("--input-shape", action="append", metavar="NAME=D1xD2x...",
                    help="static shape of an input with dynamic dimensions (batch, sequence), "
                         "e.g. input=1x3x224x224 (repeatable)")
+    o.add_argument("--inputs", metavar="FILE.npz",
+                   help="example inputs (an .npz keyed by input name, or one .npy): every "
+                        "build is checked and timed on them first; for a model whose inputs "
+                        "shape the computation (a slice's bounds, a range's limits)")
     o.add_argument("--output", "-o", help="write the placement JSON here")
     o.add_argument("--no-compare", action="store_true",
                    help="skip the never-slower check (single-backend builds timed end to end)")

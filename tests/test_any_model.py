@@ -402,6 +402,35 @@ def test_the_check_runs_every_build_on_the_users_inputs_first(tmp_path):
         assert random_inputs(func)[0].shape == case.inputs[0].shape
 
 
+def test_optimize_takes_example_inputs_from_a_file_by_input_name(tmp_path, capsys):
+    """`collage-tvm optimize model.onnx --inputs FILE.npz`: the CLI way to the check on the
+    user's inputs (test_slice_default_axes fails on random slice bounds in TVM alone too);
+    a file that does not fit the model's inputs is an error naming them."""
+    import onnx
+
+    from collage_tvm.cli import main
+
+    case, _ = _node_case("test_slice_default_axes")
+    path = str(tmp_path / "slice.onnx")
+    onnx.save(case.model, path)
+    names = [i.name for i in case.model.graph.input]
+    good = str(tmp_path / "in.npz")
+    np.savez(good, **dict(zip(names, case.inputs)))
+    db = str(tmp_path / "c.db")
+    assert main(["optimize", path, "--backends", "tvm,onnxruntime", "--db", db,
+                 "--inputs", good]) == 0
+    positional = str(tmp_path / "pos.npz")
+    np.savez(positional, *case.inputs)  # arr_0, arr_1, ...: in the model's input order
+    assert main(["optimize", path, "--backends", "tvm", "--db", db,
+                 "--inputs", positional]) == 0
+    bad = str(tmp_path / "bad.npz")
+    np.savez(bad, x=case.inputs[0], begin=case.inputs[1])
+    capsys.readouterr()
+    assert main(["optimize", path, "--backends", "tvm", "--db", db, "--inputs", bad]) == 2
+    err = capsys.readouterr().err
+    assert "missing starts, ends" in err and "not inputs: begin" in err, err
+
+
 def test_a_placement_that_fails_to_compile_ships_tvm_alone_with_the_reason(tmp_path, monkeypatch):
     import importlib
 

@@ -69,6 +69,42 @@ def parse_input_shapes(specs) -> dict:
     return out
 
 
+def read_example_inputs(path: str, model_path: str) -> list:
+    """The arrays of ``--inputs FILE`` for the ONNX model at ``model_path``, in its input
+    order: an ``.npz`` keyed by the model's input names (or ``arr_0``, ``arr_1``, ... as
+    ``numpy.savez`` names positional arrays), or one ``.npy`` for a one-input model."""
+    import numpy as np
+    import onnx
+
+    try:
+        proto = onnx.load(model_path, load_external_data=False)
+    except Exception as err:
+        raise ModelError(f"{model_path}: not a readable ONNX model ({err})") from err
+    weights = {t.name for t in proto.graph.initializer}
+    names = [i.name for i in proto.graph.input if i.name not in weights]
+    try:
+        data = np.load(path)
+    except Exception as err:
+        raise ModelError(f"--inputs {path}: not a readable .npz or .npy file ({err})") from err
+    if isinstance(data, np.ndarray):
+        arrays = {names[0]: data} if len(names) == 1 else {}
+        if not arrays:
+            raise ModelError(f"--inputs {path}: one array for a model with {len(names)} "
+                             f"inputs ({', '.join(names)}): give an .npz keyed by input name")
+    else:
+        arrays = dict(data.items())
+        if set(arrays) == {f"arr_{k}" for k in range(len(arrays))}:
+            arrays = {n: arrays[f"arr_{k}"] for k, n in enumerate(names) if f"arr_{k}" in arrays}
+    missing = [n for n in names if n not in arrays]
+    extra = sorted(set(arrays) - set(names))
+    if missing or extra:
+        raise ModelError(f"--inputs {path}: the model's inputs are {', '.join(names)}; "
+                         + (f"missing {', '.join(missing)}" if missing else "")
+                         + ("; " if missing and extra else "")
+                         + (f"not inputs: {', '.join(extra)}" if extra else ""))
+    return [arrays[n] for n in names]
+
+
 def dynamic_input(main) -> str | None:
     """Why ``main`` cannot be placed as it is: the first input with a dynamic dimension,
     named with the flag that fixes it; None when every input is static."""
