@@ -362,11 +362,10 @@ def test_shape_vars_a_match_cast_defines_order_and_pin_the_nodes_that_read_them(
     assert any(c.backend == "onnxruntime" for c in cands)
 
 
-@pytest.mark.parametrize("name", ["test_squeeze", "test_unsqueeze_two_axes",
-                                  "test_range_float_type_positive_delta"])
+@pytest.mark.parametrize("name", ["test_squeeze", "test_range_float_type_positive_delta"])
 def test_models_whose_shapes_are_computed_at_run_time_build_and_match(name, tmp_path):
-    """Three of the 16 onnx node cases that crashed the search (run-time shapes from input
-    values: squeeze/unsqueeze axes, a range's limits)."""
+    """Two of the 16 onnx node cases that crashed the search (run-time shapes from input
+    values: squeeze axes, a range's limits; the whole node suite in `make test-slow`)."""
     from collage_tvm.tools.suites import collage_check
 
     case, shapes = _node_case(name)
@@ -409,6 +408,7 @@ def test_optimize_takes_example_inputs_from_a_file_by_input_name(tmp_path, capsy
     import onnx
 
     from collage_tvm.cli import main
+    from collage_tvm.frontend.load import read_example_inputs
 
     case, _ = _node_case("test_slice_default_axes")
     path = str(tmp_path / "slice.onnx")
@@ -421,8 +421,8 @@ def test_optimize_takes_example_inputs_from_a_file_by_input_name(tmp_path, capsy
                  "--inputs", good]) == 0
     positional = str(tmp_path / "pos.npz")
     np.savez(positional, *case.inputs)  # arr_0, arr_1, ...: in the model's input order
-    assert main(["optimize", path, "--backends", "tvm", "--db", db,
-                 "--inputs", positional]) == 0
+    got = read_example_inputs(positional, path)
+    assert all(np.array_equal(a, b) for a, b in zip(got, case.inputs)) and len(got) == 3
     bad = str(tmp_path / "bad.npz")
     np.savez(bad, x=case.inputs[0], begin=case.inputs[1])
     capsys.readouterr()
