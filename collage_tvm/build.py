@@ -27,7 +27,7 @@ from .lower import (candidate_vm, candidate_vm_for, compile_module, compile_plac
 from .measure.db import CostDB
 from .measure.measurer import Measurer
 from .options import SearchOptions
-from .patterns import carved_regions, generate_candidates
+from .patterns import carved_regions, generate_candidates, kernel_cost
 from .placement import Placement, placement_from_record, placement_record
 from .placement_log import PlacementLog
 from .placer.alternatives import refine
@@ -471,9 +471,8 @@ def _op_level(graph, backends, target, cost_db, options: SearchOptions, report) 
                               exact=rnd == 0 or placement.exact)
             t_search += time.perf_counter() - t1
             if rnd == 0:
-                placement, raw = _carve(graph, placement, candidates, raw, costs, eps, switch,
-                                        backends, measurer, report)
-                costs = {c: max(0.0, v - eps[c.backend]) for c, v in raw.items()}
+                placement, raw, costs = _carve(graph, placement, candidates, raw, costs, eps,
+                                               switch, backends, measurer, report)
             if rnd == options.refine_rounds:
                 break
             refined = refine(measurer, placement, candidates, raw, eps, backends,
@@ -498,32 +497,28 @@ def _op_level(graph, backends, target, cost_db, options: SearchOptions, report) 
 def _carve(graph, placement, candidates, raw, costs, eps, switch, backends, measurer, report):
     """Regions cut around the TVM kernels that beat the library inside a chosen region
     (``patterns.carved_regions``): measured, added to ``candidates`` (in place) and placed
-    again. Returns (placement, raw costs)."""
+    again. Returns (placement, raw costs, DP costs)."""
     cuts: list = []
     new = carved_regions(graph, placement.groups, candidates, costs, eps, backends, cuts=cuts)
     if not new:
-        return placement, raw
+        return placement, raw, costs
     raw = {**raw, **measurer.costs(graph, new, backends)}
     candidates += new
     costs = {c: max(0.0, v - eps[c.backend]) for c, v in raw.items()}
     again = place(graph.producers, candidates, costs, eps, switch=switch, exact=placement.exact)
-    best = min(cuts, key=lambda cut: cut.cost(candidates, costs, eps) - _w(cut.region, costs, eps))
-    report.carved = {
-        "pieces": len(new), "cuts": len(cuts), "estimated_ms": [placement.cost, again.cost],
-        "best_cut": {"around": ["+".join(graph.nodes[i].op_name.removeprefix("relax.")
-                                         for i in sorted(c.nodes)) for c in best.winners],
-                     "region_ms": _w(best.region, costs, eps),
-                     "cut_ms": best.cost(candidates, costs, eps),
-                     "tvm_ms": sum(_w(c, costs, eps) for c in best.winners)}}
+    cut_ms = {id(cut): cut.cost(candidates, costs, eps) for cut in cuts}
+    best = min(cuts, key=lambda cut: cut_ms[id(cut)] - kernel_cost(cut.region, costs, eps))
+    found = {"around": ["+".join(graph.nodes[i].op_name.removeprefix("relax.")
+                                 for i in sorted(c.nodes)) for c in best.winners],
+             "region_ms": kernel_cost(best.region, costs, eps), "cut_ms": cut_ms[id(best)],
+             "tvm_ms": sum(kernel_cost(c, costs, eps) for c in best.winners)}
+    report.carved = {"pieces": len(new), "cuts": len(cuts),
+                     "estimated_ms": [placement.cost, again.cost], "best_cut": found}
     logger.info("carved %d region(s) around winning TVM kernels: estimated %.3f -> %.3f ms; "
                 "best cut: %.3f ms for a region of %.3f ms (TVM kernels %.3f ms of it)",
-                len(new), placement.cost, again.cost, report.carved["best_cut"]["cut_ms"],
-                report.carved["best_cut"]["region_ms"], report.carved["best_cut"]["tvm_ms"])
-    return (again if again.cost <= placement.cost else placement), raw
-
-
-def _w(c, costs: dict, eps: dict) -> float:
-    return costs.get(c, math.inf) + eps.get(c.backend, 0.0)
+                len(new), placement.cost, again.cost, found["cut_ms"], found["region_ms"],
+                found["tvm_ms"])
+    return (again if again.cost <= placement.cost else placement), raw, costs
 
 
 def _graph_level(graph, placement, backends, target, report, options: SearchOptions):

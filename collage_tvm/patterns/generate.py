@@ -224,6 +224,12 @@ def _regions(graph: DataflowGraph, backend, levels: int, valid: list) -> list:
     return out
 
 
+def kernel_cost(c, costs: dict, epsilon: dict) -> float:
+    """What the DP charges for candidate ``c``: its cost plus its backend's per-call
+    ``epsilon`` (infinite when unmeasured)."""
+    return costs.get(c, math.inf) + epsilon.get(c.backend, 0.0)
+
+
 def carved_regions(graph: DataflowGraph, groups, candidates, costs: dict, epsilon: dict,
                    backends: dict, max_per_region: int = 8, cuts: list | None = None) -> list:
     """Region candidates cut around the TVM kernels that win inside a chosen region.
@@ -233,13 +239,17 @@ def carved_regions(graph: DataflowGraph, groups, candidates, costs: dict, epsilo
     library on a few of its operators (a tuned convolution, an elementwise chain TVM fuses)
     can take them only by breaking the region into pieces nobody offered. For each chosen
     region (``<lib>.region``) of ``groups``, the TVM candidates inside it that cost less
-    (``costs`` + ``epsilon``) than the libraries' best candidate of exactly their nodes (or,
-    with none, their best single-node candidates summed) are the winners; offered: the region's runs without all winners, and for each of the
-    ``max_per_region`` largest winners by saving, the region's runs around that one alone
-    (each run of consecutive nodes is convex, as in ``_regions``). Returns the candidates
-    not in ``candidates``, to be measured and placed again."""
+    (``kernel_cost``) than the libraries' best candidate of exactly their nodes (or, with
+    none, their best single-node candidates summed) are the winners (disjoint, largest
+    saving first). Offered: the region's runs without all winners, and for each of the
+    ``max_per_region`` largest, the region's runs around that one alone (each run of
+    consecutive nodes is convex, as in ``_regions``), where the cut can win by estimate: its
+    pieces charged the region's time in proportion to the libraries' single-op times of their
+    nodes, plus the winners' own times, plus a call per extra piece, below the region's time.
+    Returns the candidates not in ``candidates``, to be measured and placed again; each cut
+    offered is appended to ``cuts`` (``Cut``)."""
     def w(c) -> float:
-        return costs.get(c, math.inf) + epsilon.get(c.backend, 0.0)
+        return kernel_cost(c, costs, epsilon)
 
     best_ext: dict = {}
     for c in candidates:
@@ -305,7 +315,7 @@ class Cut:
         """The cut's measured cost (``costs`` + ``epsilon`` per kernel), to set against the
         region's."""
         def w(c) -> float:
-            return costs.get(c, math.inf) + epsilon.get(c.backend, 0.0)
+            return kernel_cost(c, costs, epsilon)
 
         covered = frozenset().union(*(c.nodes for c in self.winners + self.pieces))
         total = sum(w(c) for c in self.winners + self.pieces)

@@ -339,8 +339,9 @@ def collage_check(model, inputs: list, expected: list, backends, db, rtol: float
                   input_shapes: dict | None = None, scale_aware: bool = False) -> dict:
     """One model through ``collage_tvm.optimize`` with ``backends`` and the never-slower
     check, which runs every build on ``inputs`` first (a slice's bounds as the case gives
-    them, not random ones TVM alone may not run). ``scale_aware``: the absolute tolerance follows the expected outputs' largest
-    magnitude (``"scale"`` in the row; ``scaled_atol``). Returns
+    them, not random ones TVM alone may not run). ``scale_aware``: the absolute tolerance
+    follows the expected outputs' largest magnitude (``"scale"`` in the row;
+    ``scaled_atol``). Returns
     {"status": "built"|"unsupported"|"crash", "error", "match", "max_err",
     "search_s", "collage_ms", "best": (build, ms), "shipped", "kept_on_tvm"}."""
     import time
