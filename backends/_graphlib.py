@@ -39,6 +39,13 @@ def _torch_dtype(dtype: str):
     return getattr(torch, dtype)
 
 
+def model_source(model):
+    """``collage_tvm.export.onnx.model_source``: the bytes, or a path past 2 GiB."""
+    from collage_tvm.export.onnx import model_source as source
+
+    return source(model)
+
+
 def new_output(shape: tuple, dtype: str):
     """(TVM tensor, numpy view of the same memory) for one result."""
     import torch

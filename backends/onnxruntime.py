@@ -22,8 +22,8 @@ import os
 
 import numpy as np
 
-from collage_tvm.backends._graphlib import (GraphLibraryLowering, as_numpy, new_output,
-                                            single_or_tuple, threads)
+from collage_tvm.backends._graphlib import (GraphLibraryLowering, as_numpy, model_source,
+                                            new_output, single_or_tuple, threads)
 
 _NP = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32,
        "bool": np.bool_, "float64": np.float64}
@@ -82,9 +82,10 @@ class OnnxRuntimeLowering(GraphLibraryLowering):
         except Exception:  # noqa: BLE001
             return "onnxruntime-unavailable"
 
-    def session(self, model_bytes: bytes, spin: bool = True, shared_pool: bool = True):
-        """An ``InferenceSession`` on the shared global thread pool when ``shared_pool`` and
-        the pool is available, else on its own pool (spinning between calls iff ``spin``)."""
+    def session(self, source, spin: bool = True, shared_pool: bool = True):
+        """An ``InferenceSession`` of ``source`` (model bytes or an ONNX file's path) on the
+        shared global thread pool when ``shared_pool`` and the pool is available, else on
+        its own pool (spinning between calls iff ``spin``)."""
         import onnxruntime as ort
 
         opts = ort.SessionOptions()
@@ -93,7 +94,7 @@ class OnnxRuntimeLowering(GraphLibraryLowering):
         if shared_pool and _global_pool():
             opts.use_per_session_threads = False
             try:
-                return ort.InferenceSession(model_bytes, opts, providers=["CPUExecutionProvider"])
+                return ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"])
             except Exception as err:  # noqa: BLE001 - fall back to a pool of its own
                 _disable_global_pool(err)
                 opts.use_per_session_threads = True
@@ -101,12 +102,13 @@ class OnnxRuntimeLowering(GraphLibraryLowering):
         opts.inter_op_num_threads = 1
         if not spin:  # see collage_tvm/__init__.py: spinning threads starve other runtimes
             opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        return ort.InferenceSession(model_bytes, opts, providers=["CPUExecutionProvider"])
+        return ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"])
 
     def compile(self, model, specs, sole: bool = False):
         # Spinning threads help only when nothing else runs between two calls: the whole
         # model on onnxruntime. Anywhere else they starve the next runtime's threads.
-        sess = self.session(model.SerializeToString(), spin=sole)
+        with model_source(model) as source:  # a path when over protobuf's 2 GiB
+            sess = self.session(source, spin=sole)
         in_names = [i.name for i in sess.get_inputs()]
         out_names = [o.name for o in sess.get_outputs()]
         if len(out_names) != len(specs):

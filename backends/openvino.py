@@ -10,8 +10,8 @@ TVM buffers (``shared_memory=True``): nothing is copied.
 """
 from __future__ import annotations
 
-from collage_tvm.backends._graphlib import (GraphLibraryLowering, as_numpy, new_output,
-                                            single_or_tuple, threads)
+from collage_tvm.backends._graphlib import (GraphLibraryLowering, as_numpy, model_source,
+                                            new_output, single_or_tuple, threads)
 
 
 class OpenVinoLowering(GraphLibraryLowering):
@@ -42,16 +42,19 @@ class OpenVinoLowering(GraphLibraryLowering):
         return {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": threads(),
                 "INFERENCE_PRECISION_HINT": self.precision}
 
-    def compile_bytes(self, model_bytes: bytes):
+    def compile_source(self, source):
+        """``source``: ONNX model bytes or an ONNX file's path (external data beside it)."""
         import openvino as ov
 
         core = ov.Core()
-        return core.compile_model(core.read_model(model_bytes, b""), "CPU", self.config())
+        model = core.read_model(source) if isinstance(source, str) else core.read_model(source, b"")
+        return core.compile_model(model, "CPU", self.config())
 
     def compile(self, model, specs, sole: bool = False):
         import openvino as ov
 
-        compiled = self.compile_bytes(model.SerializeToString())
+        with model_source(model) as source:  # a path when over protobuf's 2 GiB
+            compiled = self.compile_source(source)
         if len(compiled.outputs) != len(specs):
             raise RuntimeError(f"openvino: compiled model has {len(compiled.outputs)} outputs, "
                                f"the subgraph {len(specs)}")

@@ -213,3 +213,31 @@ def test_a_search_build_frees_its_library_callables_with_the_executable(monkeypa
         gk = DataflowGraph(bb.get()["main"])
         compile_placement(gk, [Candidate(lib, frozenset([0]))], backends, target)
     assert len(external._CACHE) == 1
+
+
+@pytest.mark.parametrize("lib", GRAPH_LIBS)
+def test_a_model_protobuf_cannot_write_reaches_the_library_with_external_data(
+        lib, tmp_path, monkeypatch):
+    """Past 2 GiB of weights (ViT-H/14) protobuf cannot serialize the exported subgraph:
+    the library reads a temporary file with the weights beside it, removed afterwards."""
+    import tempfile
+
+    import onnx
+
+    import collage_tvm.export.onnx as export
+
+    g = DataflowGraph(_two_output_func())
+    target = make_target("llvm")
+    ref = evaluate(tvm.compile(tvm.IRModule({"main": g.func}), target), g, target)
+    monkeypatch.setattr(export, "serialized", lambda model: None)  # as if over 2 GiB
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    saved = []
+    save = onnx.save_model
+    monkeypatch.setattr(onnx, "save_model", lambda model, path, **kw: (
+        saved.append((path, kw.get("save_as_external_data"))), save(model, path, **kw)))
+    backends = {"tvm": get_backend("tvm"), lib: get_backend(lib)}
+    ex, _ = compile_placement(g, graph_lib_groups(g, backends[lib]), backends, target)
+    assert len(saved) == 1 and saved[0][1] and saved[0][0].startswith(str(tmp_path))
+    assert not list(tmp_path.iterdir())  # the temporary copy is gone once the library read it
+    got = evaluate(ex, g, target, ref["outputs"])
+    assert got["match"], got["max_err"]

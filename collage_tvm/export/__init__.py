@@ -5,7 +5,8 @@ their library as an ONNX model: ``collage_tvm.export.onnx`` is that exporter. Th
 rules of those backends ask it, node by node, whether an operator can be written at all
 (``unsupported_reason``), so only exportable groups become candidates.
 """
-from .onnx import ExportError, export_function, input_names, output_names, unsupported_reason
+from .onnx import (ExportError, export_function, input_names, model_source, output_names,
+                   serialized, unsupported_reason)
 
-__all__ = ["ExportError", "export_function", "input_names", "output_names",
-           "unsupported_reason"]
+__all__ = ["ExportError", "export_function", "input_names", "model_source", "output_names",
+           "serialized", "unsupported_reason"]

@@ -45,8 +45,11 @@ wrongly) is an ``ExportError`` here, not a wrong answer at run time.
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import re
+import tempfile
 from dataclasses import dataclass
 from typing import Callable
 
@@ -966,7 +969,7 @@ def _check_shapes(model, expected: dict) -> None:
     from onnx import helper
 
     try:
-        inferred = onnx.shape_inference.infer_shapes(_skeleton(model), strict_mode=True)
+        inferred = onnx.shape_inference.infer_shapes(skeleton(model), strict_mode=True)
     except Exception as err:  # noqa: BLE001 - onnx raises several error types here
         raise ExportError(f"ONNX shape inference failed on the exported graph: {err}") from err
     for info in list(inferred.graph.value_info) + list(inferred.graph.output):
@@ -987,7 +990,7 @@ def _check_shapes(model, expected: dict) -> None:
                               f"Relax says {want}")
 
 
-def _skeleton(model):
+def skeleton(model):
     """``model`` itself, or when it holds large weights a copy that declares them as
     graph inputs instead: shape inference then sees the same shapes without the data."""
     from onnx import helper
@@ -1005,6 +1008,37 @@ def _skeleton(model):
     graph = helper.make_graph(list(g.node), g.name, inputs, list(g.output), initializer=small)
     return helper.make_model(graph, opset_imports=list(model.opset_import),
                              ir_version=model.ir_version)
+
+
+def serialized(model) -> bytes | None:
+    """``model``'s bytes, or None when protobuf cannot write them: one message holds at
+    most 2 GiB (a model with more weights, e.g. ViT-H/14, needs external data)."""
+    from google.protobuf.message import EncodeError
+
+    try:
+        return model.SerializeToString()
+    except (EncodeError, ValueError):
+        return None
+
+
+@contextlib.contextmanager
+def model_source(model):
+    """What a library reads ``model`` from: its bytes, or, when they are over protobuf's
+    2 GiB, the path of a temporary copy whose weights are in an external data file beside
+    it (both libraries read those), removed after the block: read the model inside it.
+    The weights then move out of ``model`` into the file (its initializers keep their
+    names, shapes and types; their data is in the file)."""
+    data = serialized(model)
+    if data is not None:
+        yield data
+        return
+    import onnx
+
+    with tempfile.TemporaryDirectory(prefix="collage-onnx-") as folder:
+        path = os.path.join(folder, "model.onnx")
+        onnx.save_model(model, path, save_as_external_data=True,
+                        all_tensors_to_one_file=True, location="weights.bin")
+        yield path
 
 
 def input_names(model) -> list:

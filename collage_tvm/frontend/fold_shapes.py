@@ -64,7 +64,7 @@ def fold_shapes(proto, input_shapes: dict | None = None, max_elements: int = 1 <
 
     if not _computes_shapes(proto.graph):
         return proto, 0  # nothing computes a shape: TVM imports it as it is
-    if proto.ByteSize() > _MAX_BYTES:
+    if _too_big(proto):
         return proto, 0  # shape inference serializes the model: protobuf's 2 GB limit
     model = onnx.ModelProto()
     model.CopyFrom(proto)
@@ -83,6 +83,16 @@ def fold_shapes(proto, input_shapes: dict | None = None, max_elements: int = 1 <
         return proto, 0
     _drop_dead_nodes(model.graph)
     return model, folded
+
+
+def _too_big(proto) -> bool:
+    """Over protobuf's 2 GB (``ByteSize`` itself raises past 2 GiB)."""
+    from google.protobuf.message import EncodeError
+
+    try:
+        return proto.ByteSize() > _MAX_BYTES
+    except (EncodeError, ValueError):
+        return True
 
 
 def _set_input_shapes(graph, input_shapes: dict) -> None:

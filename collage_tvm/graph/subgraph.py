@@ -65,6 +65,80 @@ def extract_function(graph: DataflowGraph, group, lift_constants: bool = False):
     return func, inputs, outputs, consts
 
 
+#: Attribute of a function from ``without_weights``: how many trailing parameters stand
+#: for weights, and the scale (standard deviation) of each.
+STAND_INS_ATTR = "collage.stand_in_weights"
+#: Float weights at least this large leave a function sent to the measuring process.
+STAND_IN_MIN_ELEMENTS = 1 << 16
+
+
+def without_weights(func: relax.Function, min_elements: int = STAND_IN_MIN_ELEMENTS):
+    """``func`` (from ``extract_function``) with every float constant of at least
+    ``min_elements`` elements made a trailing parameter, for a process that only times it:
+    a weight's values do not change a kernel's time (``function_key`` ignores them too),
+    and the model's weights (2.5 GB for ViT-H/14) are then not written out, sent and read
+    back for every candidate. ``with_stand_ins`` puts random weights of the same shape,
+    dtype and scale in their place. Smaller constants (biases, norms' scales, masks,
+    indices) stay as they are."""
+    lifted: dict = {}  # constant -> its parameter
+
+    def lift(c):
+        ty = c.ty
+        if (c not in lifted and "float" in str(ty.dtype)
+                and int(np.prod([int(d) for d in ty.shape])) >= min_elements):
+            lifted[c] = relax.Var(f"w{len(lifted)}", ty)
+        return lifted.get(c, c)
+
+    mutator = _constant_mutator()(lift)
+    replace = mutator.visit_expr
+    out = _rebuilt(func, replace, lambda: list(func.params) + list(lifted.values()))
+    if not lifted:
+        return func
+    return out.with_attr(STAND_INS_ATTR, [_scale(c) for c in lifted])
+
+
+def _rebuilt(func: relax.Function, replace, params) -> relax.Function:
+    """``func`` with ``replace`` applied to each binding's value and parameters ``params``
+    (a list, or a callable giving it once the values are replaced)."""
+    body = func.body
+    blocks = [type(block)([relax.MatchCast(b.var, replace(b.value), b.ty)
+                           if isinstance(b, relax.MatchCast)
+                           else relax.VarBinding(b.var, replace(b.value))
+                           for b in block.bindings])
+              for block in body.blocks]
+    params = params() if callable(params) else params
+    return relax.Function(params, relax.SeqExpr(blocks, body.body), func.ret_ty,
+                          attrs=func.attrs)
+
+
+def _scale(const) -> float:
+    """Standard deviation of a constant's values (1.0 when not finite: a mask of -inf)."""
+    arr = np.from_dlpack(const.value)
+    std = float(np.std(arr, dtype=np.float64)) if arr.size else 1.0
+    return std if np.isfinite(std) and std > 0 else 1.0
+
+
+def with_stand_ins(func: relax.Function, seed: int = 0) -> relax.Function:
+    """A function from ``without_weights`` with random weights bound in place of its
+    trailing weight parameters (normal, of each weight's scale), ready to build and time;
+    any other function as it is."""
+    attrs = func.attrs
+    if attrs is None or STAND_INS_ATTR not in attrs:
+        return func
+    scales = [float(s) for s in attrs[STAND_INS_ATTR]]
+    params = list(func.params)[len(func.params) - len(scales):]
+    rng = np.random.default_rng(seed)
+    weights = {}
+    for p, scale in zip(params, scales):
+        shape, dtype = tuple(int(d) for d in p.ty.shape), str(p.ty.dtype)
+        arr = rng.standard_normal(shape, dtype=np.float32)
+        arr *= np.float32(scale)
+        weights[p] = relax.const(arr if dtype == "float32" else arr.astype(dtype))
+        del arr
+    kept = list(func.params)[:len(func.params) - len(scales)]
+    return _rebuilt(func, lambda e: substitute(e, weights), kept).without_attr(STAND_INS_ATTR)
+
+
 def one_op_function(shape, make, dtype: str = "float32") -> relax.Function:
     """``main(x) = make(x)`` for one input of ``shape``: a probe kernel, a test case."""
     x = relax.Var("x", relax.TensorType(shape, dtype))
@@ -77,6 +151,24 @@ def one_op_function(shape, make, dtype: str = "float32") -> relax.Function:
 
 
 _SUBST = None
+_CONSTANTS = None
+
+
+def _constant_mutator():
+    """A mutator class whose instances replace each constant ``c`` with ``pick(c)``."""
+    global _CONSTANTS
+    if _CONSTANTS is None:
+        @relax.expr_functor.mutator
+        class Constants(relax.PyExprMutator):
+            def __init__(self, pick):
+                super().__init__()
+                self.pick = pick
+
+            def visit_generic_const_(self, op):  # noqa: N802 (TVM's visitor naming)
+                return self.pick(op)
+
+        _CONSTANTS = Constants
+    return _CONSTANTS
 
 
 def substitute(expr, vmap: dict):

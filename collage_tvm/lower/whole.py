@@ -12,6 +12,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from ..export.onnx import skeleton
 from .external import register
 
 
@@ -35,6 +36,14 @@ def _static_type(value_info, what: str):
     return relax.TensorType(tuple(dims), dtype)
 
 
+def _copy(proto):
+    import onnx
+
+    copy = onnx.ModelProto()
+    copy.CopyFrom(proto)
+    return copy
+
+
 def whole_model_module(proto, backend, input_shapes: dict | None = None) -> tvm.IRModule:
     """A Relax module whose ``main`` runs ONNX ``proto`` wholly on graph library
     ``backend`` (a ``registry.Backend`` whose lowering has ``compile(model, specs, sole)``);
@@ -44,14 +53,16 @@ def whole_model_module(proto, backend, input_shapes: dict | None = None) -> tvm.
 
     input_shapes = dict(input_shapes or {})
     if input_shapes:  # the shapes the user gave replace the declared ones before inference
-        proto = onnx.ModelProto.FromString(proto.SerializeToString())
+        proto = _copy(proto)
         for vi in proto.graph.input:
             if vi.name in input_shapes:
                 dims = vi.type.tensor_type.shape.dim
                 del dims[:]
                 for d in input_shapes[vi.name]:
                     dims.add().dim_value = int(d)
-    inferred = onnx.shape_inference.infer_shapes(proto, strict_mode=False, data_prop=True)
+    # inferred without the weights' data (protobuf cannot write a model over 2 GiB)
+    inferred = onnx.shape_inference.infer_shapes(skeleton(proto), strict_mode=False,
+                                                 data_prop=True)
     weights = {i.name for i in proto.graph.initializer}
     inputs = [vi for vi in inferred.graph.input if vi.name not in weights]
     in_types = [_static_type(vi, "input") for vi in inputs]

@@ -12,7 +12,7 @@ import tvm
 from tvm import relax
 
 from ..graph import DataflowGraph
-from ..graph.subgraph import extract_function, function_key, one_op_function
+from ..graph.subgraph import extract_function, function_key, one_op_function, without_weights
 from ..patterns import generate_candidates
 from ..target import device_fingerprint
 from . import runner
@@ -145,7 +145,10 @@ class Measurer:
         side-by-side re-timing); functions under one key differ at most in their weights'
         values, which do not change their time."""
         if self._worker is not None and all(self._picklable(b) for b, _, _ in items):
-            entries = [(b, tvm.ir.save_json(tvm.IRModule({"main": f})), k) for b, f, k in items]
+            # The weights stay here: the worker times the kernel on random ones of the same
+            # shapes and scales (``without_weights``); a model's gigabytes are not copied.
+            entries = [(b, tvm.ir.save_json(tvm.IRModule({"main": without_weights(f)})), k)
+                       for b, f, k in items]
             return self._worker.call(what, entries, self.target_json, self.build_vm, *extra)
         try:
             return getattr(runner, what)([(f, b, k) for b, f, k in items], self.target,

@@ -1,9 +1,11 @@
 """Measure candidates in a child process, so a backend that crashes cannot kill the search.
 
 The parent sends which measurement to run (``runner.ENTRY_POINTS``), the candidates as
-(backend name, lowering spec, function JSON, cache key), the target JSON and the ``build_vm`` callback;
-the child builds and times, and answers (cost_ms, reason, extra). A dead child is an infinite cost with
-its exit status as the reason, and a fresh child takes over.
+(backend name, lowering spec, function JSON, cache key; large weights replaced by random
+ones of their shapes and scales: ``graph.subgraph.without_weights``), the target JSON and
+the ``build_vm`` callback; the child builds and times, and answers (cost_ms, reason,
+extra). A dead child is an infinite cost with its exit status as the reason, and a fresh
+child takes over.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ def _serve() -> None:
 
     import tvm
 
+    from ..graph.subgraph import with_stand_ins
     from . import runner
 
     out = os.fdopen(os.dup(1), "wb")
@@ -51,7 +54,8 @@ def _serve() -> None:
             for name, lowering, func_json, key in entries:
                 if name not in backends:
                     backends[name] = Backend(name=name, lowering=lowering)
-                funcs.append((tvm.ir.load_json(func_json)["main"], backends[name], key))
+                funcs.append((with_stand_ins(tvm.ir.load_json(func_json)["main"]),
+                              backends[name], key))
             reply = ("ok",) + tuple(getattr(runner, what)(funcs, target, build_vm, *extra))
         except BaseException as err:  # any failure is a cost of inf with a reason
             tb = traceback.format_exc(limit=3)

@@ -65,14 +65,14 @@ def glue_overhead(onnx_path: str, library: str = "onnxruntime", target="llvm") -
     vm = relax.VirtualMachine(ex, dev)
     arrays = random_inputs(graph.func)
     args = [tvm.runtime.tensor(a, dev) for a in arrays]
-    plain, plain_outputs = _plain_runner(library, backend, open(onnx_path, "rb").read(), arrays)
+    plain, plain_outputs = _plain_runner(library, backend, onnx_path, arrays)
     match, max_err = compare_outputs(run_outputs(vm, args), plain_outputs)
     ms = interleaved({"plain": plain, "collage": lambda: vm["main"](*args)})
     return {"library": library, "plain_ms": ms["plain"], "collage_ms": ms["collage"],
             "overhead": ms["collage"] / ms["plain"] - 1.0, "max_err": max_err, "match": match}
 
 
-def _plain_runner(library: str, backend, model_bytes: bytes, arrays: list) -> tuple:
+def _plain_runner(library: str, backend, onnx_path: str, arrays: list) -> tuple:
     """(a call of the library on the original ONNX file, its outputs): the framework
     baseline of ``frameworks`` and the plain side of the glue check. ONNX Runtime with all
     graph optimizations, in a session made as the onnxruntime backend makes them; OpenVINO
@@ -80,10 +80,10 @@ def _plain_runner(library: str, backend, model_bytes: bytes, arrays: list) -> tu
     and called the documented low-overhead way (no copy of the inputs or the outputs)."""
     lowering = backend.get_lowering()
     if library == "onnxruntime":
-        sess = lowering.session(model_bytes)
+        sess = lowering.session(onnx_path)
         feeds = {i.name: a for i, a in zip(sess.get_inputs(), arrays)}
         return (lambda: sess.run(None, feeds)), sess.run(None, feeds)
-    compiled = lowering.compile_bytes(model_bytes)
+    compiled = lowering.compile_source(onnx_path)
     req = compiled.create_infer_request()
     outputs = [req.infer(arrays)[o] for o in compiled.outputs]
     return (lambda: req.infer(arrays, share_inputs=True, share_outputs=True)), outputs
@@ -207,7 +207,7 @@ def frameworks(name: str, size: str, onnx_path: str, collage_executable, accurac
     model_bytes = open(onnx_path, "rb").read()
     for lib in GLUE_LIBRARIES:
         try:
-            runs[lib], outs[lib] = _plain_runner(lib, get_backend(lib), model_bytes, [x_np])
+            runs[lib], outs[lib] = _plain_runner(lib, get_backend(lib), onnx_path, [x_np])
         except Exception as err:  # noqa: BLE001 - a missing framework is reported, not fatal
             outs[lib] = _why(err)
     try:
