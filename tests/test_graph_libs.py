@@ -241,3 +241,35 @@ def test_a_model_protobuf_cannot_write_reaches_the_library_with_external_data(
     assert not list(tmp_path.iterdir())  # the temporary copy is gone once the library read it
     got = evaluate(ex, g, target, ref["outputs"])
     assert got["match"], got["max_err"]
+
+
+def test_when_memory_is_short_the_final_check_holds_two_builds_and_ships_no_freed_one(
+        monkeypatch):
+    """A model of gigabytes of weights: never-slower cannot keep every build alive to time
+    them together at the end. Each new build meets the fastest one kept so far side by side;
+    the others are freed and cannot be shipped."""
+    import importlib
+
+    from collage_tvm.placement import Placement
+
+    ns = importlib.import_module("collage_tvm.check.never_slower")  # the name is a function too
+
+    lib = GRAPH_LIBS[0]
+    g = DataflowGraph(_two_output_func())
+    backends = {"tvm": get_backend("tvm"), lib: get_backend(lib)}
+    groups = [Candidate(lib, frozenset([0, 1, 2])), Candidate("tvm", frozenset([3])),
+              Candidate("tvm", frozenset([4]))]
+    held = []
+    real = ns.interleaved
+    monkeypatch.setattr(ns, "memory_short", lambda weights: True)
+    monkeypatch.setattr(ns, "interleaved", lambda fns, **kw: (held.append(len(fns)),
+                                                              real(fns, **kw))[1])
+    verdict = ns.never_slower(g, Placement(groups, 1.0), backends, make_target("llvm"))
+    res = verdict.comparison
+    assert {"collage", "tvm-only", lib} <= set(res), res
+    lost = {n for n, r in res.items() if "lost_to" in r}
+    assert lost and held and max(held) == 2, (res, held)
+    assert all(r["match"] for r in res.values()), res
+    assert verdict.shipped not in lost
+    kept = set(res) - lost - {n for n, r in res.items() if "same_as" in r}
+    assert len(kept) <= 2 and verdict.shipped in kept  # the last two met side by side

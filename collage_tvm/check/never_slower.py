@@ -2,11 +2,13 @@
 single-backend build made in the same run; the fastest correct one is shipped."""
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import time
 from dataclasses import dataclass, field
 
+from ..graph.subgraph import constant_bytes
 from ..lower import compile_placement
 from ..measure.timing import interleaved
 from ..placement import Placement
@@ -62,6 +64,7 @@ def never_slower(graph, placement: Placement, backends: dict, target,
     # tvm-only's at the end.
     results, outputs, runs, seen = {}, {}, {}, {}
     cutoff = None
+    weights = weight_bytes(graph)
     for name in ["collage", "tvm-only"] + [n for n in builds if n not in ("collage", "tvm-only")]:
         same = seen.setdefault((id(graph_of[name]), frozenset((g.backend, g.nodes)
                                                               for g in builds[name])), name)
@@ -69,6 +72,8 @@ def never_slower(graph, placement: Placement, backends: dict, target,
             results[name] = {"same_as": same}
             logger.info("end to end: %s is the same placement as %s", name, same)
             continue
+        if len(runs) > 1 and memory_short(weights):
+            _narrow(runs, results, outputs, accuracy, target)
         try:
             executable, _ = compile_placement(graph_of[name], builds[name], backends, target)
             r = evaluate(executable, graph_of[name], target, cutoff_ms=cutoff)
@@ -88,6 +93,7 @@ def never_slower(graph, placement: Placement, backends: dict, target,
         runs[name] = r["run"]
         logger.info("end to end: %s %.3f ms%s", name, r["ms"],
                     " (timed once: hopeless)" if r["timed_once"] else "")
+        del executable, r  # held by its run alone: ``_narrow`` can free it
     # The reference: tvm-only's outputs, or those of the build it is the same placement as
     # (a model Collage places wholly on TVM kernels, e.g. one pooling op).
     reference = outputs[results["tvm-only"].get("same_as", "tvm-only")]
@@ -102,12 +108,13 @@ def never_slower(graph, placement: Placement, backends: dict, target,
                   if results[n]["match"] and results[n]["ms"] <= 2 * fastest}
     if len(contenders) > 1:
         for name, ms in interleaved(contenders, sync=device_sync(target)).items():
-            results[name]["first_ms"], results[name]["ms"] = results[name]["ms"], ms
+            results[name].setdefault("first_ms", results[name]["ms"])
+            results[name]["ms"] = ms
     results = {n: (dict(results[results[n]["same_as"]], same_as=results[n]["same_as"])
                    if "same_as" in results[n] else results[n])
                for n in ["tvm-only", *builds] if n in results}
     verdict = Verdict(placement, "collage", results, time.perf_counter() - t0, graph)
-    ok = {n: r for n, r in results.items() if r["match"]}
+    ok = {n: r for n, r in results.items() if r["match"] and "lost_to" not in r}
     if not ok:  # nothing agrees with tvm-only, not even tvm-only itself: nothing to choose
         logger.warning("end to end: no build's outputs match tvm-only's; keeping the placement")
         return verdict
@@ -125,3 +132,45 @@ def never_slower(graph, placement: Placement, backends: dict, target,
         groups = builds[best]
         verdict.placement = Placement(groups, math.nan, {g: f"baseline:{best}" for g in groups})
     return verdict
+
+
+def weight_bytes(graph) -> int:
+    """Bytes of the weights of ``graph``'s model: what each build holds a copy of."""
+    return sum(constant_bytes(n.value) for n in graph.nodes)
+
+
+def memory_short(weights: int) -> bool:
+    """Whether one more build of a model with ``weights`` bytes of weights may not fit in
+    the memory left (a build holds its own copy, and about as much again while made)."""
+    return _available() < 2 * weights + (1 << 30)
+
+
+def _narrow(runs: dict, results: dict, outputs: dict, accuracy, target) -> None:
+    """Memory is short (a model of gigabytes of weights, ViT-H/14): the builds held so far
+    are timed side by side now, and all but the fastest correct one are freed. A freed
+    build keeps its times and is marked ``lost_to`` the one kept (it cannot be shipped);
+    the one kept meets the next builds side by side as usual."""
+    ref = results["tvm-only"].get("same_as", "tvm-only")
+    for name in runs:
+        results[name].update(accuracy.check_seeds(outputs[name], outputs[ref]))
+    correct = {n: runs[n] for n in runs if results[n]["match"]}
+    if len(correct) > 1:
+        for name, ms in interleaved(correct, sync=device_sync(target)).items():
+            results[name].setdefault("first_ms", results[name]["ms"])
+            results[name]["ms"] = ms
+    keep = min(correct, key=lambda n: results[n]["ms"], default=None)
+    freed = [n for n in runs if n != keep]
+    for name in freed:
+        del runs[name]
+        if keep is not None:
+            results[name]["lost_to"] = keep
+    gc.collect()
+    logger.warning("end to end: memory is short: %s timed side by side, %s kept, %s freed "
+                   "(%.1f GB free now)", ", ".join(correct) or "nothing", keep,
+                   ", ".join(freed), _available() / 1e9)
+
+
+def _available() -> int:
+    import psutil
+
+    return psutil.virtual_memory().available
