@@ -89,8 +89,7 @@ def without_weights(func: relax.Function, min_elements: int = STAND_IN_MIN_ELEME
             lifted[c] = relax.Var(f"w{len(lifted)}", ty)
         return lifted.get(c, c)
 
-    mutator = _constant_mutator()(lift)
-    replace = mutator.visit_expr
+    replace = _replacer()(constant=lift).visit_expr
     out = _rebuilt(func, replace, lambda: list(func.params) + list(lifted.values()))
     if not lifted:
         return func
@@ -150,49 +149,37 @@ def one_op_function(shape, make, dtype: str = "float32") -> relax.Function:
     return bb.get()["main"]
 
 
-_SUBST = None
-_CONSTANTS = None
-
-
-def _constant_mutator():
-    """A mutator class whose instances replace each constant ``c`` with ``pick(c)``."""
-    global _CONSTANTS
-    if _CONSTANTS is None:
-        @relax.expr_functor.mutator
-        class Constants(relax.PyExprMutator):
-            def __init__(self, pick):
-                super().__init__()
-                self.pick = pick
-
-            def visit_generic_const_(self, op):  # noqa: N802 (TVM's visitor naming)
-                return self.pick(op)
-
-        _CONSTANTS = Constants
-    return _CONSTANTS
+_REPLACE = None
 
 
 def substitute(expr, vmap: dict):
     """``expr`` with its variables replaced by ``vmap`` (the others kept)."""
-    global _SUBST
-    if _SUBST is None:
-        _SUBST = _make_subst()
-    return _SUBST(vmap).visit_expr(expr)
+    return _replacer()(vars=vmap).visit_expr(expr)
 
 
-def _make_subst():
-    @relax.expr_functor.mutator
-    class Subst(relax.PyExprMutator):
-        def __init__(self, vmap):
-            super().__init__()
-            self.vmap = vmap
+def _replacer():
+    """A mutator class whose instances replace variable ``v`` with ``vars.get(v, v)`` and
+    constant ``c`` with ``constant(c)``."""
+    global _REPLACE
+    if _REPLACE is None:
+        @relax.expr_functor.mutator
+        class Replace(relax.PyExprMutator):
+            def __init__(self, vars=None, constant=None):  # noqa: A002 - a map of variables
+                super().__init__()
+                self.vars = vars or {}
+                self.constant = constant
 
-        def visit_var_(self, op):  # noqa: N802 (TVM's visitor naming)
-            return self.vmap.get(op, op)
+            def visit_var_(self, op):  # noqa: N802 (TVM's visitor naming)
+                return self.vars.get(op, op)
 
-        def visit_dataflow_var_(self, op):  # noqa: N802
-            return self.vmap.get(op, op)
+            def visit_dataflow_var_(self, op):  # noqa: N802
+                return self.vars.get(op, op)
 
-    return Subst
+            def visit_generic_const_(self, op):  # noqa: N802
+                return op if self.constant is None else self.constant(op)
+
+        _REPLACE = Replace
+    return _REPLACE
 
 
 def _lift_constants(expr, consts: list, const_params: list):
