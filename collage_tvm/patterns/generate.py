@@ -192,9 +192,11 @@ def _expand_rule(graph: DataflowGraph, backend, rule, ipdom, regions: bool = Tru
     return out
 
 
-# A region holding more weights than this is not offered: measuring it copies its weights to
-# the measuring process and into the library (ONNX itself stops at 2 GB), and the smaller
-# regions and groups cover the same nodes.
+# A region holding more weights than this is not offered: measuring it makes the measuring
+# process hold them (random stand-ins: ``graph.subgraph.without_weights``) and the library
+# its own copy, beside the model in the search process; the smaller regions and groups
+# cover the same nodes, and the never-slower check still times the whole model on each
+# library.
 REGION_MAX_BYTES = 1 << 30
 
 
