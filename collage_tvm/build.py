@@ -18,6 +18,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from ._memory import release_memory
 from .check import first_line, latency_evaluator, never_slower, outputs_on, tvm_reference
 from .frontend import ModelError, dynamic_input, load_model, normalize_for_collage
 from .graph import DataflowGraph, NotDataflow
@@ -260,6 +261,7 @@ def _search_model(model, target, options, db, placement_log, example_inputs, inp
     report = BuildReport(backends=list(backends), skipped=skipped)
     try:
         mod = normalize_for_collage(load_model(model, example_inputs, input_shapes))
+        release_memory()  # the importer's copies of the weights are garbage now
     except ModelError as err:
         if err.proto is None:
             raise

@@ -18,11 +18,11 @@ SOURCES = {"collage_tvm": ROOT / "collage_tvm", "collage_tvm.backends": ROOT / "
 
 # DESIGN.md's data flow, earliest first. A module may import its own stage or earlier ones.
 STAGES = [
-    # foundation: file helpers, targets, precisions, the backend registry and its lowering interface,
+    # foundation: file and memory helpers, targets, precisions, the backend registry and its lowering interface,
     # the search options, the Relax -> ONNX writer (graph libraries' patterns and lowerings),
     # torchvision's import against a CPU torch (the suites; onnx2torch in the inductor backend)
-    ["collage_tvm._files", "collage_tvm.target", "collage_tvm.precision", "collage_tvm.registry",
-     "collage_tvm.lowering", "collage_tvm._torchvision",
+    ["collage_tvm._files", "collage_tvm._memory", "collage_tvm.target", "collage_tvm.precision",
+     "collage_tvm.registry", "collage_tvm.lowering", "collage_tvm._torchvision",
      "collage_tvm.options", "collage_tvm.export"],
     ["collage_tvm.frontend"],
     ["collage_tvm.rewrite"],

@@ -216,3 +216,33 @@ def test_regions_are_cut_around_a_tvm_kernel_that_beats_the_library_inside_them(
         costs = {c: cost(c, tvm_at_6) for c in cands}
         assert not carved_regions(graph, place(graph.producers, cands, costs, eps).groups,
                                   cands, costs, eps, backends)
+
+
+def test_a_tvm_group_lifts_the_constants_in_a_tuple_and_an_integer_scalar_index():
+    """ViT's ``concat((cls_token, x))`` and ``take(qkv, R.const(0))`` as one TVM group: TVM
+    refuses tensor constants inside a primitive function ("Tensor constants are not
+    supported"), so both must become parameters; the group then builds and matches."""
+    import tvm
+
+    from collage_tvm.check import evaluate
+    from collage_tvm.lower import compile_placement
+    from collage_tvm.placement import Candidate
+    from collage_tvm.target import make_target
+
+    rng = np.random.default_rng(0)
+    x = relax.Var("x", relax.TensorType((3, 4, 8), "float32"))
+    cls = relax.const(rng.normal(size=(1, 8)).astype("float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            t = bb.emit(relax.op.take(x, relax.const(1, "int64"), axis=0))
+            c = bb.emit(relax.op.concat([cls, t], axis=0))
+            out = bb.emit_output(relax.op.nn.relu(c))
+        bb.emit_func_output(out)
+    g = DataflowGraph(bb.get()["main"])
+    target = make_target("llvm")
+    ref = evaluate(tvm.compile(tvm.IRModule({"main": g.func}), target), g, target)
+    tvm_b = get_backend("tvm")
+    ex, _ = compile_placement(g, [Candidate("tvm", frozenset(range(len(g))))], {"tvm": tvm_b},
+                              target)
+    assert evaluate(ex, g, target, ref["outputs"])["match"]

@@ -2,12 +2,12 @@
 single-backend build made in the same run; the fastest correct one is shipped."""
 from __future__ import annotations
 
-import gc
 import logging
 import math
 import time
 from dataclasses import dataclass, field
 
+from .._memory import release_memory
 from ..graph.subgraph import constant_bytes
 from ..lower import compile_placement
 from ..measure.timing import interleaved
@@ -164,7 +164,7 @@ def _narrow(runs: dict, results: dict, outputs: dict, accuracy, target) -> None:
         del runs[name]
         if keep is not None:
             results[name]["lost_to"] = keep
-    gc.collect()
+    release_memory()
     logger.warning("end to end: memory is short: %s timed side by side, %s kept, %s freed "
                    "(%.1f GB free now)", ", ".join(correct) or "nothing", keep,
                    ", ".join(freed), _available() / 1e9)

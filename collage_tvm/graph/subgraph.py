@@ -183,18 +183,23 @@ def _replacer():
 
 
 def _lift_constants(expr, consts: list, const_params: list):
-    if not isinstance(expr, relax.Call):
-        return expr
-    new_args = []
-    for a in expr.args:
-        if isinstance(a, Constant) and len(a.ty.shape) > 0:
+    """``expr`` (a binding's value) with its tensor constants, as call arguments or as
+    fields of a tuple argument (``concat((cls_token, x))`` in a ViT), made parameters. A
+    float scalar stays (TVM's legalization makes a binary op's scalar an immediate); an
+    integer one is lifted (``take(x, R.const(0))``: legalized, it is a tensor argument)."""
+    def lift(a):
+        if isinstance(a, Constant) and (len(a.ty.shape) > 0 or "int" in str(a.ty.dtype)):
             p = relax.Var(f"c{len(consts)}", a.ty)
             consts.append(a)
             const_params.append(p)
-            new_args.append(p)
-        else:
-            new_args.append(a)
-    return relax.Call(expr.op, new_args, expr.attrs, expr.ty_args)
+            return p
+        if isinstance(a, relax.Tuple) and any(isinstance(f, Constant) for f in a.fields):
+            return relax.Tuple([lift(f) for f in a.fields])
+        return a
+
+    if not isinstance(expr, relax.Call):
+        return expr
+    return relax.Call(expr.op, [lift(a) for a in expr.args], expr.attrs, expr.ty_args)
 
 
 def _render(expr, names: dict) -> str:

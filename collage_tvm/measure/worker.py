@@ -31,8 +31,11 @@ def _serve() -> None:
 
     import tvm
 
+    from .._memory import release_memory
     from ..graph.subgraph import with_stand_ins
     from . import runner
+
+    trim_above = _default_rss_limit() // 2
 
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # library chatter goes to stderr, never into the reply stream
@@ -60,6 +63,8 @@ def _serve() -> None:
         except BaseException as err:  # any failure is a cost of inf with a reason
             tb = traceback.format_exc(limit=3)
             reply = ("err", f"{type(err).__name__}: {str(err).strip()[:400]}", tb[-800:])
+        if _rss(os.getpid()) > trim_above:  # freed heap back first: fewer restarts
+            release_memory()
         pickle.dump(reply, out)
         out.flush()
 

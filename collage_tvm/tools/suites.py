@@ -9,7 +9,6 @@ compile is a node Collage can place.
 """
 from __future__ import annotations
 
-import gc
 import glob
 import math
 import os
@@ -18,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .._memory import release_memory
 from .._torchvision import import_torchvision
 from ..precision import scaled_atol
 from .zoo import _image  # a seeded random input (seed 1), as the zoo makes them
@@ -516,7 +516,7 @@ def torch_model_check(make, name: str, backends, db, out_dir: str, graph_level: 
     else:
         return {"status": "unsupported", "error": "ONNX export: " + "; ".join(errors)}
     del model, out  # its weights are in the ONNX file now: one copy fewer during the search
-    gc.collect()
+    release_memory()
     row = collage_check(path, [i.numpy() for i in inputs], expected, backends, db, rtol, atol,
                         graph_level=graph_level, budget=budget, scale_aware=True)
     return {**row, "exporter": exporter}
