@@ -785,3 +785,23 @@ def test_a_suite_model_with_a_zero_initialised_head_gets_random_weights():
     model = no_zero_weights(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), head))
     assert head.weight.abs().max() > 0 and not head.bias.any()  # biases stay as they were
     assert model(torch.randn(2, 8)).abs().max() > 0
+
+
+def test_an_import_error_names_the_onnx_node_it_stopped_at():
+    """TVM's importer often does not say which operator it is about ("TopK k must be a
+    constant"); Collage's error names the node and its type."""
+    from onnx import TensorProto, helper
+
+    from collage_tvm.frontend import ModelError, load_model
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])
+    k = helper.make_tensor_value_info("k", TensorProto.INT64, [1])
+    vals = helper.make_tensor_value_info("v", TensorProto.FLOAT, [1, None])
+    idx = helper.make_tensor_value_info("i", TensorProto.INT64, [1, None])
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["r"], name="act"),
+         helper.make_node("TopK", ["r", "k"], ["v", "i"], name="my_topk")],
+        "g", [x, k], [vals, idx])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(ModelError, match=r"at node 'my_topk' \(TopK\): "):
+        load_model(model)

@@ -139,9 +139,25 @@ def _from_onnx(proto, input_shapes, where: str) -> tvm.IRModule:
     try:
         return from_onnx(proto, shape_dict=input_shapes, keep_params_in_input=False)
     except Exception as err:
-        error = ModelError(f"{where}: ONNX import failed: {type(err).__name__}: {err}")
+        error = ModelError(f"{where}: ONNX import failed{_failing_node(err)}: "
+                           f"{type(err).__name__}: {err}")
         error.proto = proto
         raise error from err
+
+
+def _failing_node(err: BaseException) -> str:
+    """" at node NAME (OP)": the ONNX node TVM's importer was converting when ``err`` was
+    raised (its node loop's frame in the traceback), or "" when none is found. The
+    importer's own messages often omit which operator they are about ("KeyError: 'x'",
+    "Only constant axes currently supported")."""
+    node, tb = None, err.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == "_construct_nodes":
+            node = tb.tb_frame.f_locals.get("node", node)  # the innermost (a subgraph's) wins
+        tb = tb.tb_next
+    if node is None or not hasattr(node, "op_type"):
+        return ""
+    return f" at node {node.name!r} ({node.op_type})" if node.name else f" at a {node.op_type} node"
 
 
 def _is_torch_module(model) -> bool:
