@@ -54,6 +54,7 @@ class BuildReport:
     db_hits: int = 0
     failures: list = field(default_factory=list)
     kept_on_tvm: list = field(default_factory=list)  # ops no candidate could be measured for
+    unrunnable: list = field(default_factory=list)  # those nodes: "op -> dtype" each
     epsilon: dict = field(default_factory=dict)
     switch: dict = field(default_factory=dict)  # (a, b) -> ms per change of runtime
     close_calls: int = 0   # alternative covers within 75% of the chosen one (refine)
@@ -308,8 +309,11 @@ def _search_model(model, target, options, db, placement_log, example_inputs, inp
         report.graph_level = logged.get("graph_level", {})
     else:
         with use_tuning_db(tuning):
-            placement, shipped_graph = _search(graph, backends, target, cost_db, options,
-                                               report, unrewritten)
+            try:
+                placement, shipped_graph = _search(graph, backends, target, cost_db, options,
+                                                   report, unrewritten)
+            except Exception as err:
+                raise _unsupported(report, err) or err
         record = placement_record(placement, shipped_graph, target, report.comparison,
                                   report.shipped, report.graph_level)
         if shipped_graph is not graph:  # the unrewritten graph was faster
@@ -459,6 +463,7 @@ def _op_level(graph, backends, target, cost_db, options: SearchOptions, report) 
         raw, kept = ensure_cover(len(graph), candidates, measurer.costs(graph, candidates, backends))
         if kept:
             report.kept_on_tvm = [graph.nodes[i].op_name for i in kept]
+            report.unrunnable = [_describe_node(graph.nodes[i]) for i in kept]
             logger.warning("%d node(s) could not be measured alone on any backend and stay on "
                            "TVM: %s", len(kept), ", ".join(sorted(set(report.kept_on_tvm))))
         # Re-timing close calls may take half as long again as measuring did, each round;
@@ -582,9 +587,34 @@ def _compile(found: SearchResult) -> tuple:
             found.report.kept_on_tvm.append(f"the whole model: the placement failed to compile: {why}")
             found.report.shipped = "tvm-only"
     if executable is None:
-        executable, lowered = compile_module(found.module, found.target), found.module
+        try:
+            executable, lowered = compile_module(found.module, found.target), found.module
+        except Exception as err:
+            raise _unsupported(found.report, err) or err
     found.report.times["compile"] = time.perf_counter() - t0
     return executable, lowered
+
+
+class UnsupportedOperator(ModelError):
+    """No backend can run some operators of the model: TVM could not build them, and no
+    other backend offered to (or could) run them."""
+
+
+def _describe_node(node) -> str:
+    ty = node.var.ty
+    dtype = getattr(ty, "dtype", None)
+    return f"{node.op_name} -> {dtype}" if dtype else node.op_name
+
+
+def _unsupported(report: BuildReport, err: BaseException) -> UnsupportedOperator | None:
+    """The clear error for a build that failed (``err``) where some nodes had no backend
+    that could run them alone (TVM's candidate failed too): it names them."""
+    if not report.unrunnable:
+        return None
+    return UnsupportedOperator(
+        f"no backend of {', '.join(report.backends)} can run "
+        f"{', '.join(sorted(set(report.unrunnable)))}: TVM fails on it "
+        f"({first_line(err)}) and no other backend offers to run it")
 
 
 def optimize_module(mod, target, options: SearchOptions, db=None, placement_log=None):

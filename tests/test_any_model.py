@@ -805,3 +805,34 @@ def test_an_import_error_names_the_onnx_node_it_stopped_at():
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     with pytest.raises(ModelError, match=r"at node 'my_topk' \(TopK\): "):
         load_model(model)
+
+
+def test_an_operator_no_backend_can_run_is_one_clear_error_naming_it_and_its_dtype(tmp_path):
+    """Integer Pow: TVM cannot compile it ("power only applies to float"; constant folding
+    failed on it first) and the graph libraries' exporter writes float arithmetic only.
+    Collage says so in one error naming the operator and the dtype."""
+    from collage_tvm.build import UnsupportedOperator
+
+    case = next(c for c in onnx_cases("node") if c.name == "test_pow_types_int32_int32")
+    with pytest.raises(UnsupportedOperator, match=r"relax\.power -> int32: TVM fails on it"):
+        collage_tvm.optimize(case.model, "llvm", ["tvm", "onnxruntime"],
+                             db=str(tmp_path / "c.db"), isolate=False, progress=False)
+
+
+def test_where_tvm_alone_cannot_build_a_whole_model_library_build_is_the_reference():
+    import importlib
+
+    from collage_tvm.placement import Candidate
+
+    ns = importlib.import_module("collage_tvm.check.never_slower")
+    whole = [Candidate("onnxruntime", frozenset([0, 1]))]
+    builds = {"collage": whole, "tvm-only": [], "onnxruntime": whole,
+              "dnnl+tvm": [Candidate("dnnl", frozenset([0])), Candidate("tvm", frozenset([1]))]}
+    failed = {"ms": math.inf, "match": False, "error": "power only applies to float"}
+    assert ns._reference({"tvm-only": failed, "onnxruntime": {"ms": 1.0}}, builds) == "onnxruntime"
+    assert ns._reference({"tvm-only": {"ms": 2.0}, "onnxruntime": {"ms": 1.0}}, builds) == "tvm-only"
+    assert ns._reference({"tvm-only": failed, "onnxruntime": dict(failed),
+                          "dnnl+tvm": {"ms": 3.0}}, builds) == "dnnl+tvm"
+    with pytest.raises(RuntimeError, match="TVM alone cannot build this model"):
+        ns._reference({"tvm-only": failed, "onnxruntime": dict(failed),
+                       "dnnl+tvm": dict(failed)}, builds)

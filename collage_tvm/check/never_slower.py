@@ -78,8 +78,8 @@ def never_slower(graph, placement: Placement, backends: dict, target,
             executable, _ = compile_placement(graph_of[name], builds[name], backends, target)
             r = evaluate(executable, graph_of[name], target, cutoff_ms=cutoff)
         except Exception as err:  # noqa: BLE001 - a failing baseline is reported, not fatal
-            if name in ("tvm-only", "collage"):
-                raise
+            if name == "collage":
+                raise  # (TVM alone failing: another build is the reference, ``_reference``)
             reason = first_line(err)
             logger.warning("end to end: %s failed to build or run: %s", name, reason)
             results[name] = {"ms": math.inf, "match": False, "max_err": math.nan, "error": reason}
@@ -94,9 +94,8 @@ def never_slower(graph, placement: Placement, backends: dict, target,
         logger.info("end to end: %s %.3f ms%s", name, r["ms"],
                     " (timed once: hopeless)" if r["timed_once"] else "")
         del executable, r  # held by its run alone: ``_narrow`` can free it
-    # The reference: tvm-only's outputs, or those of the build it is the same placement as
-    # (a model Collage places wholly on TVM kernels, e.g. one pooling op).
-    reference = outputs[results["tvm-only"].get("same_as", "tvm-only")]
+    ref = _reference(results, builds)
+    reference = outputs[ref]
     for name, out in outputs.items():
         results[name].update(accuracy.check_seeds(out, reference))
     # The contenders (correct, within 2x of the fastest) are timed again in alternating
@@ -115,8 +114,8 @@ def never_slower(graph, placement: Placement, backends: dict, target,
                for n in ["tvm-only", *builds] if n in results}
     verdict = Verdict(placement, "collage", results, time.perf_counter() - t0, graph)
     ok = {n: r for n, r in results.items() if r["match"] and "lost_to" not in r}
-    if not ok:  # nothing agrees with tvm-only, not even tvm-only itself: nothing to choose
-        logger.warning("end to end: no build's outputs match tvm-only's; keeping the placement")
+    if not ok:  # nothing agrees with the reference, not even itself: nothing to choose
+        logger.warning("end to end: no build's outputs match %s's; keeping the placement", ref)
         return verdict
     best = min(ok, key=lambda n: ok[n]["ms"])
     if best == "collage" or ok[best]["ms"] >= ok.get("collage", {"ms": math.inf})["ms"]:
@@ -150,7 +149,7 @@ def _narrow(runs: dict, results: dict, outputs: dict, accuracy, target) -> None:
     are timed side by side now, and all but the fastest correct one are freed. A freed
     build keeps its times and is marked ``lost_to`` the one kept (it cannot be shipped);
     the one kept meets the next builds side by side as usual."""
-    ref = results["tvm-only"].get("same_as", "tvm-only")
+    ref = _reference(results, {n: None for n in results})
     for name in runs:
         results[name].update(accuracy.check_seeds(outputs[name], outputs[ref]))
     correct = {n: runs[n] for n in runs if results[n]["match"]}
@@ -174,3 +173,29 @@ def _available() -> int:
     import psutil
 
     return psutil.virtual_memory().available
+
+
+def _whole_library_builds(builds: dict) -> list:
+    """The builds that run the whole model on one graph library (``baselines``: named
+    after the library alone, every group on it)."""
+    return [n for n, groups in builds.items()
+            if n not in ("collage", "tvm-only") and "+" not in n and not n.startswith("collage")
+            and groups and all(g.backend == n for g in groups)]
+
+
+def _reference(results: dict, builds: dict) -> str:
+    """The build whose outputs the others are checked against: tvm-only (or the build it is
+    the same placement as: a model Collage places wholly on TVM kernels), or, where TVM
+    alone failed to build or run (an operator TVM cannot compile that a library runs), the
+    first whole-model graph-library build that ran, else the first other single-backend
+    build that ran."""
+    tvm_only = results["tvm-only"]
+    if "error" not in tvm_only:
+        return tvm_only.get("same_as", "tvm-only")
+    others = [n for n in builds if n != "tvm-only" and not n.startswith("collage")]
+    whole = _whole_library_builds(builds)
+    for name in whole + [n for n in others if n not in whole]:
+        if name in results and "error" not in results[name]:
+            return results[name].get("same_as", name)
+    raise RuntimeError(f"TVM alone cannot build this model ({tvm_only['error']}) and no "
+                       "other build ran to check the placement against")

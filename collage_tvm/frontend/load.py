@@ -1,6 +1,7 @@
 """Import a model to Relax and put it in the shape the search expects."""
 from __future__ import annotations
 
+import logging
 import os
 
 import tvm
@@ -8,6 +9,8 @@ from tvm import relax
 
 from .fold_shapes import fold_shapes
 from .static_slices import static_slices
+
+logger = logging.getLogger("collage_tvm")
 
 
 class ModelError(ValueError):
@@ -195,7 +198,13 @@ def normalize_for_collage(mod: tvm.IRModule) -> tvm.IRModule:
     """One dataflow block of single-op bindings, constants folded, inference-only ops;
     slices with bounds computed from constants made static (``static_slices``)."""
     mod = static_slices(mod)
-    out = _normalize(mod, fold=True)
+    try:
+        out = _normalize(mod, fold=True)
+    except Exception as err:  # noqa: BLE001 - TVM cannot fold an op it cannot compile
+        # (integer Pow: "power only applies to float"); a library may still run it.
+        logger.warning("constant folding failed (%s); the model is searched unfolded",
+                       str(err).strip().splitlines()[-1][:200] if str(err).strip() else err)
+        return _normalize(mod, fold=False)
     if _undefined_globals(out):
         # FoldConstant can leave a call_tir to a PrimFunc it made and then dropped (a
         # dynamic_strided_slice's shape function, seen on ONNX Slice): keep the constants.
