@@ -78,7 +78,10 @@ class OnnxRuntimeLowering(GraphLibraryLowering):
         try:
             import onnxruntime as ort
 
-            return f"onnxruntime-{ort.__version__}" + ("-shared-pool" if _global_pool() else "")
+            # "-in-place": a piece of a model is timed with its threads not spinning, as it
+            # runs among other groups (costs measured before that are not reused).
+            return (f"onnxruntime-{ort.__version__}-in-place"
+                    + ("-shared-pool" if _global_pool() else ""))
         except Exception:  # noqa: BLE001
             return "onnxruntime-unavailable"
 

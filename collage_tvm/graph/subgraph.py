@@ -65,6 +65,10 @@ def extract_function(graph: DataflowGraph, group, lift_constants: bool = False):
     return func, inputs, outputs, consts
 
 
+#: Attribute of a candidate's function (``Measurer.costs``): it is one piece of a larger
+#: model, so built alone for timing it is not the whole model on one library, whose threads
+#: may spin between calls (``partition``'s "sole group"): it is timed as it runs in place.
+PART_ATTR = "collage.part_of_model"
 #: Attribute of a function from ``without_weights``: how many trailing parameters stand
 #: for weights, and the scale (standard deviation) of each.
 STAND_INS_ATTR = "collage.stand_in_weights"

@@ -12,7 +12,8 @@ import tvm
 from tvm import relax
 
 from ..graph import DataflowGraph
-from ..graph.subgraph import extract_function, function_key, one_op_function, without_weights
+from ..graph.subgraph import (PART_ATTR, extract_function, function_key, one_op_function,
+                              without_weights)
 from ..patterns import generate_candidates
 from ..target import device_fingerprint
 from . import runner
@@ -237,6 +238,8 @@ class Measurer:
         for cand in candidates:
             func = extract_function(graph, cand.nodes)[0]
             key = function_key(func)
+            if len(cand.nodes) < len(graph):  # timed as it runs among the other groups
+                func = func.with_attr(PART_ATTR, True)
             if self.tuning is not None and not backends[cand.backend].is_external:
                 sig = self.tuning.signature(func, key)
                 key = f"{key}|tuned:{sig}" if sig else key

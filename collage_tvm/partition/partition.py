@@ -12,7 +12,7 @@ import tvm
 from tvm import relax
 
 from ..graph import GLOBALS_ATTR, DataflowGraph
-from ..graph.subgraph import substitute, extract_function, function_key
+from ..graph.subgraph import PART_ATTR, extract_function, function_key, substitute
 
 CODEGEN_PREFIX = "collage_"
 
@@ -29,6 +29,9 @@ def partition(graph: DataflowGraph, groups, backends: dict) -> tvm.IRModule:
     attrs = dict(func.attrs) if func.attrs is not None else {}
     attrs.pop("global_symbol", None)
     attrs.pop(GLOBALS_ATTR, None)
+    # A candidate measured alone that is one piece of a larger model (``PART_ATTR``) runs
+    # as it will there: its library does not keep its threads spinning between calls.
+    sole = len(groups) == 1 and not bool(attrs.pop(PART_ATTR, False))
     with bb.function("main", params, attrs or None):
         with bb.dataflow():
             for k, group in enumerate(groups):
@@ -48,7 +51,7 @@ def partition(graph: DataflowGraph, groups, backends: dict) -> tvm.IRModule:
                     sub = sub.with_attrs({"Codegen": CODEGEN_PREFIX + backend.name,
                                           "global_symbol": f"collage.{backend.name}.{key}_{k}",
                                           "collage.label": group.label,
-                                          "collage.sole_group": len(groups) == 1,
+                                          "collage.sole_group": sole,
                                           "collage.group": k})
                     args = [vmap[v] for v in inputs]
                 else:
