@@ -73,7 +73,7 @@ def never_slower(graph, placement: Placement, backends: dict, target,
             logger.info("end to end: %s is the same placement as %s", name, same)
             continue
         if len(runs) > 1 and memory_short(weights):
-            _narrow(runs, results, outputs, accuracy, target)
+            _narrow(runs, results, outputs, builds, accuracy, target)
         try:
             executable, _ = compile_placement(graph_of[name], builds[name], backends, target)
             r = evaluate(executable, graph_of[name], target, cutoff_ms=cutoff)
@@ -144,12 +144,12 @@ def memory_short(weights: int) -> bool:
     return _available() < 2 * weights + (1 << 30)
 
 
-def _narrow(runs: dict, results: dict, outputs: dict, accuracy, target) -> None:
+def _narrow(runs: dict, results: dict, outputs: dict, builds: dict, accuracy, target) -> None:
     """Memory is short (a model of gigabytes of weights, ViT-H/14): the builds held so far
     are timed side by side now, and all but the fastest correct one are freed. A freed
     build keeps its times and is marked ``lost_to`` the one kept (it cannot be shipped);
     the one kept meets the next builds side by side as usual."""
-    ref = _reference(results, {n: None for n in results})
+    ref = _reference(results, builds)
     for name in runs:
         results[name].update(accuracy.check_seeds(outputs[name], outputs[ref]))
     correct = {n: runs[n] for n in runs if results[n]["match"]}
@@ -178,9 +178,7 @@ def _available() -> int:
 def _whole_library_builds(builds: dict) -> list:
     """The builds that run the whole model on one graph library (``baselines``: named
     after the library alone, every group on it)."""
-    return [n for n, groups in builds.items()
-            if n not in ("collage", "tvm-only") and "+" not in n and not n.startswith("collage")
-            and groups and all(g.backend == n for g in groups)]
+    return [n for n, groups in builds.items() if groups and all(g.backend == n for g in groups)]
 
 
 def _reference(results: dict, builds: dict) -> str:
