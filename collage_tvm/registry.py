@@ -50,12 +50,17 @@ class PatternRule:
     topological order cut into 1, 2, 4, ... ``2 ** regions`` equal ranges, each range's
     maximal runs of valid nodes one candidate (the whole model on the library among them),
     so the op-level DP weighs one call over a region against many small ones. 0: none.
+    ``regions_only``: offer the regions alone, no single operators or fused groups: for a
+    library whose every build takes seconds (``torch.compile``), where a candidate per
+    operator would cost the search more than it could find (the graph-level placer still
+    offloads any group of valid nodes, and the never-slower check times the whole model).
     """
 
     valid_op: Callable
     fusion_rule: Callable | None = None
     max_size: int = 8
     regions: int = 0
+    regions_only: bool = False
 
 
 @dataclass
@@ -202,16 +207,20 @@ def add_backend_pattern(backend: str, pattern, check: Callable | None = None,
 
 
 def add_backend_pattern_rule(backend: str, valid_op: Callable, fusion_rule: Callable | None = None,
-                             max_size: int = 8, regions: int = 0) -> PatternRule:
+                             max_size: int = 8, regions: int = 0,
+                             regions_only: bool = False) -> PatternRule:
     """Add a pattern rule the generator expands over the graph (paper Fig. 4);
-    ``regions``: see ``PatternRule``."""
+    ``regions``, ``regions_only``: see ``PatternRule``."""
     ensure_builtin_backends()
     if not callable(valid_op):
         raise TypeError(f"backend {backend!r}: valid_op must be callable")
     if not isinstance(regions, int) or not 0 <= regions <= 8:
         raise ValueError(f"backend {backend!r}: regions must be an int from 0 to 8, "
                          f"got {regions!r}")
-    rule = PatternRule(valid_op, fusion_rule, max_size, regions)
+    if regions_only and not regions:
+        raise ValueError(f"backend {backend!r}: regions_only needs regions >= 1 (with no "
+                         "regions it would offer nothing)")
+    rule = PatternRule(valid_op, fusion_rule, max_size, regions, bool(regions_only))
     _backend(backend).rules.append(rule)
     return rule
 

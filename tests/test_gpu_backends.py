@@ -193,7 +193,8 @@ class _InductorOnCpu(InductorLowering):
 def test_inductor_offers_regions_and_runs_a_subgraph_as_compiled_torch_ops():
     g = DataflowGraph(_cnn_and_mlp())
     claims = _claims(g, "inductor")
-    assert frozenset({0, 1, 2}) in claims             # one heavy operator with its epilogue
+    # Regions only (each candidate is a torch.compile of seconds): no per-operator groups.
+    assert frozenset({0, 1, 2}) not in claims and all(len(c) > 1 for c in claims)
     assert frozenset(range(9, 20)) in claims          # a region: one compiled call, 11 ops
     assert not any(8 in c for c in claims)            # the NHWC conv: the exporter refuses it
     ok, why = _InductorOnCpu().available()

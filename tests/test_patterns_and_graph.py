@@ -132,6 +132,12 @@ def test_a_graph_library_offers_regions_up_to_the_whole_model():
     assert not regions(generate_candidates(graph, [lib(2)], regions=False))  # rewrite costing
     cut = regions(generate_candidates(graph, [lib(1, skip=5)]))
     assert all(5 not in r for r in cut) and [0, 1, 2, 3, 4] in cut
+    # A library whose builds take seconds (inductor) offers its regions and nothing else.
+    only = Backend(name="lib", kind="graph",
+                   rules=[PatternRule(valid_op=lambda node: True, regions=2, regions_only=True)])
+    offered = generate_candidates(graph, [only])
+    assert offered and all(c.label == "lib.region" for c in offered)
+    assert regions(offered) == found
 
 
 def test_a_region_holding_too_many_weights_is_not_offered(monkeypatch):

@@ -125,6 +125,16 @@ def test_tvm_table_needs_a_known_backend_and_prefix():
         add_backend_patterns_from_tvm("empty_tvm", "nosuchprefix")
 
 
+def test_a_rule_of_regions_only_needs_regions():
+    from collage_tvm.registry import add_backend_pattern_rule
+
+    register_backend("regions_lib", kind="graph")
+    with pytest.raises(ValueError, match="regions_only needs regions >= 1"):
+        add_backend_pattern_rule("regions_lib", lambda n: True, regions_only=True)
+    rule = add_backend_pattern_rule("regions_lib", lambda n: True, regions=2, regions_only=True)
+    assert rule.regions_only and rule.regions == 2
+
+
 class _NoLower(Lowering):
     def version(self):
         return "0"

@@ -174,7 +174,7 @@ def _expand_rule(graph: DataflowGraph, backend, rule, ipdom, regions: bool = Tru
         except Exception as err:
             logger.debug("%s valid_op raised on %s: %s", backend.name, node, err)
     for node in graph.nodes:
-        if not valid[node.index]:
+        if not valid[node.index] or rule.regions_only:
             continue
         out.append(Candidate(backend.name, frozenset([node.index]), f"{backend.name}.op"))
         if rule.fusion_rule is None:
