@@ -26,7 +26,7 @@ from .graph.subgraph import function_key, given_inputs
 from .lower import (candidate_vm, candidate_vm_for, compile_module, compile_placement,
                     lower_placement, placement_runner)
 from .measure.db import CostDB
-from .measure.measurer import Measurer
+from .measure.measurer import Measurer, default_build_jobs
 from .options import SearchOptions
 from .patterns import carved_regions, generate_candidates, kernel_cost
 from .placement import Placement, placement_from_record, placement_record
@@ -453,8 +453,9 @@ def _op_level(graph, backends, target, cost_db, options: SearchOptions, report) 
     candidates = generate_candidates(graph, backends.values())
     report.candidates = len(candidates)
     tuning = active_database()
+    jobs = default_build_jobs(target) if options.build_jobs is None else options.build_jobs
     measurer = Measurer(target, cost_db, candidate_vm_for(tuning), isolate=options.isolate,
-                        progress=options.progress, tuning=tuning)
+                        progress=options.progress, tuning=tuning, build_jobs=jobs)
     t_search = 0.0
     try:
         eps = measurer.epsilon(backends.values())

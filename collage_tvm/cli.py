@@ -123,7 +123,7 @@ def _options(args, backends):
                          budget=args.budget, switching=not args.no_switching,
                          calibrate_rounds=args.calibrate, refine_rounds=args.refine,
                          rewrite=args.rewrite, tuning=not args.no_tuning,
-                         accuracy=args.accuracy)
+                         accuracy=args.accuracy, build_jobs=args.build_jobs)
 
 
 def _tune(args) -> int:
@@ -222,7 +222,8 @@ def _bench(args, parser) -> int:
         parser.error(f"unknown model(s) {', '.join(unknown)}; "
                      f"known: {', '.join(bench.known_models())}")
     options = SearchOptions(backends=args.backends, graph_level=args.graph_level,
-                            budget=args.budget, accuracy=args.accuracy)
+                            budget=args.budget, accuracy=args.accuracy,
+                            build_jobs=args.build_jobs)
     if args.target != "llvm":
         from .target import make_target
 
@@ -298,6 +299,19 @@ ACCURACY_HELP = ("accuracy budget: f32 (default: strict, every candidate f32), b
                  "bf16 instructions; the build's error within 2e-2 of the output scale, checked "
                  "against f32 on random inputs) or a tolerance such as 0.05 (bf16 allowed from "
                  "1e-2)")
+BUILD_JOBS_HELP = ("processes that build the TVM candidates before they are timed (default: "
+                   "one per core on a GPU target or a CPU of 8 cores and more, else 0: each "
+                   "is built where it is timed)")
+
+
+def _jobs(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a number of processes >= 0, got {text!r}")
+    return n
 
 
 def main(argv=None) -> int:
@@ -347,6 +361,7 @@ def main(argv=None) -> int:
     o.add_argument("--in-process", action="store_true",
                    help="measure in this process (faster start, no crash isolation)")
     o.add_argument("--accuracy", default="f32", metavar="BUDGET", help=ACCURACY_HELP)
+    o.add_argument("--build-jobs", type=_jobs, default=None, metavar="N", help=BUILD_JOBS_HELP)
     o.add_argument("--no-tuning", action="store_true",
                    help="build TVM's kernels untuned, even where `collage-tvm tune` has "
                         "records for them")
@@ -413,6 +428,7 @@ def main(argv=None) -> int:
                         "graph rewrites, collage_tvm.rewrite), timed interleaved, outputs "
                         "checked against placed-only")
     b.add_argument("--accuracy", default="f32", metavar="BUDGET", help=ACCURACY_HELP)
+    b.add_argument("--build-jobs", type=_jobs, default=None, metavar="N", help=BUILD_JOBS_HELP)
     b.add_argument("--tune", type=float, default=0.0, metavar="SECONDS",
                    help="first tune each model's TVM kernels for SECONDS (collage-tvm tune; "
                         "a warm tuning DB makes it quick), then also time the search with "

@@ -66,6 +66,9 @@ class SearchOptions:
                              "record keeps the verdict")
     # Measure in a child process (a crashing backend costs inf, not the search).
     isolate: bool = _not_key(True, "where measuring runs, not what it finds")
+    # Processes that build the TVM candidates before they are timed (``Measurer.prebuild``);
+    # None: ``default_build_jobs`` (a GPU target, or 8 cores and more: one per core).
+    build_jobs: int | None = _not_key(None, "where candidates are built, not what they cost")
     progress: bool = _not_key(True, "display only")
     on_generation: Callable | None = _not_key(None, "a callback: sees the graph-level search")
     on_calibration: Callable | None = _not_key(None, "a callback: sees each calibration round")
@@ -79,6 +82,9 @@ class SearchOptions:
         for name in ("refine_rounds", "calibrate_rounds"):
             if int(getattr(self, name)) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.build_jobs is not None and int(self.build_jobs) < 0:
+            raise ValueError(f"build_jobs must be >= 0 (0: build where timed), got "
+                             f"{self.build_jobs}")
         if self.budget <= 0:
             raise ValueError(f"budget must be > 0 seconds, got {self.budget}")
 

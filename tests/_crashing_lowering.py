@@ -13,3 +13,13 @@ class SegfaultingLowering:
         import ctypes
 
         ctypes.string_at(0)  # reads address 0: SIGSEGV
+
+
+def build_vm_refusing_sigmoid(func, backend, target, tuning=None, executable=False):
+    """``lower.candidate_vm``, except that a build process (``executable=True``) fails on a
+    function with a sigmoid: the test of a build that fails in a build process."""
+    from collage_tvm.lower import candidate_vm
+
+    if executable and "sigmoid" in func.script():
+        raise RuntimeError("this build process refuses sigmoid")
+    return candidate_vm(func, backend, target, tuning=tuning, executable=executable)

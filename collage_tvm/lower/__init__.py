@@ -43,16 +43,18 @@ def compile_module(mod: tvm.IRModule, target):
     return compile_with(mod, target, db.database if db is not None else None)
 
 
-def candidate_vm(func: relax.Function, backend, target,
-                 tuning: str | None = None) -> relax.VirtualMachine:
+def candidate_vm(func: relax.Function, backend, target, tuning: str | None = None,
+                 executable: bool = False):
     """A VM running ``func`` as one group on ``backend``, exactly as the final build would
     run that group (the measurer's ``build_vm``). ``tuning``: the tuning database's path
-    (a measuring child process opens it once), else whatever database is active here."""
+    (a measuring child process opens it once), else whatever database is active here.
+    ``executable``: return the compiled executable instead of a VM on it (what a build
+    process exports for the measuring process: ``measure.runner.prebuild``)."""
     graph = DataflowGraph(func)
     group = Candidate(backend.name, frozenset(range(len(graph))), "measure")
     with use_tuning_db(tuning, target):
-        executable, _ = compile_placement(graph, [group], {backend.name: backend}, target)
-    return relax.VirtualMachine(executable, target_device(target))
+        built, _ = compile_placement(graph, [group], {backend.name: backend}, target)
+    return built if executable else relax.VirtualMachine(built, target_device(target))
 
 
 def candidate_vm_for(tuning):

@@ -9,6 +9,9 @@ the cache of built candidates (see ``_vm_and_args``), or is None.
 """
 from __future__ import annotations
 
+import hashlib
+import inspect
+import os
 from collections import OrderedDict
 
 import tvm
@@ -18,7 +21,7 @@ from ..target import device_sync, target_device
 from .timing import time_main, time_side_by_side, time_switch
 
 # What the worker may be asked to run (``Worker.call``).
-ENTRY_POINTS = ("measure_function", "measure_switch", "measure_side_by_side")
+ENTRY_POINTS = ("measure_function", "measure_switch", "measure_side_by_side", "prebuild")
 
 # Built candidates kept for the next measurement of the same one (the second pass of the
 # library candidates, side-by-side re-timing): a build is 10-50 ms, as long as the timing.
@@ -42,15 +45,18 @@ def _held_bytes(func) -> int:
 def _vm_and_args(func, backend, target, build_vm, key=None) -> tuple:
     """A VM running ``func`` on ``backend`` and random inputs for it. With a ``key`` (the
     measurer's DB key: functions under one key differ at most in their weights' values,
-    which do not change their time), built once and then taken from the cache."""
+    which do not change their time), built once and then taken from the cache; a build
+    process may have built it already (``prebuild``)."""
     if key is None:
         return _build(func, backend, target, build_vm)
+    db_key = key
     key = (backend.name, str(target), repr(build_vm), key)
     hit = _built.get(key)
     if hit is not None:
         _built.move_to_end(key)
         return hit[0], hit[1]
-    vm, args = _build(func, backend, target, build_vm)
+    vm, args = _load_prebuilt(func, backend.name, db_key, target) or \
+        _build(func, backend, target, build_vm)
     size = _held_bytes(func)
     if size <= CACHE_BYTES // 4:
         _built[key] = (vm, args, size)
@@ -63,6 +69,73 @@ def _vm_and_args(func, backend, target, build_vm, key=None) -> tuple:
 def _build(func, backend, target, build_vm) -> tuple:
     dev = target_device(target)
     vm = build_vm(func, backend, target)
+    return vm, [tvm.runtime.tensor(a, dev) for a in random_inputs(func)]
+
+
+# ------------------------------------------------------------------ builds in other processes
+# Building a TVM candidate is most of measuring it where timing is quick: on a GPU a
+# kernel runs in microseconds and its build (TVM's passes, then NVRTC) takes a few hundred
+# milliseconds. Build processes (``measure.worker.WorkerPool``) compile the candidates
+# the measuring process will time and export each as a shared library into one folder;
+# the measuring process loads a candidate from there instead of building it. Only
+# candidates that are TVM kernels alone travel this way: a library's callable lives in the
+# process that made it.
+PREBUILT_ENV = "COLLAGE_TVM_PREBUILT"  # the folder, for a measuring child (``Measurer``)
+_prebuilt_root: str | None = os.environ.get(PREBUILT_ENV) or None
+
+
+def prebuilt_path(root: str, backend_name: str, key: str) -> str:
+    """Where the build of (backend, DB key) is exported under ``root``."""
+    digest = hashlib.sha256(f"{backend_name}|{key}".encode()).hexdigest()[:40]
+    return os.path.join(root, f"{digest}.so")
+
+
+def can_prebuild(build_vm) -> bool:
+    """Whether ``build_vm`` can hand over an executable (``lower.candidate_vm``'s
+    ``executable=True``) for a build process to export."""
+    try:
+        return "executable" in inspect.signature(build_vm).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def use_prebuilt(root: str | None) -> None:
+    """Take builds from ``root`` in this process (None: build everything here); a
+    measuring child learns its folder from ``PREBUILT_ENV``, restarts included."""
+    global _prebuilt_root
+    _prebuilt_root = root
+
+
+def prebuild(funcs: list, target, build_vm, root: str) -> tuple:
+    """Build each ``(func, backend, key)`` and export it under ``root``
+    (``prebuilt_path``); raises on a failed build (the measuring process then builds it
+    again and records the failure with its reason, as it would have anyway)."""
+    for func, backend, key in funcs:
+        executable = build_vm(func, backend, target, executable=True)
+        path = prebuilt_path(root, backend.name, key)
+        tmp = f"{path}.{os.getpid()}.tmp.so"
+        executable.export_library(tmp)
+        os.replace(tmp, path)  # whole or absent for the measuring process
+    return 0.0, None, {}
+
+
+def _load_prebuilt(func, backend_name: str, key: str, target) -> tuple | None:
+    """(VM, inputs) from a build process's export of (backend, key), which is then
+    deleted (its code stays mapped); None when there is none."""
+    if _prebuilt_root is None:
+        return None
+    path = prebuilt_path(_prebuilt_root, backend_name, key)
+    if not os.path.exists(path):
+        return None
+    from tvm import relax
+
+    dev = target_device(target)
+    try:
+        vm = relax.VirtualMachine(tvm.runtime.load_module(path), dev)
+    except Exception:  # noqa: BLE001 - a broken export is built again here
+        return None
+    finally:
+        os.remove(path)
     return vm, [tvm.runtime.tensor(a, dev) for a in random_inputs(func)]
 
 

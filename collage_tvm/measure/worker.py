@@ -15,6 +15,7 @@ import pickle
 import select
 import subprocess
 import sys
+import time
 import traceback
 
 from ..registry import Backend
@@ -94,8 +95,11 @@ class Worker:
     candidate around it), and a child measuring AlexNet's candidates was seen holding 9 GB
     (why it keeps that much is not known yet). A fresh child takes over."""
 
-    def __init__(self, timeout_s: float = _TIMEOUT_S, rss_limit: int | None = None):
+    def __init__(self, timeout_s: float = _TIMEOUT_S, rss_limit: int | None = None,
+                 env: dict | None = None):
+        """``env``: variables the child gets beside this process's."""
         self.timeout_s = timeout_s
+        self.env = dict(env or {})
         self.rss_limit = _default_rss_limit() if rss_limit is None else rss_limit
         self.restarts = 0  # for memory
         self._proc = None
@@ -104,7 +108,7 @@ class Worker:
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "collage_tvm.measure.worker"], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(
+            env={**os.environ, **self.env, "PYTHONPATH": os.pathsep.join(
                 p for p in [_package_root(), os.environ.get("PYTHONPATH", "")] if p)})
 
     def call(self, what: str, entries: list, target_json: str, build_vm, *extra) -> tuple:
@@ -114,30 +118,48 @@ class Worker:
                           target_json, build_vm, extra))
 
     def _ask(self, msg) -> tuple:
+        failed = self._send(msg)
+        if failed is not None:
+            return failed
+        ready, _, _ = select.select([self._proc.stdout], [], [], self.timeout_s)
+        if not ready:
+            self._kill()
+            return math.inf, f"timed out after {self.timeout_s:.0f} s", {}
+        return self._receive()
+
+    def _send(self, msg) -> tuple | None:
+        """Hand ``msg`` to the child (started if need be); a failure's reply, else None."""
         if self._proc is None or self._proc.poll() is not None:
             self._start()
         try:
             pickle.dump(msg, self._proc.stdin)
             self._proc.stdin.flush()
-            ready, _, _ = select.select([self._proc.stdout], [], [], self.timeout_s)
-            if not ready:
-                self._kill()
-                return math.inf, f"timed out after {self.timeout_s:.0f} s", {}
+        except (BrokenPipeError, ConnectionResetError, OSError):
+            return self._died()
+        return None
+
+    def _receive(self) -> tuple:
+        """The child's reply to the last message (its stdout is readable)."""
+        try:
             reply = pickle.load(self._proc.stdout)
         except (EOFError, BrokenPipeError, ConnectionResetError, OSError, pickle.UnpicklingError):
-            try:
-                self._proc.wait(5)
-            except subprocess.TimeoutExpired:
-                pass  # its pipe is gone but it lingers (a large heap being freed): killed below
-            code = self._proc.returncode
-            self._kill()
-            return math.inf, f"measurement process died ({_describe(code)})", {}
+            return self._died()
         if _rss(self._proc.pid) > self.rss_limit:
             self.close()
             self.restarts += 1
         if reply[0] == "ok":
             return reply[1], reply[2], reply[3]
         return math.inf, reply[1], {"traceback": reply[2]}
+
+    def _died(self) -> tuple:
+        """The reply for a child whose pipe broke: its exit status, the child gone."""
+        try:
+            self._proc.wait(5)
+        except subprocess.TimeoutExpired:
+            pass  # its pipe is gone but it lingers (a large heap being freed): killed below
+        code = self._proc.returncode
+        self._kill()
+        return math.inf, f"measurement process died ({_describe(code)})", {}
 
     def _kill(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
@@ -154,6 +176,56 @@ class Worker:
             except (OSError, subprocess.TimeoutExpired):
                 pass
         self._kill()
+
+
+class WorkerPool:
+    """``jobs`` children answering requests side by side (``map``): the build processes of
+    ``Measurer.prebuild``. Each request runs in whichever child is free; a child that dies
+    or times out answers that request with an infinite cost and is restarted."""
+
+    def __init__(self, jobs: int, timeout_s: float = _TIMEOUT_S):
+        if jobs < 1:
+            raise ValueError(f"a worker pool needs at least one process, got {jobs}")
+        self.timeout_s = timeout_s
+        self.workers = [Worker(timeout_s) for _ in range(jobs)]
+
+    def map(self, what: str, requests: list, target_json: str, build_vm, *extra):
+        """Yields ``(index, (cost, reason, extra))`` for each request, as they finish; a
+        request is ``[(backend, func_json, key), ...]`` as ``Worker.call`` takes it."""
+        todo = list(enumerate(requests))[::-1]
+        busy: dict = {}  # worker -> (index, deadline)
+        free = list(self.workers)
+        while todo or busy:
+            while todo and free:
+                w = free.pop()
+                i, entries = todo.pop()
+                failed = w._send((what, [(b.name, b.lowering, j, k) for b, j, k in entries],
+                                  target_json, build_vm, extra))
+                if failed is not None:
+                    free.append(w)
+                    yield i, failed
+                    continue
+                busy[w] = (i, time.monotonic() + self.timeout_s)
+            if not busy:
+                continue
+            wait = max(0.0, min(d for _, d in busy.values()) - time.monotonic())
+            ready, _, _ = select.select([w._proc.stdout for w in busy], [], [], wait)
+            for w in list(busy):
+                i, deadline = busy[w]
+                if w._proc.stdout in ready:
+                    reply = w._receive()
+                elif time.monotonic() >= deadline:
+                    w._kill()
+                    reply = (math.inf, f"timed out after {self.timeout_s:.0f} s", {})
+                else:
+                    continue
+                del busy[w]
+                free.append(w)
+                yield i, reply
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.close()
 
 
 def _describe(code) -> str:
