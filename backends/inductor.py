@@ -54,9 +54,20 @@ def _aten_graph(module, model, device):
 class InductorLowering(GraphLibraryLowering):
     name = "inductor"
     device = "cuda"
-    #: ``torch.compile`` mode: the default (no CUDA graphs: torch's caching allocator would
-    #: hand out memory a replayed graph still writes, DESIGN.md / backends/_cuda.py).
+    #: ``torch.compile`` mode of a subgraph among other groups: the default (no CUDA graphs:
+    #: torch's caching allocator would hand out memory a replayed graph still writes while
+    #: TVM's kernels run in between, DESIGN.md / backends/_cuda.py).
     mode = "default"
+    #: ... of the whole model on the GPU (the sole group: nothing else runs in the build):
+    #: CUDA graphs, as ``torch.compile(mode="reduce-overhead")`` runs a model, one replay a
+    #: call instead of a launch per kernel (at batch 1 the launches are most of the time).
+    #: The outputs then live in the graph's memory pool, which the next replay overwrites:
+    #: each call hands TVM copies of them.
+    sole_mode = "reduce-overhead"
+
+    def mode_for(self, sole: bool) -> str:
+        """The ``torch.compile`` mode of a subgraph (``sole``: the whole model alone)."""
+        return self.sole_mode if sole and self.device == "cuda" else self.mode
 
     def available(self) -> tuple[bool, str]:
         if self.device == "cuda":
@@ -95,8 +106,10 @@ class InductorLowering(GraphLibraryLowering):
                                       f"{str(err)[:300]}") from err
         module = module.to(self.device).eval()
         nin, nout = len(model.graph.input), len(specs)
-        compiled = torch.compile(_aten_graph(module, model, self.device), mode=self.mode,
+        mode = self.mode_for(sole)
+        compiled = torch.compile(_aten_graph(module, model, self.device), mode=mode,
                                  dynamic=False)
+        replayed = mode == "reduce-overhead"  # outputs in the CUDA graph's pool: copied out
         from_dlpack, to_tvm = torch.from_dlpack, tvm.runtime.from_dlpack
 
         def call(*args):
@@ -108,7 +121,9 @@ class InductorLowering(GraphLibraryLowering):
             if len(outs) != nout:
                 raise RuntimeError(f"inductor: the module returned {len(outs)} outputs, "
                                    f"the subgraph has {nout}")
-            return single_or_tuple([to_tvm(o.contiguous()) for o in outs])
+            outs = [o.clone(memory_format=torch.contiguous_format) if replayed
+                    else o.contiguous() for o in outs]
+            return single_or_tuple([to_tvm(o) for o in outs])
 
         call.module = compiled  # keep the module (and its weights) alive with the callable
         return call

@@ -212,6 +212,11 @@ def test_inductor_offers_regions_and_runs_a_subgraph_as_compiled_torch_ops():
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-4)
     with pytest.raises(TypeError, match="takes 1 tensors, got 2"):
         fn(tvm.runtime.tensor(x), tvm.runtime.tensor(x))
+    # The whole model alone on the GPU runs as CUDA graphs (torch.compile's
+    # "reduce-overhead"); a piece among other groups, or anything on the CPU, does not.
+    assert InductorLowering().mode_for(sole=True) == "reduce-overhead"
+    assert InductorLowering().mode_for(sole=False) == "default"
+    assert _InductorOnCpu().mode_for(sole=True) == "default"
     # Without a GPU the backend says why, as cudnn and cublas do.
     if not HAVE_GPU:
         assert get_backend("inductor").available() == (False, NO_GPU_REASON)
@@ -276,6 +281,25 @@ def test_a_whole_build_on_cuda_matches_tvm_alone(tmp_path):
     comp = res.report.comparison
     assert "tvm-only" in comp and "collage" in comp
     assert all(r["match"] for r in comp.values()), comp
+
+
+@gpu
+def test_the_whole_model_on_inductor_replays_a_cuda_graph_and_hands_out_its_own_outputs():
+    g = DataflowGraph(_cnn_and_mlp())
+    nodes = frozenset(range(8))  # conv blocks: the exporter writes them all
+    func = extract_function(g, nodes, lift_constants=False)[0]
+    fn = InductorLowering().lower(func.with_attr("collage.sole_group", True))
+    dev = tvm.cuda(0)
+    x1, x2 = (RNG.standard_normal((1, 8, 8, 8)).astype("float32") for _ in range(2))
+    first = fn(tvm.runtime.tensor(x1, dev))
+    first_copy = first.numpy().copy()
+    for _ in range(3):  # replays; the first result must not change under them
+        second = fn(tvm.runtime.tensor(x2, dev))
+    np.testing.assert_array_equal(first.numpy(), first_copy)
+    vm = relax.VirtualMachine(tvm.compile(tvm.IRModule({"main": func}), "llvm"), tvm.cpu())
+    for x, got in ((x1, first), (x2, second)):
+        want = vm["main"](tvm.runtime.tensor(x)).numpy()
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-4)
 
 
 def test_a_cuda_build_without_external_calls_runs_as_cuda_graphs():
