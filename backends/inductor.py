@@ -54,6 +54,7 @@ def _aten_graph(module, model, device):
 class InductorLowering(GraphLibraryLowering):
     name = "inductor"
     device = "cuda"
+    build_cache = True  # inductor's FX graph and Triton caches, on disk
     #: ``torch.compile`` mode of a subgraph among other groups: the default (no CUDA graphs:
     #: torch's caching allocator would hand out memory a replayed graph still writes while
     #: TVM's kernels run in between, DESIGN.md / backends/_cuda.py).

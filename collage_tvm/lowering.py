@@ -30,6 +30,11 @@ class Lowering(abc.ABC):
 
     #: The backend's name, used in messages.
     name: str = ""
+    #: Its builds take seconds and leave a cache on disk that a later build of the same
+    #: subgraph in another process reuses (``torch.compile``'s): the measurer's build
+    #: processes then build and run its candidates once before they are timed, so that the
+    #: measuring process's own build finds them compiled (``Measurer.prebuild``).
+    build_cache: bool = False
 
     def available(self) -> tuple[bool, str]:
         """``(True, "")`` when the library can run here, else ``(False, reason)``.

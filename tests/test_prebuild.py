@@ -85,3 +85,36 @@ def test_build_jobs_default_to_the_cores_on_a_gpu_target_and_none_on_a_small_cpu
     assert default_build_jobs(make_target("cuda:sm_90")) == 2
     monkeypatch.setattr(measurer, "host_cores", lambda: 64)
     assert default_build_jobs(make_target("llvm")) == 16
+
+
+def test_build_processes_fill_a_librarys_compile_cache_for_the_measuring_process(tmp_path,
+                                                                                  monkeypatch):
+    # torch.compile (inductor, here on the CPU) caches what it compiled on disk: a build
+    # process compiles each region, and the measuring process (this one: isolate=False)
+    # then finds every one of them in the cache instead of compiling it again.
+    from torch._dynamo.utils import counters
+
+    from collage_tvm.lower import candidate_vm
+    from collage_tvm.patterns.graph_rule import exportable
+    from collage_tvm.registry import Backend, PatternRule
+
+    monkeypatch.setenv("PYTHONPATH", os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    lib = Backend(name="cpu_inductor", kind="graph", lowering="_cpu_inductor:InductorOnCpu",
+                  rules=[PatternRule(valid_op=exportable, regions=1, regions_only=True)])
+    ok, why = lib.available()
+    assert ok, why
+    graph = DataflowGraph(_model())
+    cands = generate_candidates(graph, [lib])
+    assert len(cands) >= 2 and all(c.label == "cpu_inductor.region" for c in cands)
+    counters.clear()
+    m = Measurer(make_target("llvm"), CostDB(None), candidate_vm, isolate=False, progress=False,
+                 build_jobs=1)
+    try:
+        costs = m.costs(graph, cands, {"cpu_inductor": lib})
+    finally:
+        m.close()
+    assert all(math.isfinite(v) for v in costs.values())
+    assert m.prebuilt == m.measured == len({frozenset(c.nodes) for c in cands})
+    assert counters["inductor"]["fxgraph_cache_miss"] == 0, dict(counters["inductor"])
+    assert counters["inductor"]["fxgraph_cache_hit"] >= m.prebuilt

@@ -83,6 +83,17 @@ def _reason(err: BaseException) -> str:
     return f"{type(err).__name__}: {str(err).strip()[:400]}"
 
 
+def _prebuilds(backend) -> bool:
+    """Whether build processes build ``backend``'s candidates: TVM's (exported), and a
+    library's whose builds leave a cache on disk (``Lowering.build_cache``)."""
+    if not backend.is_external:
+        return True
+    try:
+        return bool(getattr(backend.get_lowering(), "build_cache", False))
+    except Exception:  # noqa: BLE001 - an unresolvable lowering fails where it is timed
+        return False
+
+
 def default_build_jobs(target) -> int:
     """Build processes for ``Measurer.prebuild`` when the user names none: one per core (at
     most 16) on a GPU target, where a candidate's build (TVM's passes, then NVRTC) is most
@@ -272,8 +283,8 @@ class Measurer:
             (0, min(min(c.nodes) for c in by_key[bk][1]), min(len(c.nodes) for c in by_key[bk][1]))
             if backends[bk[0]].is_external else (1, min(len(c.nodes) for c in by_key[bk][1]), 0)))
         if self.build_jobs:
-            self.prebuild([bk for bk in order if not backends[bk[0]].is_external
-                           and _has_call(by_key[bk][0])], by_key, backends)
+            self.prebuild([bk for bk in order if _has_call(by_key[bk][0])
+                           and _prebuilds(backends[bk[0]])], by_key, backends)
         best_for_nodes: dict = {}
         costs: dict = {}
         fresh: list = []  # (bk, cutoff) of library candidates measured (not from the DB) now
@@ -308,15 +319,19 @@ class Measurer:
         return costs
 
     def prebuild(self, keys: list, by_key: dict, backends: dict) -> None:
-        """Build the TVM candidates of ``keys`` ((backend, DB key) pairs) the DB does not
+        """Build the candidates of ``keys`` ((backend, DB key) pairs) the DB does not
         answer, in ``build_jobs`` processes side by side, for the measuring process to load
-        rather than build (``runner.prebuild``). Worth it where a build is long beside its
+        rather than build (``runner.prebuild``; a library's with a ``build_cache``: built
+        and run once, so that its cache holds them). Worth it where a build is long beside its
         timing: on a GPU (NVRTC), or with more cores than a timing needs. A failed build is
         left to the measuring process, which builds it again and records why it fails."""
         keys = [bk for bk in keys if self.db.get(bk[0], backends[bk[0]].version(), bk[1],
                                                  self.device) is None]
         if len(keys) < 2 * self.build_jobs or not runner.can_prebuild(self.build_vm):
             return
+        if any(backends[bk[0]].is_external for bk in keys) and not all(
+                self._picklable(backends[bk[0]]) for bk in keys):
+            keys = [bk for bk in keys if not backends[bk[0]].is_external]
         t0 = time.perf_counter()
         os.makedirs(self._prebuilt, exist_ok=True)
         if self._worker is None:
@@ -324,8 +339,10 @@ class Measurer:
         jobs = min(self.build_jobs, len(keys))
         requests = [[(backends[bk[0]], tvm.ir.save_json(tvm.IRModule(
             {"main": without_weights(by_key[bk][0])})), bk[1])] for bk in keys]
-        pool = WorkerPool(jobs)
-        bar = _progress(len(keys), self.progress, f"building TVM candidates ({jobs} processes)")
+        # One compile thread each: torch.compile would start a pool of a process per core
+        # in every build process.
+        pool = WorkerPool(jobs, env={"TORCHINDUCTOR_COMPILE_THREADS": "1"})
+        bar = _progress(len(keys), self.progress, f"building candidates ({jobs} processes)")
         failed = 0
         try:
             for _, (cost, _reason, _extra) in pool.map("prebuild", requests, self.target_json,
@@ -337,7 +354,7 @@ class Measurer:
             bar.close()
         self.prebuilt += len(keys) - failed
         self.seconds["parallel builds"] += time.perf_counter() - t0
-        logger.info("built %d TVM candidates in %d processes in %.1f s (%d failed: built "
+        logger.info("built %d candidates in %d processes in %.1f s (%d failed: built "
                     "again where they are timed)", len(keys), jobs, time.perf_counter() - t0,
                     failed)
 

@@ -109,8 +109,17 @@ def use_prebuilt(root: str | None) -> None:
 def prebuild(funcs: list, target, build_vm, root: str) -> tuple:
     """Build each ``(func, backend, key)`` and export it under ``root``
     (``prebuilt_path``); raises on a failed build (the measuring process then builds it
-    again and records the failure with its reason, as it would have anyway)."""
+    again and records the failure with its reason, as it would have anyway). A library
+    candidate (its lowering's ``build_cache``) is built and run once instead, filling its
+    library's cache on disk: its callable cannot leave this process."""
     for func, backend, key in funcs:
+        if backend.is_external:
+            vm, args = _build(func, backend, target, build_vm)
+            vm["main"](*args)
+            sync = device_sync(target)
+            if sync is not None:
+                sync()
+            continue
         executable = build_vm(func, backend, target, executable=True)
         path = prebuilt_path(root, backend.name, key)
         tmp = f"{path}.{os.getpid()}.tmp.so"

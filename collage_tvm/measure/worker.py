@@ -183,11 +183,11 @@ class WorkerPool:
     ``Measurer.prebuild``. Each request runs in whichever child is free; a child that dies
     or times out answers that request with an infinite cost and is restarted."""
 
-    def __init__(self, jobs: int, timeout_s: float = _TIMEOUT_S):
+    def __init__(self, jobs: int, timeout_s: float = _TIMEOUT_S, env: dict | None = None):
         if jobs < 1:
             raise ValueError(f"a worker pool needs at least one process, got {jobs}")
         self.timeout_s = timeout_s
-        self.workers = [Worker(timeout_s) for _ in range(jobs)]
+        self.workers = [Worker(timeout_s, env=env) for _ in range(jobs)]
 
     def map(self, what: str, requests: list, target_json: str, build_vm, *extra):
         """Yields ``(index, (cost, reason, extra))`` for each request, as they finish; a
