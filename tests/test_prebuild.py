@@ -118,3 +118,31 @@ def test_build_processes_fill_a_librarys_compile_cache_for_the_measuring_process
     assert m.prebuilt == m.measured == len({frozenset(c.nodes) for c in cands})
     assert counters["inductor"]["fxgraph_cache_miss"] == 0, dict(counters["inductor"])
     assert counters["inductor"]["fxgraph_cache_hit"] >= m.prebuilt
+
+
+def test_a_worker_pool_answers_every_request_when_a_child_dies(monkeypatch):
+    import json
+
+    from collage_tvm.graph.subgraph import extract_function
+    from collage_tvm.lower import candidate_vm
+    from collage_tvm.measure.worker import WorkerPool
+    from collage_tvm.registry import Backend
+
+    monkeypatch.setenv("PYTHONPATH", os.path.dirname(os.path.abspath(__file__)))
+    graph = DataflowGraph(_model())
+    tvm_b = get_backend("tvm")
+    crash = Backend(name="crashlib", lowering="_crashing_lowering:SegfaultingLowering")
+    funcs = [extract_function(graph, frozenset([i]))[0] for i in (0, 2, 3, 6)]
+    request = lambda b, f: [(b, tvm.ir.save_json(tvm.IRModule({"main": f})), None)]  # noqa: E731
+    requests = [request(tvm_b, funcs[0]), request(crash, funcs[1]), request(tvm_b, funcs[2]),
+                request(crash, funcs[1]), request(tvm_b, funcs[3])]
+    target_json = json.dumps(dict(make_target("llvm").export()), default=list)
+    pool = WorkerPool(2)
+    try:
+        replies = dict(pool.map("measure_function", requests, target_json, candidate_vm))
+    finally:
+        pool.close()
+    assert sorted(replies) == list(range(len(requests)))  # every request answered once
+    for i in (1, 3):  # the segfaulting library: its child died, and a fresh one went on
+        assert math.isinf(replies[i][0]) and "died" in replies[i][1], replies[i]
+    assert all(math.isfinite(replies[i][0]) for i in (0, 2, 4)), replies
