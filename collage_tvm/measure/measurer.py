@@ -124,8 +124,8 @@ class Measurer:
         ``tuning``: the ``TuningDB`` the builds apply; a TVM candidate's DB key then names
         the tuning records its kernels use (``TuningDB.signature``), so a kernel tuned
         since is measured again and an untouched one is not.
-        ``build_jobs``: processes that build the TVM candidates ``costs`` will time before
-        it times them (``prebuild``); 0: each is built where it is timed."""
+        ``build_jobs``: processes that build the candidates ``costs`` will time before it
+        times them (``prebuild``); 0: each is built where it is timed."""
         self.target = target
         self.build_vm = build_vm
         self.db = db
@@ -151,7 +151,7 @@ class Measurer:
         self.deadline: float | None = None
         self.seconds = {"parallel builds": 0.0, "second pass": 0.0,
                         "re-time": 0.0}  # where measuring time went
-        self.prebuilt = 0  # TVM candidates built by build processes (``prebuild``)
+        self.prebuilt = 0  # candidates built by build processes (``prebuild``)
 
     def close(self) -> None:
         if self._worker is not None:
@@ -327,16 +327,15 @@ class Measurer:
         left to the measuring process, which builds it again and records why it fails."""
         keys = [bk for bk in keys if self.db.get(bk[0], backends[bk[0]].version(), bk[1],
                                                  self.device) is None]
-        if len(keys) < 2 * self.build_jobs or not runner.can_prebuild(self.build_vm):
+        keys = [bk for bk in keys if not backends[bk[0]].is_external
+                or self._picklable(backends[bk[0]])]
+        jobs = min(self.build_jobs, len(keys) // 2)  # a process costs a start: two builds each
+        if jobs < 1 or not runner.can_prebuild(self.build_vm):
             return
-        if any(backends[bk[0]].is_external for bk in keys) and not all(
-                self._picklable(backends[bk[0]]) for bk in keys):
-            keys = [bk for bk in keys if not backends[bk[0]].is_external]
         t0 = time.perf_counter()
         os.makedirs(self._prebuilt, exist_ok=True)
         if self._worker is None:
             runner.use_prebuilt(self._prebuilt)
-        jobs = min(self.build_jobs, len(keys))
         requests = [[(backends[bk[0]], tvm.ir.save_json(tvm.IRModule(
             {"main": without_weights(by_key[bk][0])})), bk[1])] for bk in keys]
         # One compile thread each: torch.compile would start a pool of a process per core
