@@ -338,9 +338,10 @@ class Measurer:
             runner.use_prebuilt(self._prebuilt)
         requests = [[(backends[bk[0]], tvm.ir.save_json(tvm.IRModule(
             {"main": without_weights(by_key[bk][0])})), bk[1])] for bk in keys]
-        # One compile thread each: torch.compile would start a pool of a process per core
-        # in every build process.
-        pool = WorkerPool(jobs, env={"TORCHINDUCTOR_COMPILE_THREADS": "1"})
+        # The cores shared out: torch.compile would start a pool of a process per core in
+        # every build process.
+        threads = str(max(1, host_cores() // jobs))
+        pool = WorkerPool(jobs, env={"TORCHINDUCTOR_COMPILE_THREADS": threads})
         bar = _progress(len(keys), self.progress, f"building candidates ({jobs} processes)")
         failed = 0
         try:
