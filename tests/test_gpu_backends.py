@@ -322,12 +322,20 @@ def test_the_gpu_machine_set_up_scripts_parse_and_refuse_a_wrong_step(tmp_path):
     import subprocess
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for script in ("gpu_wheels.sh", "gpu_install.sh"):
+    for script in ("gpu_wheels.sh", "gpu_install.sh", "gpu_bench.sh"):
         path = os.path.join(root, "tools", script)
         assert subprocess.run(["bash", "-n", path]).returncode == 0, script
     bad = subprocess.run(["bash", os.path.join(root, "tools", "gpu_install.sh"), "part3"],
                          capture_output=True, text=True, cwd=tmp_path)
     assert bad.returncode == 2 and "usage: tools/gpu_install.sh part1|part2" in bad.stderr
+    bench = os.path.join(root, "tools", "gpu_bench.sh")
+    assert subprocess.run(["bash", "-n", bench]).returncode == 0
+    bad = subprocess.run(["bash", bench], capture_output=True, text=True, cwd=tmp_path)
+    assert bad.returncode == 2 and "usage: tools/gpu_bench.sh MODEL..." in bad.stderr
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    bad = subprocess.run(["bash", bench, "resnet50"], capture_output=True, text=True,
+                         cwd=tmp_path, env=env)
+    assert bad.returncode != 0 and "OUT is the folder" in bad.stderr
 
 
 def test_an_uninstalled_checkout_finds_the_built_in_lowerings(tmp_path):
