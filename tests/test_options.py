@@ -30,7 +30,7 @@ def test_key_changes_with_search_options_and_not_with_display_ones():
     assert SearchOptions(graph_level=True).key_variant() == "|switching|graph-level|refined2|calibrated4"
     assert SearchOptions(switching=False, refine_rounds=0, calibrate_rounds=0).key_variant() == ""
     for same in (dict(progress=False), dict(isolate=False), dict(budget=10.0),
-                 dict(on_generation=print)):
+                 dict(on_generation=print), dict(build_jobs=4)):
         assert SearchOptions(**same).key_variant() == base.key_variant(), same
     for other in (dict(switching=False), dict(refine_rounds=1), dict(calibrate_rounds=0),
                   dict(graph_level=True)):
@@ -47,6 +47,17 @@ def test_options_from_keywords_name_an_unknown_one_and_check_values():
         SearchOptions(refine_rounds=-1)
     with pytest.raises(ValueError, match="budget"):
         SearchOptions(budget=0)
+    with pytest.raises(ValueError, match="build_jobs must be >= 0"):
+        SearchOptions(build_jobs=-1)
+
+
+def test_the_cli_reads_build_jobs_and_refuses_a_negative_count(capsys):
+    from collage_tvm.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["optimize", "model.onnx", "--build-jobs", "-2"])
+    assert exit_.value.code == 2
+    assert "expected a number of processes >= 0, got '-2'" in capsys.readouterr().err
 
 
 def test_optimize_rejects_an_unknown_option_before_doing_any_work(tmp_path):
