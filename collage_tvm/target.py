@@ -93,6 +93,32 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+@functools.lru_cache(maxsize=None)
+def cache_bytes(level: int) -> int:
+    """The size of CPU 0's unified or data cache of ``level`` (2: per core, 3: the last
+    level), from sysfs; a common size where the machine does not say (1 MiB, 32 MiB)."""
+    default = {2: 1 << 20, 3: 32 << 20}.get(level, 1 << 20)
+    root = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        for index in sorted(os.listdir(root)):
+            path = os.path.join(root, index)
+            if not index.startswith("index"):
+                continue
+            with open(os.path.join(path, "level")) as f:
+                if int(f.read()) != level:
+                    continue
+            with open(os.path.join(path, "type")) as f:
+                if f.read().strip() == "Instruction":
+                    continue
+            with open(os.path.join(path, "size")) as f:
+                size = f.read().strip()
+            units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+            return int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+    except (OSError, ValueError):
+        pass
+    return default
+
+
 def device_fingerprint(target: tvm.target.Target) -> str:
     """What a measured cost depends on besides the kernel: CPU model, cores, target; on a
     CUDA target the GPU's name and architecture too."""

@@ -148,13 +148,13 @@ def _load_prebuilt(func, backend_name: str, key: str, target) -> tuple | None:
     return vm, [tvm.runtime.tensor(a, dev) for a in random_inputs(func)]
 
 
-def measure_function(funcs: list, target, build_vm, cutoff_ms=None) -> tuple:
+def measure_function(funcs: list, target, build_vm, cutoff_ms=None, flush_bytes=0) -> tuple:
     """(cost_ms, reason, extra) of the one ``(func, backend, key)``; raises on build/run
-    failure."""
+    failure. ``flush_bytes``: timed with cold caches (``time_main``)."""
     (entry,) = funcs
     vm, args = _vm_and_args(*entry[:2], target, build_vm, entry[2])
     return time_main(vm, args, target_device(target), cutoff_ms=cutoff_ms,
-                     sync=device_sync(target))
+                     sync=device_sync(target), flush_bytes=flush_bytes)
 
 
 def measure_switch(funcs: list, target, build_vm) -> tuple:
@@ -167,8 +167,9 @@ def measure_switch(funcs: list, target, build_vm) -> tuple:
     return cost, None, extra
 
 
-def measure_side_by_side(funcs: list, target, build_vm) -> tuple:
-    """(list of ms, None, extra) of ``[(func, backend, key), ...]`` timed side by side."""
+def measure_side_by_side(funcs: list, target, build_vm, flush_bytes=0) -> tuple:
+    """(list of ms, None, extra) of ``[(func, backend, key), ...]`` timed side by side
+    (``flush_bytes``: with cold caches)."""
     vms = [_vm_and_args(f, b, target, build_vm, k) for f, b, k in funcs]
     return time_side_by_side([(vm["main"], args) for vm, args in vms],
-                             sync=device_sync(target)), None, {}
+                             sync=device_sync(target), flush_bytes=flush_bytes), None, {}

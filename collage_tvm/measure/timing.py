@@ -20,9 +20,21 @@ def _done(sync) -> float:
     return time.perf_counter()
 
 
+class _Flush:
+    """Evicts the CPU's caches: writes a buffer of ``nbytes`` (twice the last-level cache)."""
+
+    def __init__(self, nbytes: int):
+        import numpy as np
+
+        self.buf = np.zeros(max(1, nbytes // 8), dtype=np.int64)
+
+    def __call__(self) -> None:
+        self.buf += 1
+
+
 def time_main(vm, args, dev, cutoff_ms: float | None = None, target_ms: float = 1.0,
-              repeat: int = 5, max_batches: int = 4,
-              sync=None) -> tuple[float, str | None, dict]:
+              repeat: int = 5, max_batches: int = 4, sync=None,
+              flush_bytes: int = 0) -> tuple[float, str | None, dict]:
     """Median ms of ``vm["main"](*args)``: warm-up, then batches of ``repeat`` samples of
     about ``target_ms`` each until two medians agree (3%).
 
@@ -30,6 +42,11 @@ def time_main(vm, args, dev, cutoff_ms: float | None = None, target_ms: float = 
     samples are sized on a warm call: the first call of a fresh build (a session's lazy
     initialisation, a JIT) can be a hundred times slower and would leave a fast kernel
     timed one call per sample.
+
+    ``flush_bytes``: each sample is one call after ``flush_bytes`` were written through the
+    caches (TVM's ``cache_flush_bytes``): the kernel's weights come from memory, as they do
+    in a whole run of a model whose weights the last-level cache cannot hold
+    (``Measurer.costs``). 0: calls back to back, weights in cache.
     """
     fn = vm["main"]
     t0 = time.perf_counter()
@@ -42,8 +59,13 @@ def time_main(vm, args, dev, cutoff_ms: float | None = None, target_ms: float = 
     t0 = _done(sync)
     fn(*args)
     warm_ms = (_done(sync) - t0) * 1e3
-    number = max(1, int(target_ms / max(warm_ms, 1e-3)))
-    evaluator = vm.time_evaluator("main", dev, number=number, repeat=repeat)
+    if flush_bytes:
+        number = 1
+        evaluator = vm.module.time_evaluator("main", dev, number=1, repeat=repeat,
+                                             cache_flush_bytes=int(flush_bytes))
+    else:
+        number = max(1, int(target_ms / max(warm_ms, 1e-3)))
+        evaluator = vm.time_evaluator("main", dev, number=number, repeat=repeat)
     samples: list = []
     medians: list = []
     for _ in range(max_batches):
@@ -86,10 +108,22 @@ def time_switch(fn_a, args_a, fn_b, args_b, rounds: int = 9, target_ms: float = 
                                        "repeats": rounds * n}
 
 
-def time_side_by_side(runs: list, rounds: int = 9, target_ms: float = 2.0, sync=None) -> list:
+def time_side_by_side(runs: list, rounds: int = 9, target_ms: float = 2.0, sync=None,
+                      flush_bytes: int = 0) -> list:
     """Median ms per call of each ``(fn, args)``, timed in alternating rounds (the same
-    drift hits each), after two warm-up calls each."""
+    drift hits each), after two warm-up calls each. ``flush_bytes``: as in ``time_main``,
+    every timed call after the caches were flushed (three such calls a sample)."""
+    flush = _Flush(flush_bytes) if flush_bytes else None
+
     def loop(fn, args, n):
+        if flush is not None:
+            total = 0.0
+            for _ in range(n):
+                flush()
+                t0 = _done(sync)
+                fn(*args)
+                total += _done(sync) - t0
+            return total * 1e3 / n
         t0 = _done(sync)
         for _ in range(n):
             fn(*args)
@@ -98,7 +132,8 @@ def time_side_by_side(runs: list, rounds: int = 9, target_ms: float = 2.0, sync=
     for fn, args in runs:
         fn(*args)
         fn(*args)
-    number = [max(1, int(target_ms / max(loop(fn, args, 1), 1e-3))) for fn, args in runs]
+    number = [3 if flush is not None else max(1, int(target_ms / max(loop(fn, args, 1), 1e-3)))
+              for fn, args in runs]
     samples: list = [[] for _ in runs]
     for _ in range(rounds):
         for k, (fn, args) in enumerate(runs):

@@ -1,0 +1,81 @@
+"""Candidates holding large weights are timed with cold caches where the model's weights do
+not fit the last-level cache (``Measurer.costs``): in a whole run their weights come from
+memory on every inference, not from the cache a back-to-back timing loop keeps warm."""
+import math
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from collage_tvm.graph import DataflowGraph
+from collage_tvm.lower import candidate_vm
+from collage_tvm.measure import measurer as measurer_mod
+from collage_tvm.measure.db import CostDB
+from collage_tvm.measure.measurer import COLD_KEY, Measurer
+from collage_tvm.measure.timing import time_main, time_side_by_side
+from collage_tvm.patterns import generate_candidates
+from collage_tvm.registry import get_backend
+from collage_tvm.target import cache_bytes, make_target
+
+_RNG = np.random.default_rng(0)
+
+
+def _graph():
+    """A 256x512 matmul (512 KiB of weights) then cheap elementwise operators."""
+    x = relax.Var("x", relax.TensorType((4, 256), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            m = bb.emit(relax.op.matmul(x, relax.const(_RNG.normal(0, 0.05, (256, 512))
+                                                       .astype("float32"))))
+            r = bb.emit(relax.op.nn.relu(m))
+            out = bb.emit_output(relax.op.sigmoid(r))
+        bb.emit_func_output(out)
+    return DataflowGraph(bb.get()["main"])
+
+
+def test_the_machine_says_its_cache_sizes():
+    assert 64 << 10 <= cache_bytes(2) <= cache_bytes(3) <= 4 << 30
+
+
+def _records(monkeypatch, llc: int, l2: int):
+    monkeypatch.setattr(measurer_mod, "cache_bytes", {2: l2, 3: llc}.get)
+    graph = _graph()
+    backends = {"tvm": get_backend("tvm")}
+    db = CostDB(None)
+    m = Measurer(make_target("llvm"), db, candidate_vm, isolate=False, progress=False)
+    try:
+        costs = m.costs(graph, generate_candidates(graph, backends.values()), backends)
+    finally:
+        m.close()
+    assert all(math.isfinite(v) for v in costs.values())
+    return {r["key"]: r for r in db.rows() if r["backend"] == "tvm"}, m
+
+
+def test_a_model_larger_than_the_cache_times_its_heavy_candidates_cold(monkeypatch):
+    # As if the caches were tiny: the model's 512 KiB of weights pass half the last level.
+    rows, m = _records(monkeypatch, llc=256 << 10, l2=64 << 10)
+    assert m.flush_bytes == 512 << 10
+    cold = {k: r for k, r in rows.items() if k.endswith(COLD_KEY)}
+    warm = {k: r for k, r in rows.items() if not k.endswith(COLD_KEY)}
+    assert cold and warm  # the matmul groups cold, the elementwise ones warm
+    # A cold sample is one call after a flush; a warm one batches the calls of a ~1 ms sample.
+    assert all(r["extra"]["repeats"] <= 20 for r in cold.values()), cold
+    assert all(r["extra"]["repeats"] > 20 for r in warm.values()), warm
+
+
+def test_a_model_the_cache_holds_is_timed_warm(monkeypatch):
+    rows, _ = _records(monkeypatch, llc=32 << 20, l2=1 << 20)
+    assert rows and not any(k.endswith(COLD_KEY) for k in rows)
+
+
+def test_timing_loops_flush_the_caches_when_asked():
+    graph = _graph()
+    func = graph.func
+    vm = candidate_vm(func, get_backend("tvm"), make_target("llvm"))
+    args = [tvm.runtime.tensor(_RNG.standard_normal((4, 256)).astype("float32"))]
+    ms, _, extra = time_main(vm, args, tvm.cpu(), flush_bytes=1 << 20)
+    assert ms > 0 and extra["repeats"] <= 20
+    both = time_side_by_side([(vm["main"], args), (vm["main"], args)], rounds=3,
+                             flush_bytes=1 << 20)
+    assert len(both) == 2 and all(t > 0 for t in both)
