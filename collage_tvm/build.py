@@ -26,7 +26,7 @@ from .graph.subgraph import function_key, given_inputs
 from .lower import (candidate_vm, candidate_vm_for, compile_module, compile_placement,
                     lower_placement, placement_runner)
 from .measure.db import CostDB
-from .measure.measurer import Measurer, default_build_jobs
+from .measure.measurer import COST_MODEL, Measurer, default_build_jobs
 from .options import SearchOptions
 from .patterns import carved_regions, generate_candidates, kernel_cost
 from .placement import Placement, placement_from_record, placement_record
@@ -175,10 +175,12 @@ def _known_backend(name: str):
 
 def placement_key(main: relax.Function, target, backends: dict,
                   options: SearchOptions | None = None, tuning: str = "") -> str:
-    """The placement-log key: the model, the target, each backend's library version, every
-    option that changes the search (``SearchOptions.key_variant``) and the tuning records
-    TVM's kernels use (``TuningDB.digest``; "" when untuned)."""
+    """The placement-log key: the model, the target, each backend's library version, the
+    cost model's revision (``measure.measurer.COST_MODEL``), every option that changes the
+    search (``SearchOptions.key_variant``) and the tuning records TVM's kernels use
+    (``TuningDB.digest``; "" when untuned)."""
     parts = [function_key(main), str(target)] + sorted(f"{n}={b.version()}" for n, b in backends.items())
+    parts.append(f"costs={COST_MODEL}")
     if tuning:
         parts.append(f"tuning={tuning}")
     key = hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]

@@ -228,6 +228,19 @@ def test_placement_key_names_the_tuning_records():
     assert placement_key(func, TARGET, backends, untuned) != plain
 
 
+def test_placement_key_names_the_cost_model(monkeypatch):
+    # Placements searched on costs the measurer no longer gives (before cold-cache timing)
+    # are searched again.
+    import importlib
+
+    build = importlib.import_module("collage_tvm.build")  # the module, not collage_tvm.build()
+    func = _conv_block()["main"]
+    backends = {"tvm": collage_tvm.get_backend("tvm")}
+    now = placement_key(func, TARGET, backends)
+    monkeypatch.setattr(build, "COST_MODEL", "an earlier one")
+    assert placement_key(func, TARGET, backends) != now
+
+
 def test_tune_then_build_uses_tuned_kernels_and_a_second_tune_measures_nothing(tmp_path):
     """The whole loop on a matmul (tvm alone: one kernel): tune, then optimize applies the
     records (tune re-measured the tuned TVM candidate: a DB hit), outputs match the

@@ -27,6 +27,10 @@ logger = logging.getLogger("collage_tvm")
 
 EPSILON_KEY = "__epsilon__"
 COLD_KEY = "|cold"  # the suffix of a candidate's key when it is timed with cold caches
+# The cost model's revision, part of the placement-log key (``build.placement_key``): a
+# placement searched on costs the measurer no longer gives is searched again (most of its
+# costs come back from the DB). "cold": large candidates timed with cold caches (2026-11-25).
+COST_MODEL = "cold"
 SWITCH_KEY = "__switch__"
 SIDE_KEY = "__side_by_side__"
 
