@@ -4,6 +4,7 @@ import math
 import os
 
 import numpy as np
+import pytest
 import tvm
 from tvm import relax
 
@@ -87,6 +88,7 @@ def test_build_jobs_default_to_the_cores_on_a_gpu_target_and_none_on_a_small_cpu
     assert default_build_jobs(make_target("llvm")) == 16
 
 
+@pytest.mark.slow  # ~25 s of torch.compile on the CPU: `make test-slow`
 def test_build_processes_fill_a_librarys_compile_cache_for_the_measuring_process(tmp_path,
                                                                                   monkeypatch):
     # torch.compile (inductor, here on the CPU) caches what it compiled on disk: a build
