@@ -88,6 +88,12 @@ def _reason(err: BaseException) -> str:
     return f"{type(err).__name__}: {str(err).strip()[:400]}"
 
 
+def _function_json(func) -> str:
+    """``func`` as a measuring or build process receives it: JSON, its large weights left
+    here (random ones of the same shapes and scales stand in there: ``without_weights``)."""
+    return tvm.ir.save_json(tvm.IRModule({"main": without_weights(func)}))
+
+
 def _prebuilds(backend) -> bool:
     """Whether build processes build ``backend``'s candidates: TVM's (exported), and a
     library's whose builds leave a cache on disk (``Lowering.build_cache``)."""
@@ -190,8 +196,7 @@ class Measurer:
         if self._worker is not None and all(self._picklable(b) for b, _, _ in items):
             # The weights stay here: the worker times the kernel on random ones of the same
             # shapes and scales (``without_weights``); a model's gigabytes are not copied.
-            entries = [(b, tvm.ir.save_json(tvm.IRModule({"main": without_weights(f)})), k)
-                       for b, f, k in items]
+            entries = [(b, _function_json(f), k) for b, f, k in items]
             return self._worker.call(what, entries, self.target_json, self.build_vm, *extra)
         try:
             return getattr(runner, what)([(f, b, k) for b, f, k in items], self.target,
@@ -362,8 +367,7 @@ class Measurer:
         os.makedirs(self._prebuilt, exist_ok=True)
         if self._worker is None:
             runner.use_prebuilt(self._prebuilt)
-        requests = [[(backends[bk[0]], tvm.ir.save_json(tvm.IRModule(
-            {"main": without_weights(by_key[bk][0])})), bk[1])] for bk in keys]
+        requests = [[(backends[bk[0]], _function_json(by_key[bk][0]), bk[1])] for bk in keys]
         # The cores shared out: torch.compile would start a pool of a process per core in
         # every build process.
         threads = str(max(1, host_cores() // jobs))

@@ -49,17 +49,16 @@ def _vm_and_args(func, backend, target, build_vm, key=None) -> tuple:
     process may have built it already (``prebuild``)."""
     if key is None:
         return _build(func, backend, target, build_vm)
-    db_key = key
-    key = (backend.name, str(target), repr(build_vm), key)
-    hit = _built.get(key)
+    cached = (backend.name, str(target), repr(build_vm), key)
+    hit = _built.get(cached)
     if hit is not None:
-        _built.move_to_end(key)
+        _built.move_to_end(cached)
         return hit[0], hit[1]
-    vm, args = _load_prebuilt(func, backend.name, db_key, target) or \
+    vm, args = _load_prebuilt(func, backend.name, key, target) or \
         _build(func, backend, target, build_vm)
     size = _held_bytes(func)
     if size <= CACHE_BYTES // 4:
-        _built[key] = (vm, args, size)
+        _built[cached] = (vm, args, size)
         total = sum(v[2] for v in _built.values())
         while total > CACHE_BYTES:
             total -= _built.popitem(last=False)[1][2]

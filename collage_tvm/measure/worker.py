@@ -114,18 +114,19 @@ class Worker:
     def call(self, what: str, entries: list, target_json: str, build_vm, *extra) -> tuple:
         """(cost, reason, extra) of ``runner.<what>`` on ``[(backend, func_json, key), ...]``
         in the child; cost is inf when the build or the child failed."""
-        return self._ask((what, [(b.name, b.lowering, j, k) for b, j, k in entries],
-                          target_json, build_vm, extra))
+        return self._ask(_message(what, entries, target_json, build_vm, extra))
 
     def _ask(self, msg) -> tuple:
         failed = self._send(msg)
         if failed is not None:
             return failed
         ready, _, _ = select.select([self._proc.stdout], [], [], self.timeout_s)
-        if not ready:
-            self._kill()
-            return math.inf, f"timed out after {self.timeout_s:.0f} s", {}
-        return self._receive()
+        return self._receive() if ready else self._timed_out()
+
+    def _timed_out(self) -> tuple:
+        """The reply for a request the child did not answer in time: the child killed."""
+        self._kill()
+        return math.inf, f"timed out after {self.timeout_s:.0f} s", {}
 
     def _send(self, msg) -> tuple | None:
         """Hand ``msg`` to the child (started if need be); a failure's reply, else None."""
@@ -199,8 +200,7 @@ class WorkerPool:
             while todo and free:
                 w = free.pop()
                 i, entries = todo.pop()
-                failed = w._send((what, [(b.name, b.lowering, j, k) for b, j, k in entries],
-                                  target_json, build_vm, extra))
+                failed = w._send(_message(what, entries, target_json, build_vm, extra))
                 if failed is not None:
                     free.append(w)
                     yield i, failed
@@ -215,8 +215,7 @@ class WorkerPool:
                 if w._proc.stdout in ready:
                     reply = w._receive()
                 elif time.monotonic() >= deadline:
-                    w._kill()
-                    reply = (math.inf, f"timed out after {self.timeout_s:.0f} s", {})
+                    reply = w._timed_out()
                 else:
                     continue
                 del busy[w]
@@ -226,6 +225,11 @@ class WorkerPool:
     def close(self) -> None:
         for w in self.workers:
             w.close()
+
+
+def _message(what: str, entries: list, target_json: str, build_vm, extra: tuple) -> tuple:
+    """The request a child reads (``_serve``): backends travel as (name, lowering spec)."""
+    return what, [(b.name, b.lowering, j, k) for b, j, k in entries], target_json, build_vm, extra
 
 
 def _describe(code) -> str:
