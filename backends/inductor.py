@@ -127,4 +127,5 @@ class InductorLowering(GraphLibraryLowering):
             return single_or_tuple([to_tvm(o) for o in outs])
 
         call.module = compiled  # keep the module (and its weights) alive with the callable
+        call.captures_itself = replayed  # measure.cuda_graph: not inside another capture
         return call

@@ -12,6 +12,7 @@ import time
 def _optimize(args) -> int:
     from .build import optimize
     from .frontend.load import parse_input_shapes, read_example_inputs
+    from .measure.cuda_graph import note
     from .placement import placement_record
     from .registry import load_pattern_file
 
@@ -99,6 +100,7 @@ def _optimize(args) -> int:
                 continue
             same = f"  (same placement as {r['same_as']})" if r.get("same_as") else ""
             same += "  (timed once: >10x slower)" if r.get("timed_once") else ""
+            same += note(r.get("cuda_graph"))
             rel = (f", {r['rel_err']:.1e} of the scale" if "rel_err" in r and rep.precision
                    else "")  # rep.precision: set under a budget other than strict f32
             if math.isnan(r["ms"]):  # checked for accuracy, not timed (no --compare)

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import tvm
 from tvm import relax
 
 from ..graph.subgraph import random_inputs
 from ..lower import compile_placement
+from ..measure.cuda_graph import capture, flat_numpy
 from ..measure.timing import time_main
 from ..precision import compare_outputs  # noqa: F401 - re-exported: the check's comparison
 from ..target import device_sync, target_device
@@ -16,41 +16,35 @@ from ..target import device_sync, target_device
 
 def run_outputs(vm, args) -> list:
     """The outputs of ``vm["main"](*args)`` as a flat list of numpy arrays."""
-    out = vm["main"](*args)
-    flat = []
-
-    def walk(o):
-        if hasattr(o, "numpy"):
-            flat.append(o.numpy())
-        elif isinstance(o, (int, float, bool, np.number)):  # a scalar result (PrimValue)
-            flat.append(np.asarray(o))
-        elif type(o).__name__ == "Shape":  # a shape result: its dimensions
-            flat.append(np.asarray(list(o), "int64"))
-        else:  # a tuple of results
-            for x in o:
-                walk(x)
-
-    walk(out)
-    return flat
+    return flat_numpy(vm["main"](*args))
 
 
 def evaluate(executable, graph, target, reference=None, rtol=1e-3, atol=1e-3, seed=0,
              cutoff_ms: float | None = None) -> dict:
     """{"ms": median latency, "outputs": [...], "match": bool|None, "max_err": float,
     "run": a zero-argument function running the model once (for interleaved timing),
-    "timed_once": the first timed run passed ``cutoff_ms`` and is the reported time}."""
+    "timed_once": the first timed run passed ``cutoff_ms`` and is the reported time,
+    "cuda_graph": None, or on a GPU whether the build runs as one CUDA graph, and if not
+    why (``measure.cuda_graph``)}."""
     dev = target_device(target)
     vm = relax.VirtualMachine(executable, dev)
     args = [tvm.runtime.tensor(a, dev) for a in random_inputs(graph.func, seed)]
     outputs = run_outputs(vm, args)
+    main = capture(vm, args, target)
     ms, why, _ = time_main(vm, args, dev, cutoff_ms=cutoff_ms, target_ms=50.0, repeat=3,
-                           max_batches=3, sync=device_sync(target))
-    main = vm["main"]
+                           max_batches=3, sync=device_sync(target), run=main)
     result = {"ms": ms, "outputs": outputs, "match": None, "max_err": math.nan,
-              "run": lambda: main(*args), "timed_once": why is not None}
+              "run": main.replay, "timed_once": why is not None,
+              "cuda_graph": _graph_state(main, target)}
     if reference is not None:
         result["match"], result["max_err"] = compare_outputs(outputs, reference, rtol, atol)
     return result
+
+
+def _graph_state(main, target):
+    if target.kind.name != "cuda":
+        return None
+    return True if main.captured else main.why
 
 
 def first_line(err: BaseException) -> str:

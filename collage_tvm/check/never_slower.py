@@ -88,6 +88,8 @@ def never_slower(graph, placement: Placement, backends: dict, target,
             cutoff = SLOW_BUILD_FACTOR * r["ms"]
         outputs[name] = [r["outputs"]] + outputs_on(executable, graph_of[name], target, seeds)
         results[name] = {"ms": r["ms"]}
+        if r["cuda_graph"] is not None:  # on a GPU: True, or why it runs launch by launch
+            results[name]["cuda_graph"] = r["cuda_graph"]
         if r["timed_once"]:
             results[name]["timed_once"] = True
         runs[name] = r["run"]

@@ -119,6 +119,14 @@ def register(prefix: str, fn) -> str:
     return symbol
 
 
+def captures_itself(symbol: str) -> bool:
+    """Whether the callable registered as ``symbol`` replays a CUDA graph of its own (the
+    whole model on inductor in ``reduce-overhead`` mode): a capture of the executable
+    calling it cannot hold it (``measure.cuda_graph``)."""
+    fn = _LIVE.get(symbol)
+    return bool(getattr(fn, "captures_itself", False))
+
+
 def _timed(fn, log: list):
     clock = time.perf_counter
 
@@ -128,6 +136,7 @@ def _timed(fn, log: list):
         log.append(clock() - t0)
         return out
 
+    call.captures_itself = getattr(fn, "captures_itself", False)
     return call
 
 

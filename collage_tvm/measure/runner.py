@@ -18,6 +18,7 @@ import tvm
 
 from ..graph.subgraph import constant_bytes, random_inputs, tensor_bytes
 from ..target import device_sync, target_device
+from .cuda_graph import capture
 from .timing import time_main, time_side_by_side, time_switch
 
 # What the worker may be asked to run (``Worker.call``).
@@ -153,22 +154,28 @@ def measure_function(funcs: list, target, build_vm, cutoff_ms=None, flush_bytes=
     (entry,) = funcs
     vm, args = _vm_and_args(*entry[:2], target, build_vm, entry[2])
     return time_main(vm, args, target_device(target), cutoff_ms=cutoff_ms,
-                     sync=device_sync(target), flush_bytes=flush_bytes)
+                     sync=device_sync(target), flush_bytes=flush_bytes,
+                     run=capture(vm, args, target))
+
+
+def _call(vm, args, target) -> tuple:
+    """``(fn, args)`` that runs a candidate once: on a GPU its CUDA graph's replay where it
+    was captured (``cuda_graph.capture``: as the final build runs), else the VM's main."""
+    main = capture(vm, args, target)
+    return (main.replay, []) if main.captured else (vm["main"], args)
 
 
 def measure_switch(funcs: list, target, build_vm) -> tuple:
     """(switch_ms, reason, extra) between two ``(probe func, backend, key)``: see
     ``time_switch``."""
-    (vm_a, args_a), (vm_b, args_b) = (_vm_and_args(f, b, target, build_vm, k)
+    (fn_a, args_a), (fn_b, args_b) = (_call(*_vm_and_args(f, b, target, build_vm, k), target)
                                       for f, b, k in funcs)
-    cost, extra = time_switch(vm_a["main"], args_a, vm_b["main"], args_b,
-                              sync=device_sync(target))
+    cost, extra = time_switch(fn_a, args_a, fn_b, args_b, sync=device_sync(target))
     return cost, None, extra
 
 
 def measure_side_by_side(funcs: list, target, build_vm, flush_bytes=0) -> tuple:
     """(list of ms, None, extra) of ``[(func, backend, key), ...]`` timed side by side
     (``flush_bytes``: with cold caches)."""
-    vms = [_vm_and_args(f, b, target, build_vm, k) for f, b, k in funcs]
-    return time_side_by_side([(vm["main"], args) for vm, args in vms],
-                             sync=device_sync(target), flush_bytes=flush_bytes), None, {}
+    runs = [_call(*_vm_and_args(f, b, target, build_vm, k), target) for f, b, k in funcs]
+    return time_side_by_side(runs, sync=device_sync(target), flush_bytes=flush_bytes), None, {}

@@ -34,7 +34,7 @@ class _Flush:
 
 def time_main(vm, args, dev, cutoff_ms: float | None = None, target_ms: float = 1.0,
               repeat: int = 5, max_batches: int = 4, sync=None,
-              flush_bytes: int = 0) -> tuple[float, str | None, dict]:
+              flush_bytes: int = 0, run=None) -> tuple[float, str | None, dict]:
     """Median ms of ``vm["main"](*args)``: warm-up, then batches of ``repeat`` samples of
     about ``target_ms`` each until two medians agree (3%).
 
@@ -47,34 +47,53 @@ def time_main(vm, args, dev, cutoff_ms: float | None = None, target_ms: float = 
     caches (TVM's ``cache_flush_bytes``): the kernel's weights come from memory, as they do
     in a whole run of a model whose weights the last-level cache cannot hold
     (``Measurer.costs``). 0: calls back to back, weights in cache.
+
+    ``run``: the VM's main captured as a CUDA graph (``cuda_graph.capture``); when it was
+    captured, its replays are what is timed (``extra["cuda_graph"]``), in a loop here
+    (the VM's ``time_evaluator`` would call the VM).
     """
+    replay = run.replay if run is not None and run.captured else None
     fn = vm["main"]
+    call = replay if replay is not None else (lambda: fn(*args))
     t0 = time.perf_counter()
-    fn(*args)
+    call()
     first_ms = (_done(sync) - t0) * 1e3
     if cutoff_ms is not None and first_ms > cutoff_ms:
         return first_ms, f"cut short: first run {first_ms:.3f} ms > cutoff {cutoff_ms:.3f} ms", {
             "repeats": 1}
-    fn(*args)  # second warm-up: caches, lazy init in libraries
+    call()  # second warm-up: caches, lazy init in libraries
     t0 = _done(sync)
-    fn(*args)
+    call()
     warm_ms = (_done(sync) - t0) * 1e3
-    if flush_bytes:
+    number = max(1, int(target_ms / max(warm_ms, 1e-3)))
+    if replay is not None:
+        def evaluator():
+            out = []
+            for _ in range(repeat):
+                t0 = _done(sync)
+                for _ in range(number):
+                    replay()
+                out.append((_done(sync) - t0) / number)
+            return out
+    elif flush_bytes:
         number = 1
-        evaluator = vm.module.time_evaluator("main", dev, number=1, repeat=repeat,
-                                             cache_flush_bytes=int(flush_bytes))
+        flushed = vm.module.time_evaluator("main", dev, number=1, repeat=repeat,
+                                           cache_flush_bytes=int(flush_bytes))
+        evaluator = lambda: flushed(*args).results  # noqa: E731
     else:
-        number = max(1, int(target_ms / max(warm_ms, 1e-3)))
-        evaluator = vm.time_evaluator("main", dev, number=number, repeat=repeat)
+        timer = vm.time_evaluator("main", dev, number=number, repeat=repeat)
+        evaluator = lambda: timer(*args).results  # noqa: E731
     samples: list = []
     medians: list = []
     for _ in range(max_batches):
-        res = evaluator(*args)
-        samples += [r * 1e3 for r in res.results]
+        samples += [r * 1e3 for r in evaluator()]
         medians.append(statistics.median(samples))
         if len(medians) >= 2 and abs(medians[-1] - medians[-2]) <= 0.03 * medians[-2]:
             break
-    return statistics.median(samples), None, {"repeats": len(samples) * number}
+    extra = {"repeats": len(samples) * number}
+    if replay is not None:
+        extra["cuda_graph"] = True
+    return statistics.median(samples), None, extra
 
 
 def time_switch(fn_a, args_a, fn_b, args_b, rounds: int = 9, target_ms: float = 8.0,
