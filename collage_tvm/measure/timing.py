@@ -62,10 +62,11 @@ def time_main(vm, args, dev, cutoff_ms: float | None = None, target_ms: float = 
         return first_ms, f"cut short: first run {first_ms:.3f} ms > cutoff {cutoff_ms:.3f} ms", {
             "repeats": 1}
     call()  # second warm-up: caches, lazy init in libraries
-    t0 = _done(sync)
-    call()
-    warm_ms = (_done(sync) - t0) * 1e3
-    number = max(1, int(target_ms / max(warm_ms, 1e-3)))
+    number = 1
+    if replay is not None or not flush_bytes:  # samples of many calls, sized on a warm one
+        t0 = _done(sync)
+        call()
+        number = max(1, int(target_ms / max((_done(sync) - t0) * 1e3, 1e-3)))
     if replay is not None:
         def evaluator():
             out = []
@@ -76,7 +77,6 @@ def time_main(vm, args, dev, cutoff_ms: float | None = None, target_ms: float = 
                 out.append((_done(sync) - t0) / number)
             return out
     elif flush_bytes:
-        number = 1
         flushed = vm.module.time_evaluator("main", dev, number=1, repeat=repeat,
                                            cache_flush_bytes=int(flush_bytes))
         evaluator = lambda: flushed(*args).results  # noqa: E731
