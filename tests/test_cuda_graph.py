@@ -154,3 +154,21 @@ def test_tvm_alone_keeps_its_own_cuda_graphs_and_the_final_check_reports_the_cap
     alone = compile_module(tvm.IRModule({"main": g.func}), target)
     r = evaluate(alone, g, target)
     assert isinstance(r["cuda_graph"], str) and "RewriteCUDAGraph" in r["cuda_graph"]
+
+
+def test_the_bench_table_says_which_builds_ran_as_one_cuda_graph():
+    from collage_tvm.tools.bench import markdown
+
+    machine = {"cpu": "x", "cores": 16, "gpu": "H100", "tvm": "0.27", "onnxruntime": "1",
+               "torch": "2"}
+    comp = {"collage": {"ms": 1.0, "match": True, "cuda_graph": True},
+            "tvm-only": {"ms": 2.0, "match": True,
+                         "cuda_graph": "TVM runs its own CUDA graphs in this build "
+                                       "(RewriteCUDAGraph)"},
+            "cudnn+tvm": {"ms": 3.0, "match": True}}
+    text = markdown({"machine": machine, "models": [
+        {"model": "m", "op-level": {"comparison": comp, "shipped": "collage", "times": {}}}]})
+    rows = {line.split(" | ")[0]: line for line in text.splitlines() if line.startswith("| ")}
+    assert rows["| collage  (one CUDA graph)"].endswith("| yes |")
+    assert "launch by launch: TVM runs its own" in next(r for r in rows if "tvm-only" in r)
+    assert "| cudnn+tvm" in rows  # off the GPU (no entry): nothing said

@@ -109,6 +109,9 @@ class Main:
     def __call__(self, *args):
         if self._graph is None:
             return self.vm["main"](*args) if args else self._eager()
+        if args and len(args) != len(self._static):
+            raise TypeError(f"the captured main takes {len(self._static)} inputs, "
+                            f"got {len(args)}")
         for dst, src in zip(self._static, args):
             dst.copyfrom(src)
         self._graph.replay()
@@ -210,7 +213,6 @@ def _capture(main: Main) -> None:
         vm.set_instrument(None)
     held.append(outputs)
     main._graph, main._outputs = graph, outputs
-    main._eager = lambda: fn(*main._static)
     got = main.outputs()
     from ..precision import compare_outputs
 

@@ -19,6 +19,7 @@ import os
 import platform
 import time
 
+from collage_tvm.measure.cuda_graph import note
 from collage_tvm.options import SearchOptions
 from collage_tvm.tools import MissingPlotExtra, need_matplotlib
 from collage_tvm.tools import zoo
@@ -572,8 +573,6 @@ def _print_generation(e) -> None:
 
 
 def _print_comparison(comparison: dict, shipped: str) -> None:
-    from collage_tvm.measure.cuda_graph import note
-
     base = comparison.get("collage", {}).get("ms", math.nan)
     for n, r in comparison.items():
         flag = "  <- shipped" if n == shipped else ""
@@ -602,6 +601,7 @@ def markdown(results: dict) -> str:
             base = comp.get("collage", {}).get("ms", math.nan)
             for n, c in comp.items():
                 same = f" (same placement as {c['same_as']})" if c.get("same_as") else ""
+                same += note(c.get("cuda_graph"))
                 lines.append(f"| {n}{same} | {c['ms']:.3f} | {c['ms'] / base:.2f}x | "
                              f"{'yes' if c['match'] else 'NO'} |")
             t = r["times"]
