@@ -12,8 +12,8 @@ from tvm import relax
 
 from collage_tvm.graph import DataflowGraph
 from collage_tvm.lower import compile_placement
-from collage_tvm.lower.external import _release, captures_itself, register
-from collage_tvm.measure.cuda_graph import Main, capture, flat_numpy, refusal
+from collage_tvm.lower.external import _release, register
+from collage_tvm.measure.cuda_graph import Main, capture, captures_itself, flat_numpy, refusal
 from collage_tvm.measure.timing import time_main
 from collage_tvm.registry import get_backend
 from collage_tvm.target import make_target

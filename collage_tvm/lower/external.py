@@ -17,6 +17,7 @@ import tvm
 from tvm_ffi.structural import structural_equal, structural_hash
 from tvm import relax
 
+from ..measure.cuda_graph import replays_its_own_graph
 from ..partition import CODEGEN_PREFIX
 
 # Registered callables by symbol. The VM resolves a packed function when it is created, so
@@ -86,6 +87,7 @@ def _release(symbols) -> None:
     import tvm_ffi
 
     for symbol in symbols:
+        replays_its_own_graph(symbol, False)
         if _LIVE.pop(symbol, None) is not None:
             try:
                 tvm_ffi.remove_global_func(symbol)
@@ -116,15 +118,9 @@ def register(prefix: str, fn) -> str:
     symbol = f"{prefix}.{next(_COUNTER)}"
     tvm.register_global_func(symbol, fn, override=True)
     _LIVE[symbol] = fn
+    if getattr(fn, "captures_itself", False):  # no capture of the executable around it
+        replays_its_own_graph(symbol)
     return symbol
-
-
-def captures_itself(symbol: str) -> bool:
-    """Whether the callable registered as ``symbol`` replays a CUDA graph of its own (the
-    whole model on inductor in ``reduce-overhead`` mode): a capture of the executable
-    calling it cannot hold it (``measure.cuda_graph``)."""
-    fn = _LIVE.get(symbol)
-    return bool(getattr(fn, "captures_itself", False))
 
 
 def _timed(fn, log: list):

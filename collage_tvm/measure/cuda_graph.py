@@ -69,11 +69,28 @@ def note(state) -> str:
     return "  (one CUDA graph)" if state is True else f"  (launch by launch: {state})"
 
 
+#: Symbols of registered callables that replay a CUDA graph of their own (the whole model
+#: on inductor in ``reduce-overhead`` mode): a capture of an executable calling one cannot
+#: hold it. ``lower.external.register`` adds them (the callable's ``captures_itself``).
+_SELF_REPLAYING: set = set()
+
+
+def replays_its_own_graph(symbol: str, replays: bool = True) -> None:
+    """Mark (or, released, unmark) the callable registered as ``symbol``."""
+    if replays:
+        _SELF_REPLAYING.add(symbol)
+    else:
+        _SELF_REPLAYING.discard(symbol)
+
+
+def captures_itself(symbol: str) -> bool:
+    """Whether the callable registered as ``symbol`` replays a CUDA graph of its own."""
+    return symbol in _SELF_REPLAYING
+
+
 def refusal(symbols) -> str | None:
     """Why a build calling ``symbols`` (the VM's calls, in order) cannot be captured by
     torch, or None when it can."""
-    from ..lower.external import captures_itself
-
     for s in symbols:
         if s.startswith(TVM_GRAPH_CALLS):
             return "TVM runs its own CUDA graphs in this build (RewriteCUDAGraph)"
