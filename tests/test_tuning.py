@@ -159,6 +159,26 @@ def test_tuner_goes_on_after_a_failing_kernel_and_stops_at_the_budget(tmp_path, 
     assert items[1].key in json.loads((tmp_path / "t" / tuner.UNTUNED).read_text())
 
 
+def test_a_cpu_schedule_loads_the_x86_intrinsics_alone():
+    """Not every target's (tensor_intrin's __init__: 45 s to minutes): x86's, registered;
+    a later import of the package (MetaSchedule's TuneContext) costs nothing."""
+    import subprocess
+    import sys
+
+    code = ("import sys, time, tvm\n"
+            "from collage_tvm.tuning.inprocess import tensor_intrinsics\n"
+            "from collage_tvm.target import make_target\n"
+            "tensor_intrinsics(make_target('llvm'))\n"
+            "from tvm.s_tir import TensorIntrin\n"
+            "assert TensorIntrin.get('dot_16x4_vnni', allow_missing=True) is not None\n"
+            "t = time.time(); import tvm.s_tir.tensor_intrin; assert time.time() - t < 1\n"
+            "print(sorted(m for m in sys.modules if m.startswith('tvm.s_tir.tensor_intrin.')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "['tvm.s_tir.tensor_intrin.x86']"
+
+
 def test_tuning_a_kernel_records_schedules_the_build_applies(tmp_path):
     """Real MetaSchedule: 16 trials of one matmul, built tuned, same outputs; the
     candidate's signature names the record; tuning again with enough records: cached."""

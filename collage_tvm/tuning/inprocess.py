@@ -34,10 +34,36 @@ def _error(err: BaseException) -> str:
     return f"{type(err).__name__}: {str(err).strip()[:1000]}"
 
 
+def tensor_intrinsics(target) -> None:
+    """Register the tensor intrinsics a schedule for ``target`` uses (x86's on a CPU,
+    CUDA's on a GPU) without running ``tvm.s_tir.tensor_intrin``'s ``__init__``, which
+    imports every target's: 45-53 s on our machines, and minutes in a process that holds
+    many modules (each intrinsic's TVMScript parse walks the stack through
+    ``inspect.getmodule``, which scans ``sys.modules``; 234 s measured in the test run).
+
+    The package is put in ``sys.modules`` unexecuted, then the one submodule imported: a
+    later ``import tvm.s_tir.tensor_intrin`` (MetaSchedule's ``TuneContext``) finds it
+    there, and any other submodule still imports on request."""
+    import importlib
+    import importlib.util
+    import sys
+
+    import tvm.s_tir
+
+    name = "tvm.s_tir.tensor_intrin"
+    if name not in sys.modules:
+        package = importlib.util.module_from_spec(importlib.util.find_spec(name))
+        sys.modules[name] = package
+        tvm.s_tir.tensor_intrin = package
+    kind = target.kind.name if hasattr(target, "kind") else str(target)
+    importlib.import_module(f"{name}.{'cuda' if kind == 'cuda' else 'x86'}")
+
+
 def build_kernel(mod: tvm.IRModule, target):
     """The runtime module of a scheduled (or unscheduled) TIR workload."""
-    import tvm.s_tir.tensor_intrin.x86  # noqa: F401 - the only intrinsics a CPU schedule uses
     from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
+
+    tensor_intrinsics(target)
 
     mod = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod)
     return tvm.compile(mod, target=target).mod

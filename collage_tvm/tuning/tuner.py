@@ -93,8 +93,9 @@ def _load(db: TuningDB, name: str, kind) -> dict:
 def _tune_one(db: TuningDB, item: KernelToTune, trials: int, seed: int) -> None:
     from tvm.s_tir import meta_schedule as ms
 
-    from .inprocess import InProcessBuilder, InProcessRunner
+    from .inprocess import InProcessBuilder, InProcessRunner, tensor_intrinsics
 
+    tensor_intrinsics(db.target)  # before TuneContext imports them all
     # MetaSchedule reports every round at INFO (tables, XGBoost fits): kept out of the
     # user's log; our progress bar says what happened.
     quiet = logging.getLogger("collage_tvm.metaschedule")
