@@ -65,6 +65,15 @@ def test_a_cpu_build_runs_as_it_is_and_says_why():
         np.testing.assert_array_equal(got[0], want[0])
 
 
+def test_the_capture_can_be_switched_off(monkeypatch):
+    from collage_tvm.measure.cuda_graph import SWITCH
+
+    vm, args, _ = _cpu_build()
+    monkeypatch.setenv(SWITCH, "0")
+    main = capture(vm, args, make_target("cuda:sm_90"))  # no device touched: switched off
+    assert not main.captured and SWITCH in main.why
+
+
 def test_time_main_times_the_replays_of_a_captured_build():
     vm, args, target = _cpu_build()
 

@@ -33,10 +33,15 @@ capturing or whose replay disagrees with the eager call.
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 
 logger = logging.getLogger("collage_tvm")
+
+#: ``COLLAGE_TVM_CUDA_GRAPHS=0`` in the environment: no capture, every build launch by launch
+#: (to compare, or to rule the capture out when something on a GPU goes wrong).
+SWITCH = "COLLAGE_TVM_CUDA_GRAPHS"
 
 #: Calls that mean TVM runs CUDA graphs of its own inside the executable.
 TVM_GRAPH_CALLS = ("vm.builtin.cuda_graph.",)
@@ -170,6 +175,8 @@ def capture(vm, args, target) -> Main:
         return known
     if target.kind.name != "cuda":
         main = Main(vm, args, why=f"not a CUDA target ({target.kind.name})")
+    elif os.environ.get(SWITCH, "1").strip() == "0":
+        main = Main(vm, args, why=f"switched off ({SWITCH}=0)")
     else:
         main = Main(vm, args)
         try:
