@@ -35,6 +35,7 @@ from .pipeline import pipeline  # noqa: E402
 from .tune import TuneReport, tune  # noqa: E402
 from .placement import Candidate, Placement  # noqa: E402
 from .lowering import Lowering  # noqa: E402
+from .measure.cuda_graph import capture as capture_cuda_graph  # noqa: E402
 from .registry import (add_backend_pattern, add_backend_pattern_rule,  # noqa: E402
                        add_backend_patterns_from_tvm, get_backend, list_backends,
                        load_pattern_file, register_backend)
@@ -43,4 +44,4 @@ __version__ = "0.1.0"
 __all__ = ["build", "optimize", "pipeline", "tune", "TuneReport", "SearchOptions", "CollageResult", "Candidate",
            "Placement", "Lowering", "register_backend", "add_backend_pattern",
            "add_backend_pattern_rule", "add_backend_patterns_from_tvm", "load_pattern_file",
-           "get_backend", "list_backends"]
+           "get_backend", "list_backends", "capture_cuda_graph"]

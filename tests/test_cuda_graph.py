@@ -65,6 +65,15 @@ def test_a_cpu_build_runs_as_it_is_and_says_why():
         np.testing.assert_array_equal(got[0], want[0])
 
 
+def test_the_public_capture_takes_a_target_by_name():
+    import collage_tvm
+
+    vm, args, _ = _cpu_build()
+    main = collage_tvm.capture_cuda_graph(vm, args, "llvm")
+    assert not main.captured and main.why == "not a CUDA target (llvm)"
+    np.testing.assert_array_equal(main(*args).numpy(), vm["main"](*args).numpy())
+
+
 def test_the_capture_can_be_switched_off(monkeypatch):
     from collage_tvm.measure.cuda_graph import SWITCH
 

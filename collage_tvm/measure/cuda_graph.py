@@ -169,10 +169,22 @@ def _sync() -> None:
 def capture(vm, args, target) -> Main:
     """``vm["main"](*args)`` as one CUDA graph on a cuda ``target`` (module doc); on any
     other target, or where it cannot be captured, the VM's own call (``Main.why``). The
-    result is kept on the VM: a second call with the same VM returns it."""
+    result is kept on the VM: a second call with the same VM returns it. ``target``: a
+    ``tvm.target.Target`` or a string (``"cuda"``, ``"llvm"``).
+
+    As ``collage_tvm.capture_cuda_graph`` for a user's own runs of a build::
+
+        vm = relax.VirtualMachine(result.executable, tvm.cuda())
+        main = collage_tvm.capture_cuda_graph(vm, [x], "cuda")
+        y = main(x2)  # a replay on new inputs; copies of the outputs
+    """
     known = getattr(vm, "_collage_main", None)
     if known is not None:
         return known
+    if isinstance(target, str):
+        from ..target import make_target
+
+        target = make_target(target)
     if target.kind.name != "cuda":
         main = Main(vm, args, why=f"not a CUDA target ({target.kind.name})")
     elif os.environ.get(SWITCH, "1").strip() == "0":
