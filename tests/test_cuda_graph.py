@@ -59,6 +59,7 @@ def test_a_cpu_build_runs_as_it_is_and_says_why():
     vm, args, target = _cpu_build()
     main = capture(vm, args, target)
     assert not main.captured and "not a CUDA target" in main.why
+    assert main.state is None  # nothing to report off the GPU
     assert capture(vm, args, target) is main  # kept on the VM
     want = flat_numpy(vm["main"](*args))
     for got in (flat_numpy(main.replay()), main.outputs(), flat_numpy(main(*args))):
@@ -81,6 +82,7 @@ def test_the_capture_can_be_switched_off(monkeypatch):
     monkeypatch.setenv(SWITCH, "0")
     main = capture(vm, args, make_target("cuda:sm_90"))  # no device touched: switched off
     assert not main.captured and SWITCH in main.why
+    assert main.state == main.why  # on a GPU target the comparison says why
 
 
 def test_time_main_times_the_replays_of_a_captured_build():

@@ -35,16 +35,10 @@ def evaluate(executable, graph, target, reference=None, rtol=1e-3, atol=1e-3, se
                            max_batches=3, sync=device_sync(target), run=main)
     result = {"ms": ms, "outputs": outputs, "match": None, "max_err": math.nan,
               "run": main.replay, "timed_once": why is not None,
-              "cuda_graph": _graph_state(main, target)}
+              "cuda_graph": main.state}
     if reference is not None:
         result["match"], result["max_err"] = compare_outputs(outputs, reference, rtol, atol)
     return result
-
-
-def _graph_state(main, target):
-    if target.kind.name != "cuda":
-        return None
-    return True if main.captured else main.why
 
 
 def first_line(err: BaseException) -> str:

@@ -112,8 +112,8 @@ class Main:
     results left in the graph's outputs; what the timing loops call. ``__call__(*args)``:
     one run on new inputs (same shapes), returning copies of the outputs."""
 
-    def __init__(self, vm, args, why: str | None = None):
-        self.vm, self.args, self.why = vm, list(args), why
+    def __init__(self, vm, args, why: str | None = None, gpu: bool = True):
+        self.vm, self.args, self.why, self.gpu = vm, list(args), why, gpu
         self.captured = False
         self._graph = None
         self._static: list = []
@@ -121,6 +121,17 @@ class Main:
         self._held: list = []
         main = vm["main"]
         self._eager = lambda: main(*self.args)
+
+    @property
+    def state(self):
+        """What a comparison reports: None off the GPU, True when captured, else why not."""
+        if not self.gpu:
+            return None
+        return True if self.captured else self.why
+
+    def _uncaptured(self, why: str) -> None:
+        """Run launch by launch from now on, for ``why``: the graph and what it held let go."""
+        self._graph, self._held, self.why = None, [], why
 
     def replay(self):
         if self._graph is None:
@@ -186,7 +197,7 @@ def capture(vm, args, target) -> Main:
 
         target = make_target(target)
     if target.kind.name != "cuda":
-        main = Main(vm, args, why=f"not a CUDA target ({target.kind.name})")
+        main = Main(vm, args, why=f"not a CUDA target ({target.kind.name})", gpu=False)
     elif os.environ.get(SWITCH, "1").strip() == "0":
         main = Main(vm, args, why=f"switched off ({SWITCH}=0)")
     else:
@@ -195,10 +206,8 @@ def capture(vm, args, target) -> Main:
             _capture(main)
         except Exception as err:  # noqa: BLE001 - run uncaptured, with the reason
             text = str(err).strip()
-            main.why = (f"capture failed: {type(err).__name__}: "
-                        f"{text.splitlines()[0] if text else ''}")
-            main._graph = None
-            main._held = []
+            main._uncaptured(f"capture failed: {type(err).__name__}: "
+                             f"{text.splitlines()[0] if text else ''}")
         if main.why is not None:
             logger.info("CUDA graph: not captured (%s)", main.why)
     try:
@@ -254,7 +263,6 @@ def _capture(main: Main) -> None:
 
     ok, err = compare_outputs(got, expected)
     if not ok:
-        main._graph, main._held = None, []
-        main.why = f"a replay's outputs differ from the eager call's (max err {err:.3g})"
+        main._uncaptured(f"a replay's outputs differ from the eager call's (max err {err:.3g})")
         return
     main.captured = True

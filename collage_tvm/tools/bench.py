@@ -260,7 +260,6 @@ def gpu_frameworks(name: str, size: str, collage_executable, accuracy=None) -> d
     from collage_tvm.check import run_outputs
     from collage_tvm.measure.cuda_graph import capture
     from collage_tvm.measure.timing import interleaved
-    from collage_tvm.target import make_target
 
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -300,9 +299,9 @@ def gpu_frameworks(name: str, size: str, collage_executable, accuracy=None) -> d
     vm = relax.VirtualMachine(collage_executable, dev)
     args = [tvm.runtime.tensor(x.numpy(), dev)]
     outs["collage"] = run_outputs(vm, args)
-    main = capture(vm, args, make_target("cuda"))  # one CUDA graph where it can be
+    main = capture(vm, args, "cuda")  # one CUDA graph where it can be
     runs["collage"] = main.replay
-    extra["collage"] = {"cuda_graph": True if main.captured else main.why}
+    extra["collage"] = {"cuda_graph": main.state}
     print(f"  timing {', '.join(runs)} interleaved on the GPU", flush=True)
     extra = {fw: {"precision": "f32", **extra.get(fw, {})} for fw in outs}
     return _rows(outs, interleaved(runs, sync=torch.cuda.synchronize), ref, accuracy, extra)
