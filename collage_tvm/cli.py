@@ -317,6 +317,8 @@ def _jobs(text: str) -> int:
 
 
 def main(argv=None) -> int:
+    from .tools.suites import SUITES
+
     p = argparse.ArgumentParser(prog="collage-tvm", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     o = sub.add_parser("optimize", help="search a placement for a model and build it")
@@ -393,13 +395,13 @@ def main(argv=None) -> int:
                    "dcgan, nasnet, resnet3d, resnext50, resnet50, inception_v3, squeezenet) "
                    "or resnet_small, bert_base, bert_small")
     b.add_argument("--all", action="store_true", help="every zoo model")
-    b.add_argument("--suite", choices=["onnx-node", "onnx-files", "transformers", "torchvision",
-                                       "timm"],
+    b.add_argument("--suite", choices=SUITES,
                    help="an external model suite instead of zoo models: the onnx wheel's "
                         "backend test models (node tests; pytorch-converted, pytorch-operator "
                         "and simple files), transformers models built from configs, every "
-                        "torchvision classification model, or 57 timm architectures; writes "
-                        "suite_<name>.json/.md. Model names given: only those of the suite")
+                        "torchvision classification, segmentation or video model, or 57 timm "
+                        "architectures; writes suite_<name>.json/.md. Model names given: only "
+                        "those of the suite")
     b.add_argument("--full", action="store_true",
                    help="with an onnx suite: also the whole Collage search over --backends "
                         "on every case TVM alone runs")

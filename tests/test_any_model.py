@@ -468,10 +468,12 @@ def test_a_placement_that_fails_to_compile_ships_tvm_alone_with_the_reason(tmp_p
 
 # ------------------------------------------------------------------ torchvision and timm
 
-def _torchvision_names():
+def _torchvision_names(task=None):
+    """Every classification model of torchvision (``task`` None), or of its ``segmentation``
+    or ``video`` module; [] without torchvision."""
     try:
-        from collage_tvm.tools.suites import torchvision_names
-        return torchvision_names()
+        from collage_tvm.tools.suites import torchvision_names, torchvision_task_names
+        return torchvision_task_names(task) if task else torchvision_names()
     except ImportError:
         return []
 
@@ -486,7 +488,27 @@ def test_torchvision_imports_against_the_cpu_torch_and_lists_every_classificatio
     assert x.shape == (1, 3, 64, 64) and model.image_size == 64
 
 
+def test_torchvision_segmentation_and_video_suites_list_every_model_and_build_its_input():
+    pytest.importorskip("torchvision")
+    seg, video = _torchvision_names("segmentation"), _torchvision_names("video")
+    assert {"fcn_resnet50", "deeplabv3_resnet50", "lraspp_mobilenet_v3_large"} <= set(seg)
+    assert {"r3d_18", "mc3_18", "r2plus1d_18", "s3d", "mvit_v2_s", "swin3d_t"} <= set(video)
+    from collage_tvm.tools.suites import (TORCH_SUITES, torchvision_segmentation_model,
+                                          torchvision_video_model)
+
+    assert TORCH_SUITES["torchvision-video"][0]() == video
+    model, (x,) = torchvision_segmentation_model("fcn_resnet50")
+    with torch.no_grad():  # the dict's "out" map, at the input's size
+        assert x.shape == (1, 3, 64, 64) and model(x).shape == (1, 21, 64, 64)
+    _, (clip,) = torchvision_video_model("mvit_v2_s")  # MViT: its embeddings' own size
+    assert clip.shape == (1, 3, 16, 224, 224)
+    with pytest.raises(ValueError, match="unknown torchvision video model 'resnet50'"):
+        torchvision_video_model("resnet50")
+
+
 SAMPLES = [("torchvision", "squeezenet1_1"), ("torchvision", "shufflenet_v2_x0_5"),
+           ("torchvision-segmentation", "lraspp_mobilenet_v3_large"),
+           ("torchvision-video", "r3d_18"),
            ("timm", "lcnet_050"), ("timm", "levit_128s")]
 
 
@@ -495,7 +517,7 @@ def test_torchvision_and_timm_sample_places_every_node_on_tvm_and_matches_torch(
         suite, name, tmp_path):
     """The fast check (no measuring): import, candidates, every node placed on TVM,
     partition, compile, run. ShuffleNet: TVM alone cannot compile it (static slices)."""
-    pytest.importorskip("timm" if suite == "timm" else "torchvision")
+    pytest.importorskip(suite.split("-")[0])
     import onnx
 
     from collage_tvm.tools.suites import TORCH_SUITES, Case, export_onnx
@@ -514,7 +536,7 @@ def test_torchvision_and_timm_sample_places_every_node_on_tvm_and_matches_torch(
 @pytest.mark.slow
 @pytest.mark.parametrize("suite,name", SAMPLES)
 def test_torchvision_and_timm_sample_builds_and_matches_torch(suite, name, tmp_path):
-    pytest.importorskip("timm" if suite == "timm" else "torchvision")
+    pytest.importorskip(suite.split("-")[0])
     row = _suite_row(suite, name, ["tvm", "onnxruntime"], tmp_path)
     assert row["status"] == "built" and row["match"], row
     assert row["shipped"] in ("collage", row["best"][0])
@@ -524,6 +546,16 @@ def test_torchvision_and_timm_sample_builds_and_matches_torch(suite, name, tmp_p
 @pytest.mark.parametrize("name", _torchvision_names())
 def test_torchvision_suite_builds_on_every_cpu_backend_and_matches_torch(name, tmp_path):
     row = _suite_row("torchvision", name, _available_backends(), tmp_path)
+    assert row["status"] == "built" and row["match"], row
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("suite,name", [(f"torchvision-{task}", name)
+                                        for task in ("segmentation", "video")
+                                        for name in _torchvision_names(task)])
+def test_torchvision_segmentation_and_video_build_on_every_cpu_backend_and_match_torch(
+        suite, name, tmp_path):
+    row = _suite_row(suite, name, _available_backends(), tmp_path)
     assert row["status"] == "built" and row["match"], row
 
 

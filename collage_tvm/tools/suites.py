@@ -246,6 +246,45 @@ def torchvision_model(name: str):
     return no_zero_weights(model), (_image((1, 3, size, size)),)
 
 
+# Video classification (``models.video``): (frames, side) per model; 8x64x64 where the
+# architecture allows, else the smallest it accepts (MViT's positional embeddings are for
+# 16x224x224; S3D ends in a 2x7x7 average pool: 16x224x224).
+TORCHVISION_VIDEO_SIZES = {"mvit_v1_b": (16, 224), "mvit_v2_s": (16, 224), "s3d": (16, 224)}
+
+
+def torchvision_task_names(task: str) -> list:
+    """Every model of torchvision's ``segmentation`` or ``video`` module."""
+    models = import_torchvision().models
+    return sorted(models.list_models(module=getattr(models, task)))
+
+
+def torchvision_segmentation_model(name: str):
+    """(torchvision segmentation model ``name``, random weights and backbone, eval mode,
+    returning its ``"out"`` map; a 64x64 image)."""
+    import torch
+
+    models = import_torchvision().models
+    if name not in torchvision_task_names("segmentation"):
+        raise ValueError(f"unknown torchvision segmentation model {name!r}")
+    torch.manual_seed(0)
+    model = models.get_model(name, weights=None, weights_backbone=None).eval()
+    return _Output(no_zero_weights(model), "out"), (_image((1, 3, 64, 64)),)
+
+
+def torchvision_video_model(name: str):
+    """(torchvision video classification model ``name``, random weights, eval mode; a clip
+    (1, 3, frames, side, side): ``TORCHVISION_VIDEO_SIZES``)."""
+    import torch
+
+    models = import_torchvision().models
+    if name not in torchvision_task_names("video"):
+        raise ValueError(f"unknown torchvision video model {name!r}")
+    frames, side = TORCHVISION_VIDEO_SIZES.get(name, (8, 64))
+    torch.manual_seed(0)
+    model = models.get_model(name, weights=None).eval()
+    return no_zero_weights(model), (_image((1, 3, frames, side, side)),)
+
+
 # At least one architecture of each family the issue names, and more (57 in all); the small
 # variant of each (the family's operators, not its size, is what coverage is about).
 TIMM = (
@@ -317,6 +356,21 @@ def _last_hidden_cls():
 
 def _LastHidden(model):  # noqa: N802 - a class made on first use (torch is imported lazily)
     return _last_hidden_cls()(model)
+
+
+def _Output(model, key: str):  # noqa: N802 - a module made on first use (torch imported lazily)
+    """``model`` returning only its output ``key`` (a segmentation model returns a dict)."""
+    import torch
+
+    class Output(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, x):
+            return self.model(x)[key]
+
+    return Output().eval()
 
 
 def export_onnx(model, inputs, path: str, exporter: str = "torchscript") -> str:
@@ -405,6 +459,9 @@ TORCH_SUITES = {  # name: (the model names, name -> (torch module, inputs))
     "transformers": (lambda: list(TRANSFORMERS), transformers_model),
     "torchvision": (torchvision_names, torchvision_model),
     "timm": (lambda: list(TIMM), timm_model),
+    "torchvision-segmentation": (lambda: torchvision_task_names("segmentation"),
+                                 torchvision_segmentation_model),
+    "torchvision-video": (lambda: torchvision_task_names("video"), torchvision_video_model),
 }
 SUITES = ("onnx-node", "onnx-files", *TORCH_SUITES)
 
