@@ -330,12 +330,14 @@ def _search_model(model, target, options, db, placement_log, example_inputs, inp
 
 def _rewrite(mod, backends, target, db, options: SearchOptions, report) -> tvm.IRModule:
     """The verified rewrites (``collage_tvm.rewrite``): the affine-tail fold (it only removes
-    work), then the cost-based search over the others, each graph costed as the op-level DP
+    work), then the cost-based search over the others and the generator's proved rules
+    (``rewrite.generated``), each graph costed as the op-level DP
     places it on ``backends`` with measured costs (new kernels are measured and cached): a
     rewrite is judged on the backends that will run it."""
     from .measure.measurer import DeadlinePassed
     from .rewrite import fold_conv_affine
-    from .rewrite.search import split_search
+    from .rewrite.generated import rewrites as generated_rewrites
+    from .rewrite.search import REWRITES, split_search
 
     t0 = time.perf_counter()
     folded = fold_conv_affine(mod)
@@ -364,7 +366,8 @@ def _rewrite(mod, backends, target, db, options: SearchOptions, report) -> tvm.I
             return place(graph.producers, cands, costs, eps, exact=False).cost
 
         # 3%: below it, two measured placements are within the noise of these machines
-        res = split_search(folded, cost, budget_s=options.budget, min_gain=0.03)
+        res = split_search(folded, cost, REWRITES + generated_rewrites(),
+                           budget_s=options.budget, min_gain=0.03)
     finally:
         measurer.close()
     report.rewrite = {"folded_affine_tails": folded is not mod, "applied": res.applied,

@@ -472,3 +472,180 @@ def test_sibling_matmuls_of_an_attention_are_merged_when_it_pays():
     x = rng.standard_normal((1, 4, 8)).astype("float32")
     got = numeric.run(relax.transform.Normalize()(res.module)["main"], [x])[0]
     np.testing.assert_allclose(got, numeric.run(mod["main"], [x])[0], rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------ generated substitutions
+
+def _source_module(expr, shape=(2, 4, 4)):
+    """``main(x0, x1, x2)`` computing ``expr`` (a generator Expr) over (batched) squares."""
+    from collage_tvm.rewrite.generated import _call
+
+    params = [relax.Var(f"x{i}", relax.TensorType(shape, "float32")) for i in range(3)]
+    bb = relax.BlockBuilder()
+    with bb.function("main", params):
+        with bb.dataflow():
+            def build(e, emit=bb.emit):
+                if not e.args:
+                    return params[int(e.op[1:])]
+                return emit(_call(e.op, [build(a) for a in e.args]))
+            out = build(expr, bb.emit_output)
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _run_module(mod, inputs):
+    vm = relax.VirtualMachine(relax.build(mod, "llvm"), tvm.cpu())
+    return vm["main"](*[tvm.runtime.tensor(a) for a in inputs]).numpy()
+
+
+def _interpret(mod, inputs):
+    """``main``'s block of add, multiply, matmul, relu and permute_dims run by numpy (a
+    TVM build is seconds; the slow test builds every rule)."""
+    main = mod["main"]
+    env = {p: a for p, a in zip(main.params, inputs)}
+
+    def val(e):
+        return e.value.numpy() if isinstance(e, tvm.ir.expr.Constant) else env[e]
+
+    for b in main.body.blocks[0].bindings:
+        if not isinstance(b.value, relax.Call):
+            env[b.var] = val(b.value)
+            continue
+        args, name = [val(a) for a in b.value.args], b.value.op.name
+        env[b.var] = {"relax.add": lambda: args[0] + args[1],
+                      "relax.multiply": lambda: args[0] * args[1],
+                      "relax.matmul": lambda: args[0] @ args[1],
+                      "relax.nn.relu": lambda: np.maximum(args[0], 0),
+                      "relax.permute_dims": lambda: np.transpose(
+                          args[0], [int(a) for a in b.value.attrs.axes])}[name]()
+    return val(main.body.body)
+
+
+def _generated_rules():
+    from collage_tvm.rewrite.generated import rules
+    return rules()
+
+
+def test_generated_rules_are_the_proved_pairs_directed_never_to_add_operators():
+    from collage_tvm.rewrite.generated import Rule, parse, rules
+    from collage_tvm.rewrite.generated_rules import PROVED
+
+    rs = rules()
+    assert len(PROVED) > 300 and len(rs) >= len(PROVED)
+    assert all(r.source.size() >= r.target.size() for r in rs)
+    for a, b in PROVED[:50]:
+        assert str(parse(a)) == a and str(parse(b)) == b
+    assert Rule(parse("add(matmul(x0, x1), matmul(x0, x2))"), parse("matmul(x0, add(x1, x2))")) \
+        in rs  # distributivity, proved with three inputs
+    with pytest.raises(ValueError, match="unknown operator 'conv'"):
+        parse("conv(x0, x1)")
+    with pytest.raises(ValueError, match="trailing"):
+        parse("relu(x0) x1")
+
+
+def _check_rule_in_relax(rule, run=_interpret):
+    """``rule``'s source as a Relax module: the rule finds it at its root, and the rewritten
+    module computes what the source computes (``run``: numpy, or a TVM build)."""
+    from collage_tvm.rewrite.generated import apply, sites
+
+    mod = _source_module(rule.source)
+    found = sites(mod, rule)
+    root = len(mod["main"].body.blocks[0].bindings) - 1
+    at_root = [s for s in found if s[0] == root]
+    assert len(at_root) == 1, (str(rule), found)
+    new = apply(mod, rule, at_root[0])
+    assert len(new["main"].body.blocks[0].bindings) == rule.target.size()
+    rng = np.random.default_rng(0)
+    inputs = [rng.standard_normal((2, 4, 4)).astype("float32") for _ in range(3)]
+    np.testing.assert_allclose(run(new, inputs), run(mod, inputs), rtol=1e-4, atol=1e-4,
+                               err_msg=str(rule))
+
+
+def test_every_generated_rule_rewrites_its_source_in_relax_and_matches():
+    rs = _generated_rules()
+    for rule in rs:
+        _check_rule_in_relax(rule)
+    for rule in rs[::len(rs) // 4]:  # built by TVM: a sample (all of them: the slow test)
+        _check_rule_in_relax(rule, _run_module)
+
+
+@pytest.mark.slow
+def test_every_generated_rule_built_by_tvm_matches_its_source():
+    for rule in _generated_rules():
+        _check_rule_in_relax(rule, _run_module)
+
+
+@pytest.mark.slow
+def test_the_shipped_rules_are_what_the_generator_proves():
+    from collage_tvm.rewrite.generator import generate
+    from collage_tvm.rewrite.generated_rules import PROVED
+
+    g = generate(max_ops=3, inputs=3, time_limit_s=3600)
+    assert [(str(a), str(b)) for a, b in g.substitutions] == list(PROVED)
+
+
+def _distributive_module(bias_shape=(4, 6), second_use=False):
+    rng = np.random.default_rng(0)
+    x = relax.Var("x", relax.TensorType((4, 8), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            a = bb.emit(relax.op.matmul(x, relax.const(
+                rng.standard_normal((8, 6)).astype("float32"))))
+            b = bb.emit(relax.op.matmul(x, relax.const(
+                rng.standard_normal((8, 6)).astype("float32"))))
+            c = bb.emit(relax.op.add(b, a))  # the add's arguments the other way round
+            d = bb.emit(relax.op.add(c, relax.const(
+                rng.standard_normal(bias_shape).astype("float32"))))
+            out = bb.emit_output(relax.Tuple([d, a]) if second_use else d)
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_a_generated_rule_folds_constants_and_respects_uses_and_broadcasting():
+    from collage_tvm.rewrite.generated import Rule, apply, parse, sites
+
+    dist = Rule(parse("add(matmul(x0, x1), matmul(x0, x2))"), parse("matmul(x0, add(x1, x2))"))
+    mod = _distributive_module()
+    (site,) = sites(mod, dist)
+    new = apply(mod, dist, site)
+    ops = [b.value.op.name for b in new["main"].body.blocks[0].bindings
+           if isinstance(b.value, relax.Call)]
+    assert ops == ["relax.matmul", "relax.add"]  # W1 + W2 computed once, a constant
+    x = np.random.default_rng(1).standard_normal((4, 8)).astype("float32")
+    np.testing.assert_allclose(_run_module(new, [x]), _run_module(mod, [x]), rtol=1e-5,
+                               atol=1e-5)
+    # a matmul used elsewhere stays: the rewrite would compute it twice
+    assert sites(_distributive_module(second_use=True), dist) == []
+    # associativity is proved for tensors of one shape: a broadcast add is no site of it
+    assoc = Rule(parse("add(add(x0, x1), x2)"), parse("add(x0, add(x1, x2))"))
+    assert sites(_distributive_module(), assoc) == [(3, (2,))]
+    assert sites(_distributive_module(bias_shape=(6,)), assoc) == []
+
+
+class TransposeAroundRelu(nn.Module):
+    """An exported model's layout shuffle: transpose, relu, transpose back; two linears of
+    one input summed."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(64, 64, bias=False)
+        self.b = nn.Linear(64, 64, bias=False)
+
+    def forward(self, x):
+        y = self.a(x) + self.b(x)
+        return torch.relu(y.transpose(0, 1)).transpose(0, 1) * x
+
+
+def test_optimize_with_rewrite_applies_generated_rules_and_matches_torch(tmp_path):
+    torch.manual_seed(0)
+    m, x = TransposeAroundRelu().eval(), torch.randn(256, 64)
+    res = collage_tvm.optimize(m, "llvm", ["tvm"], db=str(tmp_path / "c.db"), rewrite=True,
+                               example_inputs=(x,), isolate=False, progress=False,
+                               calibrate_rounds=0, refine_rounds=0)
+    applied = res.report.rewrite["applied"]
+    assert any(a.startswith("generated: ") for a in applied), res.report.rewrite
+    got = relax.VirtualMachine(res.executable, tvm.cpu())["main"](tvm.runtime.tensor(x.numpy()))
+    got = got[0] if not hasattr(got, "numpy") else got
+    with torch.no_grad():
+        np.testing.assert_allclose(got.numpy(), m(x).numpy(), rtol=1e-4, atol=1e-4)
