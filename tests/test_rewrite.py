@@ -649,3 +649,28 @@ def test_optimize_with_rewrite_applies_generated_rules_and_matches_torch(tmp_pat
     got = got[0] if not hasattr(got, "numpy") else got
     with torch.no_grad():
         np.testing.assert_allclose(got.numpy(), m(x).numpy(), rtol=1e-4, atol=1e-4)
+
+
+class ThreeProjections(nn.Module):
+    """Q, K and V projections of one 3-D input: torch.export reshapes the input once per
+    linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(32, 32) for _ in range(3))
+
+    def forward(self, x):
+        return self.q(x) * self.k(x) + self.v(x)
+
+
+def test_the_imported_graph_computes_each_expression_once_so_projections_are_siblings():
+    from collage_tvm.frontend.load import load_model, normalize_for_collage
+    from collage_tvm.rewrite.passes import sibling_matmul_sites
+
+    x = torch.randn(1, 8, 32)
+    mod = normalize_for_collage(load_model(ThreeProjections().eval(), (x,)))
+    reshapes = [b for b in mod["main"].body.blocks[0].bindings
+                if getattr(getattr(b.value, "op", None), "name", "") == "relax.reshape"
+                and b.value.args[0].same_as(mod["main"].params[0])]
+    assert len(reshapes) <= 1  # the input reshaped once, not once per linear
+    assert len(sibling_matmul_sites(mod)) == 2  # q-k, k-v

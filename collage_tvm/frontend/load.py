@@ -195,8 +195,9 @@ def _from_torch(model, example_inputs) -> tvm.IRModule:
 
 
 def normalize_for_collage(mod: tvm.IRModule) -> tvm.IRModule:
-    """One dataflow block of single-op bindings, constants folded, inference-only ops;
-    slices with bounds computed from constants made static (``static_slices``)."""
+    """One dataflow block of single-op bindings, constants folded, common subexpressions
+    computed once, inference-only ops; slices with bounds computed from constants made
+    static (``static_slices``)."""
     mod = static_slices(mod)
     try:
         out = _normalize(mod, fold=True)
@@ -218,6 +219,9 @@ def _normalize(mod: tvm.IRModule, fold: bool) -> tvm.IRModule:
         relax.transform.ConvertToDataflow(min_size=1),
         relax.transform.CanonicalizeBindings(),
         *([relax.transform.FoldConstant()] if fold else []),
+        # one binding per distinct computation: torch.export reshapes a linear's input once
+        # per linear, and the Q, K and V projections of one input would not be siblings
+        relax.transform.EliminateCommonSubexpr(),
         relax.transform.DeadCodeElimination(["main"]),
         relax.transform.Normalize(),
     ])
