@@ -346,8 +346,11 @@ def main(argv=None) -> int:
                         "graph libraries among --backends (onnxruntime, openvino)")
     o.add_argument("--rewrite", action="store_true",
                    help="before placement, apply the z3-verified graph rewrites "
-                        "(collage_tvm.rewrite: today a convolution's per-channel affine tail, "
-                        "e.g. a batch norm, folded into its weights)")
+                        "(collage_tvm.rewrite): a convolution's per-channel affine tail (e.g. "
+                        "a batch norm) folded into its weights, then a cost-based search over "
+                        "sibling convolution/matmul merges, convolutions split over a concat "
+                        "and the generator's proved add/mul/matmul/transpose/relu "
+                        "substitutions, each graph costed on --backends")
     o.add_argument("--calibrate", type=int, default=4, metavar="ROUNDS",
                    help="rounds of in-context calibration of the op-level placement: run it, "
                         "re-cost each external group as timed in place, re-run the DP "
