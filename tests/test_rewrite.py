@@ -476,17 +476,22 @@ def test_sibling_matmuls_of_an_attention_are_merged_when_it_pays():
 
 # ------------------------------------------------------------------ generated substitutions
 
-def _source_module(expr, shape=(2, 4, 4)):
-    """``main(x0, x1, x2)`` computing ``expr`` (a generator Expr) over (batched) squares."""
+def _source_module(expr, constants=(), shape=(2, 4, 4)):
+    """``main(x0, x1, x2)`` computing ``expr`` (a generator Expr) over (batched) squares;
+    the inputs named in ``constants`` are random constants instead."""
     from collage_tvm.rewrite.generated import _call
 
     params = [relax.Var(f"x{i}", relax.TensorType(shape, "float32")) for i in range(3)]
+    values = {f"x{i}": p for i, p in enumerate(params)}
+    rng = np.random.default_rng(5)
+    values.update({n: relax.const(rng.standard_normal(shape).astype("float32"))
+                   for n in constants})
     bb = relax.BlockBuilder()
     with bb.function("main", params):
         with bb.dataflow():
             def build(e, emit=bb.emit):
                 if not e.args:
-                    return params[int(e.op[1:])]
+                    return values[e.op]
                 return emit(_call(e.op, [build(a) for a in e.args]))
             out = build(expr, bb.emit_output)
         bb.emit_func_output(out)
@@ -543,28 +548,42 @@ def test_generated_rules_are_the_proved_pairs_directed_never_to_add_operators():
         parse("relu(x0) x1")
 
 
-def _check_rule_in_relax(rule, run=_interpret):
-    """``rule``'s source as a Relax module: the rule finds it at its root, and the rewritten
-    module computes what the source computes (``run``: numpy, or a TVM build)."""
+def _check_rule_in_relax(rule, run=_interpret) -> int:
+    """``rule``'s source as a Relax module, over run-time inputs and then with each subset of
+    its inputs constant: the rule finds it at its root where it leaves fewer operators (a
+    smaller target always; a target of one size where it folds constants), and each
+    rewritten module computes what the source computes (``run``: numpy, or a TVM build).
+    Returns the number of rewrites checked."""
+    import itertools
+
     from collage_tvm.rewrite.generated import apply, sites
 
-    mod = _source_module(rule.source)
-    found = sites(mod, rule)
-    root = len(mod["main"].body.blocks[0].bindings) - 1
-    at_root = [s for s in found if s[0] == root]
-    assert len(at_root) == 1, (str(rule), found)
-    new = apply(mod, rule, at_root[0])
-    assert len(new["main"].body.blocks[0].bindings) == rule.target.size()
+    names = sorted(rule.source.inputs())
     rng = np.random.default_rng(0)
     inputs = [rng.standard_normal((2, 4, 4)).astype("float32") for _ in range(3)]
-    np.testing.assert_allclose(run(new, inputs), run(mod, inputs), rtol=1e-4, atol=1e-4,
-                               err_msg=str(rule))
+    checked = 0
+    for k in range(len(names)):
+        for constants in itertools.combinations(names, k):
+            mod = _source_module(rule.source, constants)
+            root = len(mod["main"].body.blocks[0].bindings) - 1
+            at_root = [s for s in sites(mod, rule) if s[0] == root]
+            if not constants:
+                assert bool(at_root) == (rule.target.size() < rule.source.size()), str(rule)
+            expected = run(mod, inputs)
+            for site in at_root:  # each way the source matches (add/mul arguments swapped)
+                new = apply(mod, rule, site)
+                assert len(new["main"].body.blocks[0].bindings) <= rule.target.size()
+                np.testing.assert_allclose(run(new, inputs), expected, rtol=1e-4, atol=1e-4,
+                                           err_msg=f"{rule}, constants {constants}")
+                checked += 1
+    return checked
 
 
 def test_every_generated_rule_rewrites_its_source_in_relax_and_matches():
     rs = _generated_rules()
-    for rule in rs:
-        _check_rule_in_relax(rule)
+    checked = {rule: _check_rule_in_relax(rule) for rule in rs}
+    one_size = [r for r in rs if r.source.size() == r.target.size()]
+    assert sum(checked[r] > 0 for r in one_size) > len(one_size) // 4  # folds constants
     for rule in rs[::len(rs) // 4]:  # built by TVM: a sample (all of them: the slow test)
         _check_rule_in_relax(rule, _run_module)
 
@@ -607,20 +626,56 @@ def test_a_generated_rule_folds_constants_and_respects_uses_and_broadcasting():
 
     dist = Rule(parse("add(matmul(x0, x1), matmul(x0, x2))"), parse("matmul(x0, add(x1, x2))"))
     mod = _distributive_module()
-    (site,) = sites(mod, dist)
-    new = apply(mod, dist, site)
-    ops = [b.value.op.name for b in new["main"].body.blocks[0].bindings
-           if isinstance(b.value, relax.Call)]
-    assert ops == ["relax.matmul", "relax.add"]  # W1 + W2 computed once, a constant
     x = np.random.default_rng(1).standard_normal((4, 8)).astype("float32")
-    np.testing.assert_allclose(_run_module(new, [x]), _run_module(mod, [x]), rtol=1e-5,
-                               atol=1e-5)
+    found = sites(mod, dist)
+    assert len(found) == 2  # W2 + W1 and W1 + W2
+    for site in found:
+        new = apply(mod, dist, site)
+        ops = [b.value.op.name for b in new["main"].body.blocks[0].bindings
+               if isinstance(b.value, relax.Call)]
+        assert ops == ["relax.matmul", "relax.add"]  # W1 + W2 computed once, a constant
+        np.testing.assert_allclose(_run_module(new, [x]), _run_module(mod, [x]), rtol=1e-5,
+                                   atol=1e-5)
     # a matmul used elsewhere stays: the rewrite would compute it twice
     assert sites(_distributive_module(second_use=True), dist) == []
-    # associativity is proved for tensors of one shape: a broadcast add is no site of it
+    # a rule of one size that only reorders (nothing folds) is not offered: the search
+    # would cost a graph per reordering
     assoc = Rule(parse("add(add(x0, x1), x2)"), parse("add(x0, add(x1, x2))"))
-    assert sites(_distributive_module(), assoc) == [(3, (2,))]
     assert sites(_distributive_module(bias_shape=(6,)), assoc) == []
+
+
+def test_an_elementwise_rule_folds_broadcast_constants_and_others_stay_strict():
+    from collage_tvm.rewrite.generated import Rule, apply, parse, sites
+
+    rng = np.random.default_rng(0)
+    x = relax.Var("x", relax.TensorType((2, 4, 6), "float32"))
+    z = relax.Var("z", relax.TensorType((4, 6), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, z]):
+        with bb.dataflow():
+            scaled = bb.emit(relax.op.multiply(x, relax.const(np.float32(0.5))))
+            scaled = bb.emit(relax.op.multiply(scaled, relax.const(
+                rng.standard_normal((4, 1)).astype("float32"))))  # per row
+            t = bb.emit(relax.op.add(relax.op.permute_dims(scaled, [0, 2, 1]),
+                                     relax.op.permute_dims(z, [1, 0])))
+            out = bb.emit_output(t)
+        bb.emit_func_output(out)
+    mod = relax.transform.Normalize()(bb.get())
+    scale = Rule(parse("mul(mul(x0, x1), x2)"), parse("mul(x0, mul(x1, x2))"))
+    inputs = [rng.standard_normal((2, 4, 6)).astype("float32"),
+              rng.standard_normal((4, 6)).astype("float32")]
+    # two matches: x0 = x (the constants meet: folded, broadcast to (4, 1)), or x0 = 0.5
+    # (x * c first: nothing folds, not offered)
+    (site,) = sites(mod, scale)
+    new = apply(mod, scale, site)
+    muls = [b for b in new["main"].body.blocks[0].bindings
+            if getattr(getattr(b.value, "op", None), "name", "") == "relax.multiply"]
+    assert len(muls) == 1 and muls[0].value.args[1].value.numpy().shape == (4, 1)
+    np.testing.assert_allclose(_run_module(new, inputs), _run_module(mod, inputs), rtol=1e-5,
+                               atol=1e-5)
+    # a rule with a transpose holds for one shape only: the broadcast add is no site of it
+    pull = Rule(parse("add(transpose(x0), transpose(x1))"), parse("transpose(add(x0, x1))"))
+    assert not pull.elementwise and sites(mod, pull) == []
 
 
 class TransposeAroundRelu(nn.Module):
