@@ -476,9 +476,10 @@ def test_sibling_matmuls_of_an_attention_are_merged_when_it_pays():
 
 # ------------------------------------------------------------------ generated substitutions
 
-def _source_module(expr, constants=(), shape=(2, 4, 4)):
+def _source_module(expr, constants=(), shape=(2, 4, 4), tail=False):
     """``main(x0, x1, x2)`` computing ``expr`` (a generator Expr) over (batched) squares;
-    the inputs named in ``constants`` are random constants instead."""
+    the inputs named in ``constants`` are random constants instead; ``tail``: the result
+    squared after it (its root is not the function's result)."""
     from collage_tvm.rewrite.generated import _call
 
     params = [relax.Var(f"x{i}", relax.TensorType(shape, "float32")) for i in range(3)]
@@ -493,7 +494,11 @@ def _source_module(expr, constants=(), shape=(2, 4, 4)):
                 if not e.args:
                     return values[e.op]
                 return emit(_call(e.op, [build(a) for a in e.args]))
-            out = build(expr, bb.emit_output)
+            if tail:
+                root = build(expr)
+                out = bb.emit_output(relax.op.multiply(root, root))
+            else:
+                out = build(expr, bb.emit_output)
         bb.emit_func_output(out)
     return bb.get()
 
@@ -564,15 +569,17 @@ def _check_rule_in_relax(rule, run=_interpret) -> int:
     checked = 0
     for k in range(len(names)):
         for constants in itertools.combinations(names, k):
-            mod = _source_module(rule.source, constants)
-            root = len(mod["main"].body.blocks[0].bindings) - 1
+            # (a target that is an input stands in for a root the function does not return)
+            tail = not rule.target.args
+            mod = _source_module(rule.source, constants, tail=tail)
+            root = len(mod["main"].body.blocks[0].bindings) - 1 - tail
             at_root = [s for s in sites(mod, rule) if s[0] == root]
             if not constants:
                 assert bool(at_root) == (rule.target.size() < rule.source.size()), str(rule)
             expected = run(mod, inputs)
             for site in at_root:  # each way the source matches (add/mul arguments swapped)
                 new = apply(mod, rule, site)
-                assert len(new["main"].body.blocks[0].bindings) <= rule.target.size()
+                assert len(new["main"].body.blocks[0].bindings) <= rule.target.size() + tail
                 np.testing.assert_allclose(run(new, inputs), expected, rtol=1e-4, atol=1e-4,
                                            err_msg=f"{rule}, constants {constants}")
                 checked += 1
@@ -676,6 +683,37 @@ def test_an_elementwise_rule_folds_broadcast_constants_and_others_stay_strict():
     # a rule with a transpose holds for one shape only: the broadcast add is no site of it
     pull = Rule(parse("add(transpose(x0), transpose(x1))"), parse("transpose(add(x0, x1))"))
     assert not pull.elementwise and sites(mod, pull) == []
+
+
+def test_a_rule_whose_target_is_an_input_hands_its_users_that_input():
+    from collage_tvm.rewrite.generated import Rule, apply, parse, rules, sites
+
+    twice = Rule(parse("transpose(transpose(x0))"), parse("x0"))
+    assert twice in rules()  # found by the generator: the inputs are graphs too
+    x = relax.Var("x", relax.TensorType((2, 4, 6), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.nn.relu(x))
+            t = bb.emit(relax.op.permute_dims(relax.op.permute_dims(y, [0, 2, 1]), [0, 2, 1]))
+            out = bb.emit_output(relax.op.add(t, y))
+        bb.emit_func_output(out)
+    mod = relax.transform.Normalize()(bb.get())
+    (site,) = sites(mod, twice)
+    new = apply(mod, twice, site)
+    ops = [b.value.op.name for b in new["main"].body.blocks[0].bindings
+           if isinstance(b.value, relax.Call)]
+    assert ops == ["relax.nn.relu", "relax.add"]
+    xs = [np.random.default_rng(2).standard_normal((2, 4, 6)).astype("float32")]
+    np.testing.assert_allclose(_run_module(new, xs), _run_module(mod, xs), rtol=1e-6)
+    # the function's result is not made one of its parameters
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.permute_dims(relax.op.permute_dims(x, [0, 2, 1]),
+                                                       [0, 2, 1]))
+        bb.emit_func_output(out)
+    assert sites(relax.transform.Normalize()(bb.get()), twice) == []
 
 
 class TransposeAroundRelu(nn.Module):

@@ -28,9 +28,10 @@ binding:
   where the proof holds, so source and target agree whenever both type to that shape
   (``mul(mul(x, c1), c2)`` becomes ``mul(x, c1 * c2)``, the product a constant).
 
-The target is emitted at the root's place, the root keeping its var; a part of the target
-over constants only is computed once (numpy), so ``x @ W1 + x @ W2`` becomes one
-``x @ (W1 + W2)`` with the sum a constant.
+The target is emitted at the root's place, the root keeping its var (a target that is one
+of the inputs, ``transpose(transpose(x0)) -> x0``: the root's users read that input); a
+part of the target over constants only is computed once (numpy), so ``x @ W1 + x @ W2``
+becomes one ``x @ (W1 + W2)`` with the sum a constant.
 """
 from __future__ import annotations
 
@@ -247,10 +248,17 @@ def _site_matches(idx: _Index, rule: Rule, root: int) -> list:
     """The matches of ``rule`` at binding ``root`` whose target builds: (inner, new
     bindings) each. (Two matches may build one graph: the search keeps it once.)"""
     out = []
+    root_var = idx.bindings[root].var
     for env, inner in _matches(idx, rule.source, root, {}, True, rule.elementwise):
         if all(isinstance(v, tvm.ir.expr.Constant) for v in env.values()):
             continue  # constants only: FoldConstant's work, not a rewrite
-        new = _emit(rule, env, idx.bindings[root].var)
+        if not rule.target.args:  # the target is one of the inputs: its var stands in
+            value = env[rule.target.op]
+            if isinstance(value, relax.Var) and _shape(value) == _shape(root_var) and (
+                    isinstance(root_var, relax.DataflowVar) or value in idx.pos):
+                out.append((tuple(sorted(inner)), [relax.VarBinding(root_var, value)]))
+            continue  # (the block's output is not made a function parameter)
+        new = _emit(rule, env, root_var)
         if new is not None and len(new) < rule.source.size():
             out.append((tuple(sorted(inner)), new))
     return out
@@ -350,7 +358,10 @@ def apply(mod, rule: Rule, site: tuple):
             out += new
         elif i not in drop:
             out.append(b)
-    return _with_blocks(mod, [out])
+    mod = _with_blocks(mod, [out])
+    if not rule.target.args:  # the root bound to an input var: its users read that var
+        mod = relax.transform.CanonicalizeBindings()(mod)
+    return mod
 
 
 def site_vars(mod, site) -> list:

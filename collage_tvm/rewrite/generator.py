@@ -2,7 +2,8 @@
 
 1. **Enumerate** every graph of up to ``max_ops`` operators over a core operator set
    (elementwise add and multiply, matmul, transpose, relu) and ``inputs`` square input
-   tensors; each graph's value is its last operator's output.
+   tensors; each graph's value is its last operator's output (the inputs alone are graphs
+   too, of no operator).
 2. **Fingerprint** each graph by evaluating it on random integer inputs (arithmetic modulo a
    prime, so no rounding can make two different graphs agree), twice, with different inputs.
 3. **Group** graphs with equal fingerprints; each pair within a group is a candidate
@@ -137,7 +138,8 @@ def generate(max_ops: int = 2, inputs: int = 2, size: int = 3, seed: int = 0,
     rng = np.random.default_rng(seed)
     envs = [{f"x{i}": rng.integers(0, _PRIME, (size, size), dtype=np.int64)
              for i in range(inputs)} for _ in range(2)]
-    graphs = enumerate_graphs(max_ops, inputs)
+    # the inputs themselves too: transpose(transpose(x0)) -> x0 removes two operators
+    graphs = [Expr(f"x{i}") for i in range(inputs)] + enumerate_graphs(max_ops, inputs)
     groups: dict = {}
     for g in graphs:
         groups.setdefault(fingerprint(g, envs), []).append(g)
