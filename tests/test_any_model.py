@@ -868,3 +868,20 @@ def test_where_tvm_alone_cannot_build_a_whole_model_library_build_is_the_referen
     with pytest.raises(RuntimeError, match="TVM alone cannot build this model"):
         ns._reference({"tvm-only": failed, "onnxruntime": dict(failed),
                        "dnnl+tvm": dict(failed)}, builds)
+
+
+def test_a_suite_row_says_when_the_output_hardly_depends_on_the_input():
+    from collage_tvm.tools.suites import WEAK_SIGNAL, _build_cell, input_signal
+
+    dead = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)).eval()
+    with torch.no_grad():
+        dead[0].bias.fill_(-100.0)  # every activation zero: the output is the last bias
+    live = nn.Sequential(nn.Linear(8, 4)).eval()
+    x = (torch.randn(2, 8),)
+    with torch.no_grad():
+        signals = {m: input_signal(m, x, [m(*x).numpy()]) for m in (dead, live)}
+    assert signals[dead] < WEAK_SIGNAL < signals[live]
+    row = {"status": "built", "match": True, "max_err": 0.0, "scale": 1.0, "search_s": 1.0,
+           "collage_ms": 1.0, "best": None, "signal": signals[dead]}
+    assert "weak" in _build_cell(row)[1]
+    assert _build_cell({**row, "signal": signals[live]})[1] == "yes"

@@ -560,7 +560,8 @@ def torch_model_check(make, name: str, backends, db, out_dir: str, graph_level: 
         model, inputs = make(name)
         with torch.no_grad():
             out = model(*inputs)
-        expected = [o.numpy() for o in (out if isinstance(out, (tuple, list)) else [out])]
+            expected = [o.numpy() for o in (out if isinstance(out, (tuple, list)) else [out])]
+            signal = input_signal(model, inputs, expected)
     except Exception as err:  # noqa: BLE001 - a model that does not run in PyTorch here
         return {"status": "unsupported", "error": "PyTorch: " + _first_line(err)}
     path, errors = os.path.join(out_dir, name, f"{name}.onnx"), []
@@ -576,7 +577,29 @@ def torch_model_check(make, name: str, backends, db, out_dir: str, graph_level: 
     release_memory()
     row = collage_check(path, [i.numpy() for i in inputs], expected, backends, db, rtol, atol,
                         graph_level=graph_level, budget=budget, scale_aware=True)
-    return {**row, "exporter": exporter}
+    return {**row, "exporter": exporter, "signal": signal}
+
+
+# Below this share of the output's scale, the output hardly depends on the input: random
+# weights can make a deep model's activations vanish, leaving the output its last bias
+# (torchvision's S3D), and a match then checks little more than that bias.
+WEAK_SIGNAL = 1e-3
+
+
+def input_signal(model, inputs, expected) -> float:
+    """How much the output moves with the input: the largest change of ``model``'s outputs
+    on other inputs (floats redrawn, integer ids rolled), over the outputs' scale."""
+    import torch
+
+    gen = torch.Generator().manual_seed(7)
+    others = [torch.randn(i.shape, generator=gen, dtype=i.dtype) if i.is_floating_point()
+              else torch.roll(i, 1, dims=-1) for i in inputs]
+    out = model(*others)
+    moved = [o.numpy() for o in (out if isinstance(out, (tuple, list)) else [out])]
+    scale = max((float(np.nanmax(np.abs(e))) for e in expected if np.size(e)), default=0.0)
+    change = max((float(np.nanmax(np.abs(a - e))) for a, e in zip(moved, expected)
+                  if np.size(e)), default=0.0)
+    return change / scale if scale else 0.0
 
 
 def _build_cell(b: dict) -> list:
@@ -584,7 +607,10 @@ def _build_cell(b: dict) -> list:
         return [f"{b['status']}: {b['error']}", "", "", "", "", ""]
     best = f"{b['best'][0]} {b['best'][1]:.3f}" if b.get("best") else ""
     err = f"{b['max_err']:.1e}" + (f" of {b['scale']:.1e}" if "scale" in b else "")
-    return ["built", "yes" if b["match"] else "**NO**", err,
+    match = "yes" if b["match"] else "**NO**"
+    if b["match"] and b.get("signal", 1.0) < WEAK_SIGNAL:
+        match += f" (weak: the output moves {b['signal']:.0e} of its scale with the input)"
+    return ["built", match, err,
             f"{b['search_s']:.0f}", f"{b['collage_ms']:.3f}", best]
 
 
