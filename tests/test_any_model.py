@@ -885,3 +885,20 @@ def test_a_suite_row_says_when_the_output_hardly_depends_on_the_input():
            "collage_ms": 1.0, "best": None, "signal": signals[dead]}
     assert "weak" in _build_cell(row)[1]
     assert _build_cell({**row, "signal": signals[live]})[1] == "yes"
+
+
+def test_a_model_whose_activations_die_out_is_checked_with_weights_that_keep_them(tmp_path):
+    """torchvision's S3D and DeepLabV3-MobileNetV3 at their own random initialisation: the
+    output does not move with the input; the suite draws He-normal weights instead."""
+    from collage_tvm.tools.suites import WEAK_SIGNAL, torch_model_check
+
+    def make(_name):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 1)).eval()
+        with torch.no_grad():
+            m[0].weight.mul_(1e-9)  # a stand-in for activations that vanished with depth
+        return m, (torch.randn(1, 3, 8, 8),)
+
+    row = torch_model_check(make, "dying", ["tvm"], str(tmp_path / "c.db"), str(tmp_path))
+    assert row["weights"].startswith("He-normal") and row["signal"] > WEAK_SIGNAL, row
+    assert row["status"] == "built" and row["match"], row

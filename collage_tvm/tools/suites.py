@@ -561,7 +561,13 @@ def torch_model_check(make, name: str, backends, db, out_dir: str, graph_level: 
         with torch.no_grad():
             out = model(*inputs)
             expected = [o.numpy() for o in (out if isinstance(out, (tuple, list)) else [out])]
-            signal = input_signal(model, inputs, expected)
+            signal, weights = input_signal(model, inputs, expected), "initialised"
+            if signal < WEAK_SIGNAL:  # the activations vanished: draw weights that keep them
+                weights = f"He-normal (initialised: the output moved {signal:.0e} of its scale)"
+                out = lively_weights(model)(*inputs)
+                expected = [o.numpy() for o in (out if isinstance(out, (tuple, list))
+                                                 else [out])]
+                signal = input_signal(model, inputs, expected)
     except Exception as err:  # noqa: BLE001 - a model that does not run in PyTorch here
         return {"status": "unsupported", "error": "PyTorch: " + _first_line(err)}
     path, errors = os.path.join(out_dir, name, f"{name}.onnx"), []
@@ -577,13 +583,30 @@ def torch_model_check(make, name: str, backends, db, out_dir: str, graph_level: 
     release_memory()
     row = collage_check(path, [i.numpy() for i in inputs], expected, backends, db, rtol, atol,
                         graph_level=graph_level, budget=budget, scale_aware=True)
-    return {**row, "exporter": exporter, "signal": signal}
+    return {**row, "exporter": exporter, "signal": signal, "weights": weights}
 
 
 # Below this share of the output's scale, the output hardly depends on the input: random
 # weights can make a deep model's activations vanish, leaving the output its last bias
 # (torchvision's S3D), and a match then checks little more than that bias.
 WEAK_SIGNAL = 1e-3
+
+
+def lively_weights(model):
+    """``model`` with every convolution's and linear layer's weight drawn He-normal (std
+    sqrt(2 / fan-in), seeded): variance-preserving through ReLUs, where the layers' own
+    initialisation let a deep model's activations die out."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for layer in model.modules():
+            if isinstance(layer, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d,
+                                  torch.nn.Linear)):
+                fan_in = layer.weight[0].numel()
+                layer.weight.copy_(torch.randn(layer.weight.shape, generator=gen)
+                                   * math.sqrt(2.0 / fan_in))
+    return model
 
 
 def input_signal(model, inputs, expected) -> float:
@@ -608,6 +631,8 @@ def _build_cell(b: dict) -> list:
     best = f"{b['best'][0]} {b['best'][1]:.3f}" if b.get("best") else ""
     err = f"{b['max_err']:.1e}" + (f" of {b['scale']:.1e}" if "scale" in b else "")
     match = "yes" if b["match"] else "**NO**"
+    if b.get("weights", "initialised") != "initialised":
+        match += " (He-normal weights)"
     if b["match"] and b.get("signal", 1.0) < WEAK_SIGNAL:
         match += f" (weak: the output moves {b['signal']:.0e} of its scale with the input)"
     return ["built", match, err,
