@@ -336,7 +336,7 @@ def _emit(rule: Rule, env: dict, root_var):
 
 def sites(mod, rule: Rule) -> list:
     """Where ``rule`` applies in ``main``'s block: (root binding index, the indices of the
-    source's other operators, k: the k-th distinct target there) for each match whose
+    source's other operators, k: the k-th match there) for each match whose
     target builds."""
     idx = _index(mod)
     return [(i, inner, k) for i in idx.by_op.get(rule.source.op, ())
