@@ -557,17 +557,7 @@ def torch_model_check(make, name: str, backends, db, out_dir: str, graph_level: 
     import torch
 
     try:
-        model, inputs = make(name)
-        with torch.no_grad():
-            out = model(*inputs)
-            expected = [o.numpy() for o in (out if isinstance(out, (tuple, list)) else [out])]
-            signal, weights = input_signal(model, inputs, expected), "initialised"
-            if signal < WEAK_SIGNAL:  # the activations vanished: draw weights that keep them
-                weights = f"He-normal (initialised: the output moved {signal:.0e} of its scale)"
-                out = lively_weights(model)(*inputs)
-                expected = [o.numpy() for o in (out if isinstance(out, (tuple, list))
-                                                 else [out])]
-                signal = input_signal(model, inputs, expected)
+        model, inputs, expected, signal, weights = checked_model(make, name)
     except Exception as err:  # noqa: BLE001 - a model that does not run in PyTorch here
         return {"status": "unsupported", "error": "PyTorch: " + _first_line(err)}
     path, errors = os.path.join(out_dir, name, f"{name}.onnx"), []
@@ -579,11 +569,32 @@ def torch_model_check(make, name: str, backends, db, out_dir: str, graph_level: 
             errors.append(f"{exporter}: {_first_line(err)}")
     else:
         return {"status": "unsupported", "error": "ONNX export: " + "; ".join(errors)}
-    del model, out  # its weights are in the ONNX file now: one copy fewer during the search
+    del model  # its weights are in the ONNX file now: one copy fewer during the search
     release_memory()
     row = collage_check(path, [i.numpy() for i in inputs], expected, backends, db, rtol, atol,
                         graph_level=graph_level, budget=budget, scale_aware=True)
     return {**row, "exporter": exporter, "signal": signal, "weights": weights}
+
+
+def checked_model(make, name: str) -> tuple:
+    """(model, inputs, expected outputs, signal, weights) of ``make(name)``: the outputs
+    PyTorch computes, and how much they move with the input (``input_signal``); where they
+    hardly move, the model with ``lively_weights`` instead ("weights" says which)."""
+    import torch
+
+    model, inputs = make(name)
+    with torch.no_grad():
+        expected = _outputs(model(*inputs))
+        signal, weights = input_signal(model, inputs, expected), "initialised"
+        if signal < WEAK_SIGNAL:  # the activations vanished: draw weights that keep them
+            weights = f"He-normal (initialised: the output moved {signal:.0e} of its scale)"
+            expected = _outputs(lively_weights(model)(*inputs))
+            signal = input_signal(model, inputs, expected)
+    return model, inputs, expected, signal, weights
+
+
+def _outputs(out) -> list:
+    return [o.numpy() for o in (out if isinstance(out, (tuple, list)) else [out])]
 
 
 # Below this share of the output's scale, the output hardly depends on the input: random
@@ -617,8 +628,7 @@ def input_signal(model, inputs, expected) -> float:
     gen = torch.Generator().manual_seed(7)
     others = [torch.randn(i.shape, generator=gen, dtype=i.dtype) if i.is_floating_point()
               else torch.roll(i, 1, dims=-1) for i in inputs]
-    out = model(*others)
-    moved = [o.numpy() for o in (out if isinstance(out, (tuple, list)) else [out])]
+    moved = _outputs(model(*others))
     scale = max((float(np.nanmax(np.abs(e))) for e in expected if np.size(e)), default=0.0)
     change = max((float(np.nanmax(np.abs(a - e))) for a, e in zip(moved, expected)
                   if np.size(e)), default=0.0)
