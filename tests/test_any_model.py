@@ -904,3 +904,44 @@ def test_a_model_whose_activations_die_out_is_checked_with_weights_that_keep_the
     row = torch_model_check(make, "dying", ["tvm"], str(tmp_path / "c.db"), str(tmp_path))
     assert row["weights"].startswith("He-normal") and row["signal"] > WEAK_SIGNAL, row
     assert row["status"] == "built" and row["match"], row
+
+
+def _loop_onnx(path, trips: int = 3):
+    """x (4,) -> a Loop of ``trips`` iterations collecting relu(x) + i as its scan output:
+    TVM's importer lacks Loop, and shape inference leaves the output's first dimension
+    unknown (the trip count is a constant only at run time)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    body = helper.make_graph(
+        [helper.make_node("Cast", ["i"], ["i_f"], to=TensorProto.FLOAT),
+         helper.make_node("Relu", ["x"], ["r"]),
+         helper.make_node("Add", ["r", "i_f"], ["scan"]),
+         helper.make_node("Identity", ["cond"], ["cond_out"])],
+        "body",
+        [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+         helper.make_tensor_value_info("cond", TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("scan", TensorProto.FLOAT, [4])])
+    graph = helper.make_graph(
+        [helper.make_node("Loop", ["trips", ""], ["out"], body=body)],
+        "loop",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)],
+        [helper.make_tensor("trips", TensorProto.INT64, [], [trips])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)],
+                                ir_version=9), path)
+
+
+def test_a_whole_model_output_shape_inference_cannot_see_is_found_by_running_it(tmp_path):
+    """MViT v2's ONNX has 51 Loops: the whole-model fallback could not type its output."""
+    path = str(tmp_path / "loop.onnx")
+    _loop_onnx(path)
+    res = collage_tvm.optimize(path, "llvm", ["tvm", "onnxruntime"],
+                               db=str(tmp_path / "c.db"), progress=False)
+    assert res.report.whole_model["backend"] == "onnxruntime"
+    assert "Loop" in res.report.whole_model["why"]
+    x = np.array([-1.0, 0.5, 2.0, -3.0], "float32")
+    got = relax.VirtualMachine(res.executable, tvm.cpu())["main"](tvm.runtime.tensor(x))
+    expected = np.stack([np.maximum(x, 0) + i for i in range(3)])
+    np.testing.assert_allclose(got.numpy(), expected, rtol=1e-6)

@@ -36,6 +36,32 @@ def _static_type(value_info, what: str):
     return relax.TensorType(tuple(dims), dtype)
 
 
+def _run_output_types(proto, inputs, in_types, why) -> list:
+    """The outputs' types where shape inference left a dimension unknown though every input
+    is static: onnxruntime runs the model on two random inputs and the outputs' shapes must
+    agree (a shape that follows the input's values has no static type: ``why`` again)."""
+    import onnxruntime as ort
+
+    try:
+        session = ort.InferenceSession(proto.SerializeToString(),
+                                       providers=["CPUExecutionProvider"])
+    except Exception as err:  # noqa: BLE001 - it cannot tell the shapes either
+        raise NotWhole(f"{why}; onnxruntime could not run it to find the shape "
+                       f"({type(err).__name__})") from err
+    rng = np.random.default_rng(0)
+    runs = []
+    for _ in range(2):
+        feed = {}
+        for vi, t in zip(inputs, in_types):
+            shape, dtype = tuple(int(d) for d in t.shape.values), np.dtype(str(t.dtype))
+            feed[vi.name] = (rng.standard_normal(shape).astype(dtype)
+                             if dtype.kind == "f" else np.zeros(shape, dtype))
+        runs.append([(o.shape, o.dtype.name) for o in session.run(None, feed)])
+    if runs[0] != runs[1]:
+        raise NotWhole(f"{why}; its shape follows the input's values")
+    return [relax.TensorType(tuple(int(d) for d in shape), dtype) for shape, dtype in runs[0]]
+
+
 def _copy(proto):
     import onnx
 
@@ -66,7 +92,10 @@ def whole_model_module(proto, backend, input_shapes: dict | None = None) -> tvm.
     weights = {i.name for i in proto.graph.initializer}
     inputs = [vi for vi in inferred.graph.input if vi.name not in weights]
     in_types = [_static_type(vi, "input") for vi in inputs]
-    out_types = [_static_type(vi, "output") for vi in inferred.graph.output]
+    try:
+        out_types = [_static_type(vi, "output") for vi in inferred.graph.output]
+    except NotWhole as why:  # (a Loop's outputs: shape inference does not see through it)
+        out_types = _run_output_types(proto, inputs, in_types, why)
     specs = [(tuple(int(d) for d in t.shape.values), str(t.dtype)) for t in out_types]
     lowering = backend.get_lowering()
     compile_whole = getattr(lowering, "compile", None)
