@@ -906,12 +906,18 @@ def test_a_model_whose_activations_die_out_is_checked_with_weights_that_keep_the
     assert row["status"] == "built" and row["match"], row
 
 
-def _loop_onnx(path, trips: int = 3):
+def _loop_onnx(path, trips: int | None = 3):
     """x (4,) -> a Loop of ``trips`` iterations collecting relu(x) + i as its scan output:
     TVM's importer lacks Loop, and shape inference leaves the output's first dimension
-    unknown (the trip count is a constant only at run time)."""
+    unknown (the trip count is a constant only at run time). ``trips`` None: 10 x the
+    largest |x|, a shape that follows the input's values."""
     import onnx
     from onnx import TensorProto, helper
+
+    from_input = [helper.make_node("Abs", ["x"], ["ax"]),
+                  helper.make_node("ReduceMax", ["ax"], ["mx"], keepdims=0),
+                  helper.make_node("Mul", ["mx", "ten"], ["m10"]),
+                  helper.make_node("Cast", ["m10"], ["trips"], to=TensorProto.INT64)]
 
     body = helper.make_graph(
         [helper.make_node("Cast", ["i"], ["i_f"], to=TensorProto.FLOAT),
@@ -923,12 +929,14 @@ def _loop_onnx(path, trips: int = 3):
          helper.make_tensor_value_info("cond", TensorProto.BOOL, [])],
         [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
          helper.make_tensor_value_info("scan", TensorProto.FLOAT, [4])])
+    consts = ([helper.make_tensor("ten", TensorProto.FLOAT, [], [10.0])] if trips is None
+              else [helper.make_tensor("trips", TensorProto.INT64, [], [trips])])
     graph = helper.make_graph(
-        [helper.make_node("Loop", ["trips", ""], ["out"], body=body)],
+        (from_input if trips is None else [])
+        + [helper.make_node("Loop", ["trips", ""], ["out"], body=body)],
         "loop",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
-        [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)],
-        [helper.make_tensor("trips", TensorProto.INT64, [], [trips])])
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)], consts)
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)],
                                 ir_version=9), path)
 
@@ -945,3 +953,13 @@ def test_a_whole_model_output_shape_inference_cannot_see_is_found_by_running_it(
     got = relax.VirtualMachine(res.executable, tvm.cpu())["main"](tvm.runtime.tensor(x))
     expected = np.stack([np.maximum(x, 0) + i for i in range(3)])
     np.testing.assert_allclose(got.numpy(), expected, rtol=1e-6)
+
+
+def test_a_whole_model_output_whose_shape_follows_the_input_is_a_clear_error(tmp_path):
+    from collage_tvm.frontend.load import ModelError
+
+    path = str(tmp_path / "loop.onnx")
+    _loop_onnx(path, trips=None)
+    with pytest.raises(ModelError, match="Loop.*dynamic dimension.*follows the input's values"):
+        collage_tvm.optimize(path, "llvm", ["tvm", "onnxruntime"], db=str(tmp_path / "c.db"),
+                             progress=False)

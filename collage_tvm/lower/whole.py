@@ -46,8 +46,8 @@ def _run_output_types(proto, inputs, in_types, why) -> list:
         session = ort.InferenceSession(proto.SerializeToString(),
                                        providers=["CPUExecutionProvider"])
     except Exception as err:  # noqa: BLE001 - it cannot tell the shapes either
-        raise NotWhole(f"{why}; onnxruntime could not run it to find the shape "
-                       f"({type(err).__name__})") from err
+        raise NotWhole(f"{why}; onnxruntime could not load it to find the shape: "
+                       f"{_first_line(err)}") from err
     rng = np.random.default_rng(0)
     runs = []
     for _ in range(2):
@@ -56,10 +56,19 @@ def _run_output_types(proto, inputs, in_types, why) -> list:
             shape, dtype = tuple(int(d) for d in t.shape.values), np.dtype(str(t.dtype))
             feed[vi.name] = (rng.standard_normal(shape).astype(dtype)
                              if dtype.kind == "f" else np.zeros(shape, dtype))
-        runs.append([(o.shape, o.dtype.name) for o in session.run(None, feed)])
+        try:
+            outputs = session.run(None, feed)
+        except Exception as err:  # noqa: BLE001 - the library's refusal is the reason
+            raise NotWhole(f"{why}; onnxruntime failed to run it: {_first_line(err)}") from err
+        runs.append([(o.shape, o.dtype.name) for o in outputs])
     if runs[0] != runs[1]:
         raise NotWhole(f"{why}; its shape follows the input's values")
     return [relax.TensorType(tuple(int(d) for d in shape), dtype) for shape, dtype in runs[0]]
+
+
+def _first_line(err) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0][:300] if text else ''}"
 
 
 def _copy(proto):
@@ -104,8 +113,7 @@ def whole_model_module(proto, backend, input_shapes: dict | None = None) -> tvm.
     try:
         fn = compile_whole(proto, specs, True)
     except Exception as err:  # noqa: BLE001 - the library's refusal is the reason
-        raise NotWhole(f"{backend.name} cannot load it: {type(err).__name__}: "
-                       f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}") from err
+        raise NotWhole(f"{backend.name} cannot load it: {_first_line(err)}") from err
     symbol = register(f"collage.whole.{backend.name}", fn)
     params = [relax.Var(f"in{k}", t) for k, t in enumerate(in_types)]
     ret = out_types[0] if len(out_types) == 1 else relax.TupleType(out_types)
