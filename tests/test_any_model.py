@@ -963,3 +963,25 @@ def test_a_whole_model_output_whose_shape_follows_the_input_is_a_clear_error(tmp
     with pytest.raises(ModelError, match="Loop.*dynamic dimension.*follows the input's values"):
         collage_tvm.optimize(path, "llvm", ["tvm", "onnxruntime"], db=str(tmp_path / "c.db"),
                              progress=False)
+
+
+def test_a_whole_model_onnxruntime_fails_to_run_is_a_clear_error(tmp_path, monkeypatch):
+    """MViT v2's TorchScript export: onnxruntime loads it but fails in a Loop."""
+    import onnxruntime as ort
+
+    from collage_tvm.frontend.load import ModelError
+
+    class Failing:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def run(self, *args):
+            raise RuntimeError("Loop subgraph input 0 has unknown shape: 2279")
+
+    monkeypatch.setattr(ort, "InferenceSession", Failing)
+    path = str(tmp_path / "loop.onnx")
+    _loop_onnx(path)
+    with pytest.raises(ModelError, match="onnxruntime failed to run it: RuntimeError: Loop "
+                                         "subgraph input 0 has unknown shape"):
+        collage_tvm.optimize(path, "llvm", ["tvm", "onnxruntime"], db=str(tmp_path / "c.db"),
+                             progress=False)
