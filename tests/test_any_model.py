@@ -888,6 +888,14 @@ def test_a_suite_row_says_when_the_output_hardly_depends_on_the_input():
     assert "weak" in _build_cell(row)[1]
     assert _build_cell({**row, "signal": signals[live]})[1] == "yes"
 
+    class Nonzero(nn.Module):  # an output whose shape follows the input's values
+        def forward(self, x):
+            return torch.nonzero(x > 0)
+
+    x = (torch.randn(16),)
+    with torch.no_grad():
+        assert input_signal(Nonzero(), x, [Nonzero()(*x).numpy()]) == float("inf")
+
 
 def test_a_model_whose_activations_die_out_is_checked_with_weights_that_keep_them(tmp_path):
     """torchvision's S3D and DeepLabV3-MobileNetV3 at their own random initialisation: the

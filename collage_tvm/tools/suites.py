@@ -629,6 +629,8 @@ def input_signal(model, inputs, expected) -> float:
     others = [torch.randn(i.shape, generator=gen, dtype=i.dtype) if i.is_floating_point()
               else torch.roll(i, 1, dims=-1) for i in inputs]
     moved = _outputs(model(*others))
+    if [np.shape(a) for a in moved] != [np.shape(e) for e in expected]:
+        return math.inf  # the outputs' shapes follow the input
     scale = max((float(np.nanmax(np.abs(e))) for e in expected if np.size(e)), default=0.0)
     change = max((float(np.nanmax(np.abs(a - e))) for a, e in zip(moved, expected)
                   if np.size(e)), default=0.0)
