@@ -892,7 +892,7 @@ def test_a_suite_row_says_when_the_output_hardly_depends_on_the_input():
         def forward(self, x):
             return torch.nonzero(x > 0)
 
-    x = (torch.randn(16),)
+    x = (torch.ones(16),)  # 16 rows; the redrawn input (seeded) has fewer positives
     with torch.no_grad():
         assert input_signal(Nonzero(), x, [Nonzero()(*x).numpy()]) == float("inf")
 
