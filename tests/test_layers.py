@@ -21,7 +21,7 @@ STAGES = [
     # foundation: file and memory helpers, targets, precisions, the backend registry and its lowering interface,
     # the search options, the Relax -> ONNX writer (graph libraries' patterns and lowerings),
     # torchvision's import against a CPU torch (the suites; onnx2torch in the inductor backend)
-    ["collage_tvm._files", "collage_tvm._memory", "collage_tvm.target", "collage_tvm.precision",
+    ["collage_tvm._files", "collage_tvm._errors", "collage_tvm._memory", "collage_tvm.target", "collage_tvm.precision",
      "collage_tvm.registry", "collage_tvm.lowering", "collage_tvm._torchvision",
      "collage_tvm.options", "collage_tvm.export"],
     ["collage_tvm.frontend"],

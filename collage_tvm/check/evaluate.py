@@ -10,6 +10,7 @@ from ..graph.subgraph import random_inputs
 from ..lower import compile_placement
 from ..measure.cuda_graph import capture, flat_numpy
 from ..measure.timing import time_main
+from .._errors import first_line  # noqa: F401 - re-exported: the check's reasons
 from ..precision import compare_outputs  # noqa: F401 - re-exported: the check's comparison
 from ..target import device_sync, target_device
 
@@ -39,12 +40,6 @@ def evaluate(executable, graph, target, reference=None, rtol=1e-3, atol=1e-3, se
     if reference is not None:
         result["match"], result["max_err"] = compare_outputs(outputs, reference, rtol, atol)
     return result
-
-
-def first_line(err: BaseException) -> str:
-    """``Type: first line of the message``: a failure's reason in one line."""
-    text = str(err).strip()
-    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def outputs_on(executable, graph, target, seeds) -> list:

@@ -12,6 +12,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from .._errors import first_line
 from ..export.onnx import skeleton
 from .external import register
 
@@ -47,7 +48,7 @@ def _run_output_types(proto, inputs, in_types, why) -> list:
                                        providers=["CPUExecutionProvider"])
     except Exception as err:  # noqa: BLE001 - it cannot tell the shapes either
         raise NotWhole(f"{why}; onnxruntime could not load it to find the shape: "
-                       f"{_first_line(err)}") from err
+                       f"{first_line(err, 300)}") from err
     rng = np.random.default_rng(0)
     runs = []
     for _ in range(2):
@@ -59,16 +60,11 @@ def _run_output_types(proto, inputs, in_types, why) -> list:
         try:
             outputs = session.run(None, feed)
         except Exception as err:  # noqa: BLE001 - the library's refusal is the reason
-            raise NotWhole(f"{why}; onnxruntime failed to run it: {_first_line(err)}") from err
+            raise NotWhole(f"{why}; onnxruntime failed to run it: {first_line(err, 300)}") from err
         runs.append([(o.shape, o.dtype.name) for o in outputs])
     if runs[0] != runs[1]:
         raise NotWhole(f"{why}; its shape follows the input's values")
     return [relax.TensorType(tuple(int(d) for d in shape), dtype) for shape, dtype in runs[0]]
-
-
-def _first_line(err) -> str:
-    text = str(err).strip()
-    return f"{type(err).__name__}: {text.splitlines()[0][:300] if text else ''}"
 
 
 def _copy(proto):
@@ -113,7 +109,7 @@ def whole_model_module(proto, backend, input_shapes: dict | None = None) -> tvm.
     try:
         fn = compile_whole(proto, specs, True)
     except Exception as err:  # noqa: BLE001 - the library's refusal is the reason
-        raise NotWhole(f"{backend.name} cannot load it: {_first_line(err)}") from err
+        raise NotWhole(f"{backend.name} cannot load it: {first_line(err, 300)}") from err
     symbol = register(f"collage.whole.{backend.name}", fn)
     params = [relax.Var(f"in{k}", t) for k, t in enumerate(in_types)]
     ret = out_types[0] if len(out_types) == 1 else relax.TupleType(out_types)
