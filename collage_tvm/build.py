@@ -19,8 +19,10 @@ import tvm
 from tvm import relax
 
 from ._memory import release_memory
-from .check import first_line, latency_evaluator, never_slower, outputs_on, tvm_reference
+from .check import (Floor, first_line, latency_evaluator, never_slower, outputs_on,
+                    tvm_reference)
 from .frontend import ModelError, dynamic_input, load_model, normalize_for_collage
+from .frontend.model_file import ModelFile, model_file
 from .graph import DataflowGraph, NotDataflow
 from .graph.subgraph import function_key, given_inputs
 from .lower import (candidate_vm, candidate_vm_for, compile_module, compile_placement,
@@ -29,7 +31,7 @@ from .measure.db import CostDB
 from .measure.measurer import COST_MODEL, Measurer, default_build_jobs
 from .options import SearchOptions
 from .patterns import carved_regions, generate_candidates, kernel_cost
-from .placement import Placement, placement_from_record, placement_record
+from .placement import Placement, placement_from_record, placement_record, single_ops
 from .placement_log import PlacementLog
 from .placer.alternatives import refine
 from .placer.calibrate import calibrate
@@ -71,7 +73,10 @@ class BuildReport:
     rewrite: dict = field(default_factory=dict)      # the rewrite search: applied, costs, counts
     tuning: dict = field(default_factory=dict)       # the tuning database used: path, records
     precision: dict = field(default_factory=dict)    # budget, and per precision why (not) used
-    whole_model: dict = field(default_factory=dict)  # TVM cannot import it: the library running it
+    # The model runs whole on one graph library: TVM cannot import it, or the user's model
+    # file run whole by it ("floor": True) was the fastest correct build of the final check.
+    whole_model: dict = field(default_factory=dict)
+    floor: str = ""  # why the user's model file was not among the contenders ("" if it was)
 
     def summary(self) -> str:
         if self.placement_from_log:
@@ -105,7 +110,8 @@ class CollageResult:
 
 
 def resolve_backends(names, target, accuracy=None) -> tuple[dict, dict]:
-    """(available backends by name, skipped name -> reason). ``tvm`` is always included.
+    """(available backends by name, skipped name -> reason). ``tvm`` is always included;
+    no ``names``: every backend for the target's device (``every_backend``).
 
     A backend for another device than ``target``'s (a CUDA library on an ``llvm`` target)
     is skipped with that reason. ``accuracy`` (``precision.Accuracy``, default strict f32):
@@ -114,7 +120,7 @@ def resolve_backends(names, target, accuracy=None) -> tuple[dict, dict]:
     not allow is an error that says which budget would.
     """
     accuracy = parse_accuracy(accuracy)
-    names = list(dict.fromkeys(["tvm", *names]))
+    names = list(dict.fromkeys(["tvm", *(names or every_backend(target))]))
     for name in names:
         b = _known_backend(name)
         if not accuracy.allows(b.precision):
@@ -138,6 +144,15 @@ def resolve_backends(names, target, accuracy=None) -> tuple[dict, dict]:
             continue
         backends[name] = b
     return backends, skipped
+
+
+def every_backend(target) -> list:
+    """The default backends: every registered f32 backend for ``target``'s device (the
+    reduced-precision variants join under a budget that allows them); one that does not load
+    here is skipped with its reason."""
+    device = "cuda" if target.kind.name == "cuda" else "cpu"
+    return [n for n in list_backends() if get_backend(n).device == device
+            and get_backend(n).precision == "f32" and get_backend(n).variant_of is None]
 
 
 def _whole_on_a_library(err, backends: dict, input_shapes, report) -> tvm.IRModule:
@@ -164,6 +179,70 @@ def _whole_on_a_library(err, backends: dict, input_shapes, report) -> tvm.IRModu
                          ) from err
     raise ModelError(f"{err}; a graph library could run the whole model: add onnxruntime or "
                      "openvino to the backends") from err
+
+
+def _floors(user_file: ModelFile, backends: dict, target, accuracy, input_shapes, main,
+            report) -> dict:
+    """name -> ``check.Floor``: the user's model file run whole by each graph library among
+    ``backends`` (its f32 build), and on a CPU with bf16 instructions under the strict f32
+    budget, by each library's reduced-precision variant too: timed for the report only, it
+    says what ``--accuracy bf16`` would give (DESIGN.md, "never slower")."""
+    if not user_file:
+        report.floor = user_file.why
+        return {}
+    libs = {n: b for n, b in backends.items()
+            if b.kind == "graph" and hasattr(b.get_lowering(), "compile")}
+    floors = {f"{n} (model file)": Floor(n, _floor_build(user_file, b, input_shapes, main,
+                                                          target))
+              for n, b in libs.items()}
+    if parse_accuracy(accuracy).strict:
+        for name in list_backends():
+            variant = get_backend(name)
+            if (variant.variant_of in libs and variant.precision != "f32"
+                    and variant.device == libs[variant.variant_of].device
+                    and variant.available()[0]):
+                floors[f"{name} (model file)"] = Floor(
+                    name, _floor_build(user_file, variant, input_shapes, main, target),
+                    budget=variant.precision)
+    if not floors:
+        report.floor = "no graph library among the backends runs a model file"
+    return floors
+
+
+def _floor_build(user_file: ModelFile, backend, input_shapes, main, target):
+    """``Floor.build``: () -> the executable running the model file whole on ``backend``."""
+    from .lower import release_with
+    from .lower.whole import whole_model_module
+
+    def build():
+        mod = whole_model_module(user_file.load(), backend, input_shapes, like=main)
+        executable = compile_module(mod, target)
+        release_with(executable, mod)  # its session goes with the executable
+        return executable
+
+    return build
+
+
+def _floor_module(lib: str, user_file: ModelFile, input_shapes, graph) -> tvm.IRModule | None:
+    """The module running the user's model file whole on ``lib``: the final check's verdict,
+    to ship (or reuse from the placement log); None, with a warning, when it cannot be made
+    now (no model file, the library gone)."""
+    from .lower.whole import NotWhole, whole_model_module
+
+    if not user_file:
+        logger.warning("the placement log ships the model file whole on %s, but there is no "
+                       "model file now (%s): searching again", lib, user_file.why)
+        return None
+    try:
+        backend = get_backend(lib)
+        ok, why = backend.available()
+        if not ok:
+            raise NotWhole(why)
+        return whole_model_module(user_file.load(), backend, input_shapes, like=graph.func)
+    except Exception as err:  # noqa: BLE001 - searched again, nothing lost
+        logger.warning("the model file whole on %s cannot be built now (%s): searching "
+                       "again", lib, first_line(err))
+        return None
 
 
 def _known_backend(name: str):
@@ -262,6 +341,16 @@ def _search_model(model, target, options, db, placement_log, example_inputs, inp
     target = make_target(target)
     backends, skipped = resolve_backends(options.backends, target, options.accuracy)
     report = BuildReport(backends=list(backends), skipped=skipped)
+    user_file = model_file(model, example_inputs)
+    try:
+        return _search_imported(model, target, options, db, placement_log, example_inputs,
+                                input_shapes, tuning_db, backends, report, t_start, user_file)
+    finally:
+        user_file.close()
+
+
+def _search_imported(model, target, options, db, placement_log, example_inputs, input_shapes,
+                     tuning_db, backends, report, t_start, user_file) -> SearchResult:
     try:
         mod = normalize_for_collage(load_model(model, example_inputs, input_shapes))
         release_memory()  # the importer's copies of the weights are garbage now
@@ -302,6 +391,17 @@ def _search_model(model, target, options, db, placement_log, example_inputs, inp
     logged = log.get(key)
     if logged and logged.get("unrewritten") and unrewritten is not None:
         graph, mod = unrewritten, original  # it beat the rewritten graph
+    if logged and logged.get("whole_model"):
+        whole = _floor_module(logged["whole_model"], user_file, input_shapes, graph)
+        if whole is not None:
+            report.placement_from_log = True
+            report.comparison = logged.get("comparison", {})
+            report.shipped = logged.get("shipped", "")
+            report.whole_model = {"backend": logged["whole_model"], "floor": True,
+                                  "why": "the placement log's verdict"}
+            report.ops_per_backend = {logged["whole_model"]: len(graph)}
+            return SearchResult(None, Placement([], math.nan), backends, report, target, whole)
+        logged = None
     placement = placement_from_record(logged, graph, backends)
     if placement is not None:
         report.placement_from_log = True
@@ -310,14 +410,31 @@ def _search_model(model, target, options, db, placement_log, example_inputs, inp
         report.shipped = logged.get("shipped", "collage")
         report.graph_level = logged.get("graph_level", {})
     else:
+        floors = {}
+        if options.compare:
+            floors = _floors(user_file, backends, target, options.accuracy, input_shapes,
+                             graph.func, report)
+        else:
+            report.floor = "the final check is off (--no-compare)"
         with use_tuning_db(tuning):
             try:
                 placement, shipped_graph = _search(graph, backends, target, cost_db, options,
-                                                   report, unrewritten)
+                                                   report, unrewritten, floors)
             except Exception as err:
                 raise _unsupported(report, err) or err
         record = placement_record(placement, shipped_graph, target, report.comparison,
                                   report.shipped, report.graph_level)
+        if report.whole_model:  # the user's model file, whole on a library, won
+            lib = report.whole_model["backend"]
+            whole = _floor_module(lib, user_file, input_shapes, graph)
+            if whole is not None:
+                log.put(key, {**record, "whole_model": lib})
+                report.ops_per_backend = {lib: len(graph)}
+                logger.info("collage: %s", report.summary())
+                return SearchResult(None, placement, backends, report, target, whole)
+            # (it ran in the final check a moment ago; nothing is lost if it no longer loads)
+            report.whole_model, report.shipped = {}, "tvm-only"
+            placement = Placement(single_ops(graph), math.nan)
         if shipped_graph is not graph:  # the unrewritten graph was faster
             graph, mod = shipped_graph, original
             record["unrewritten"] = True
@@ -381,11 +498,13 @@ def _rewrite(mod, backends, target, db, options: SearchOptions, report) -> tvm.I
 
 
 def _search(graph, backends, target, cost_db, options: SearchOptions, report,
-            unrewritten=None) -> tuple:
+            unrewritten=None, floors: dict | None = None) -> tuple:
     """Both levels of the search and the final check, for a placement not in the log.
     Returns (placement, the graph its groups refer to). ``unrewritten``: the model's graph
     before the rewrites; the final check times its op-level placement too (costs from the
-    rewrite search's measurements), and ships it if it is faster."""
+    rewrite search's measurements), and ships it if it is faster. ``floors``: the user's
+    model file whole on each graph library (``_floors``); one that wins is named in
+    ``report.whole_model``."""
     placement, candidates, costs, eps, switch = _op_level(graph, backends, target, cost_db,
                                                           options, report)
     if options.calibrate_rounds > 0 and any(backends[g.backend].is_external
@@ -409,13 +528,18 @@ def _search(graph, backends, target, cost_db, options: SearchOptions, report,
             report.times["unrewritten"] = time.perf_counter() - t0
         verdict = never_slower(graph, placement, backends, target,
                                op_level if placement is not op_level else None,
-                               accuracy=options.accuracy, others=others)
+                               accuracy=options.accuracy, others=others, floors=floors)
         placement, report.shipped, report.comparison = (verdict.placement, verdict.shipped,
                                                         verdict.comparison)
+        if verdict.floor:
+            report.whole_model = {"backend": verdict.floor, "floor": True,
+                                  "why": "the model file run whole by it was the fastest "
+                                         "correct build"}
         report.times["compare"] = verdict.seconds
         return placement, verdict.graph
     if _reduced(placement, backends):
-        return _within_budget(graph, placement, backends, target, cost_db, options, report)
+        return _within_budget(graph, placement, backends, target, cost_db, options, report,
+                              floors)
     return placement, graph
 
 
@@ -427,7 +551,7 @@ def _reduced(placement, backends) -> bool:
 
 
 def _within_budget(graph, placement, backends, target, cost_db, options: SearchOptions,
-                   report) -> tuple:
+                   report, floors: dict | None = None) -> tuple:
     """A placement with reduced-precision groups, checked against TVM alone in f32 on the
     random inputs of ``CHECK_SEEDS`` (``compare=True`` does this beside its timings). One
     outside the accuracy budget is not shipped: the search runs again on f32 backends.
@@ -448,7 +572,8 @@ def _within_budget(graph, placement, backends, target, cost_db, options: SearchO
     report.comparison = {OUTSIDE_BUDGET: result}
     report.shipped = "collage on the f32 backends (the reduced-precision placement broke the budget)"
     f32 = {n: b for n, b in backends.items() if b.precision == "f32"}
-    return _search(graph, f32, target, cost_db, options, report)
+    return _search(graph, f32, target, cost_db, options, report,
+                   floors={n: f for n, f in (floors or {}).items() if f.backend in f32})
 
 
 def _op_level(graph, backends, target, cost_db, options: SearchOptions, report) -> tuple:

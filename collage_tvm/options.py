@@ -14,6 +14,10 @@ from typing import Callable
 
 from .precision import parse_accuracy
 
+# Seconds of graph-level search (and of rewrite search) when none is given: a small model
+# saturates well within it; a paper-size one gets about a dozen generations.
+DEFAULT_BUDGET = 60.0
+
 
 def _flag(token: str, default: bool):
     """A switch that changes the search; in the key as ``token`` when on."""
@@ -34,14 +38,16 @@ def _not_key(default, why: str):
 class SearchOptions:
     """How Collage searches a placement (DESIGN.md's data flow, one build)."""
 
-    # Backends to place on; ``tvm`` is always added. Unavailable ones are skipped with a reason.
-    backends: tuple = _not_key(("tvm", "dnnl"), "in the key as each resolved backend's name "
+    # Backends to place on; ``tvm`` is always added. Unavailable ones are skipped with a
+    # reason. Empty (the default): every registered backend for the target's device that
+    # loads on this machine (``build.resolve_backends``).
+    backends: tuple = _not_key((), "in the key as each resolved backend's name "
                                "and library version (build.placement_key)")
     # The op-level DP charges the measured cost of changing runtime between consecutive
     # kernels (``Measurer.switch_costs``); False: the paper's additive model.
     switching: bool = _flag("|switching", True)
     # After the op-level DP, the evolutionary graph-level placer over the graph libraries.
-    graph_level: bool = _flag("|graph-level", False)
+    graph_level: bool = _flag("|graph-level", True)
     # Before placement, the verified graph rewrites (``collage_tvm.rewrite``; today: a
     # convolution's per-channel affine tail folded into its weights).
     rewrite: bool = _flag("|rewrite", False)
@@ -59,10 +65,11 @@ class SearchOptions:
     # Rounds of in-context calibration of the op-level placement (``placer.calibrate``).
     calibrate_rounds: int = _rounds("|calibrated", 4)
     # Seconds the graph-level search may take; the rewrite search (rewrite=True) too.
-    budget: float = _not_key(300.0, "a bound on the search's time; the placement found "
+    budget: float = _not_key(DEFAULT_BUDGET, "a bound on the search's time; the placement found "
                              "within it stands for later builds")
-    # Time the placement end to end beside every single-backend build; ship the fastest.
-    compare: bool = _not_key(False, "judges a placement after the search; the logged "
+    # Time the placement end to end beside every single-backend build and the user's model
+    # file run whole by each graph library; ship the fastest correct one.
+    compare: bool = _not_key(True, "judges a placement after the search; the logged "
                              "record keeps the verdict")
     # Measure in a child process (a crashing backend costs inf, not the search).
     isolate: bool = _not_key(True, "where measuring runs, not what it finds")

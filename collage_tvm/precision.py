@@ -53,14 +53,16 @@ class Accuracy:
 
     def check(self, outputs, reference) -> dict:
         """{"match", "max_err", "rel_err"} of ``outputs`` against the f32 ``reference``:
-        strict: the per-element check (atol times the output's scale above 1); else
+        strict: the per-element check (rtol 1e-3, atol ``scaled_atol`` of the output's
+        scale); else
         ``max_err <= tolerance * scale`` per output (scale: the reference output's largest
         magnitude)."""
         max_err = compare_outputs(outputs, reference)[1]
-        # atol grows with an output's scale above 1: float32 rounding of an output reaching
-        # 1e9 is thousands near zero.
+        # atol follows each output's scale both ways (``scaled_atol``): above 1, float32
+        # rounding of an output reaching 1e9 is thousands near zero; below 1, a fixed atol
+        # would let an all-zero output "match" a reference of 1e-4.
         match = len(outputs) == len(reference) and all(
-            compare_outputs([o], [r], STRICT_RTOL, STRICT_ATOL * max(1.0, output_scale(r)))[0]
+            compare_outputs([o], [r], STRICT_RTOL, scaled_atol(STRICT_ATOL, output_scale(r)))[0]
             for o, r in zip(outputs, reference))
         rel = relative_error(outputs, reference)
         if not self.strict and not match:

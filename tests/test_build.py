@@ -21,7 +21,7 @@ def _available(name):
 def test_collage_build_matches_tvm_only_and_reuses_db(small_onnx, tmp_path):
     backends = ["tvm", "dnnl"] if _available("dnnl") else ["tvm"]
     db = str(tmp_path / "c.db")
-    res = collage_tvm.optimize(small_onnx, "llvm", backends, db=db, isolate=False, progress=False)
+    res = collage_tvm.optimize(small_onnx, "llvm", backends, db=db, isolate=False, progress=False, graph_level=False, compare=False)
     assert res.report.distinct_measured > 0
     ref_ex = tvm.compile(tvm.IRModule({"main": res.graph.func}), res_target())
     ref = evaluate(ref_ex, res.graph, res_target())
@@ -39,12 +39,12 @@ def test_collage_build_matches_tvm_only_and_reuses_db(small_onnx, tmp_path):
     assert all(placed[n.index] == "tvm" for n in res.graph.nodes if n.op_name in tvm_only_ops)
     # Second build: the placement log answers, nothing is measured.
     again = collage_tvm.optimize(small_onnx, "llvm", backends, db=db, isolate=False,
-                                 progress=False)
+                                 progress=False, graph_level=False, compare=False)
     assert again.report.placement_from_log and again.report.distinct_measured == 0
     assert [g.nodes for g in again.placement.groups] == [g.nodes for g in res.placement.groups]
     # Without the placement log, the cost DB answers every candidate.
     third = collage_tvm.optimize(small_onnx, "llvm", backends, db=db, progress=False,
-                                 isolate=False, placement_log=str(tmp_path / "other.json"))
+                                 isolate=False, placement_log=str(tmp_path / "other.json"), graph_level=False, compare=False)
     assert third.report.distinct_measured == 0 and third.report.db_hits > 0
     assert third.report.side_by_side == 0  # close calls re-timed once, then from the DB
 
@@ -79,11 +79,11 @@ def test_pipeline_stage_in_tvm_compile(tmp_path):
 def test_unknown_backend_and_missing_model_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="unknown backend 'nope'"):
         collage_tvm.optimize(export_onnx("resnet_small", str(tmp_path / "m.onnx")), "llvm",
-                             ["nope"], db=str(tmp_path / "x.db"))
+                             ["nope"], db=str(tmp_path / "x.db"), graph_level=False, compare=False)
     from collage_tvm.frontend.load import ModelError
 
     with pytest.raises(ModelError, match="not found"):
-        collage_tvm.optimize(str(tmp_path / "missing.onnx"), "llvm", ["tvm"])
+        collage_tvm.optimize(str(tmp_path / "missing.onnx"), "llvm", ["tvm"], graph_level=False, compare=False)
 
 
 def test_backend_whose_library_is_missing_is_skipped(tmp_path, caplog):
@@ -127,7 +127,7 @@ def test_backend_that_segfaults_costs_inf_and_the_search_goes_on(tmp_path, monke
     add_backend_pattern_rule("crashlib", lambda n: n.op_name == "relax.nn.relu")
     mod = tvm.IRModule({"main": _conv_block()})
     res = collage_tvm.optimize(mod, "llvm", ["tvm", "crashlib"], db=str(tmp_path / "c.db"),
-                               isolate=True, progress=False)
+                               isolate=True, progress=False, graph_level=False, compare=False)
     assert {g.backend for g in res.placement.groups} == {"tvm"}
     crashes = [r for b, _, r in res.report.failures if b == "crashlib"]
     assert crashes and all("SIGSEGV" in r or "signal" in r for r in crashes), crashes
@@ -146,7 +146,7 @@ def test_never_slower_compares_every_build_and_times_hopeless_ones_once(small_on
     # Every build after the Collage placement counts as hopeless: timed once.
     monkeypatch.setattr(check, "SLOW_BUILD_FACTOR", 1e-9)
     res = collage_tvm.optimize(small_onnx, "llvm", backends, db=db, isolate=False,
-                               progress=False, compare=True)
+                               progress=False, compare=True, graph_level=False)
     comp = res.report.comparison
     assert list(comp)[:2] == ["tvm-only", "collage"]
     assert all(r["match"] for r in comp.values()), comp

@@ -80,7 +80,7 @@ def test_two_level_build_on_bert_small(bert_onnx, tmp_path, monkeypatch):
         monkeypatch.setattr(rule, "regions", 0)
     res = collage_tvm.optimize(bert_onnx, "llvm", ["tvm", lib], db=str(tmp_path / "c.db"),
                                isolate=False, progress=False, graph_level=True, budget=20,
-                               calibrate_rounds=0)
+                               calibrate_rounds=0, compare=False)
     # (No calibration: on a loaded machine it can put every eligible group on the library
     # already, leaving the graph level no gene: a known gap, its single calls are not merged.)
     gl = res.report.graph_level
@@ -95,7 +95,7 @@ def test_two_level_build_on_bert_small(bert_onnx, tmp_path, monkeypatch):
     # The placement log keeps the graph-level result: the next build searches nothing.
     again = collage_tvm.optimize(bert_onnx, "llvm", ["tvm", lib], db=str(tmp_path / "c.db"),
                                  isolate=False, progress=False, graph_level=True, budget=20,
-                                 calibrate_rounds=0)
+                                 calibrate_rounds=0, compare=False)
     assert again.report.placement_from_log
     assert {c.nodes for c in again.placement.groups} == {c.nodes for c in res.placement.groups}
 
@@ -135,7 +135,7 @@ def test_graph_library_failure_marks_the_individual_invalid_and_search_goes_on(t
     g = DataflowGraph(_two_output_func())
     mod = tvm.IRModule({"main": g.func})
     res = collage_tvm.optimize(mod, "llvm", ["tvm", "flakyort"], db=str(tmp_path / "c.db"),
-                               isolate=False, progress=False, graph_level=True, budget=15)
+                               isolate=False, progress=False, graph_level=True, budget=15, compare=False)
     gl = res.report.graph_level
     assert gl["invalid"] >= 1  # at least the all-offload seed (5 operators) failed to load
     assert any("cannot load" in r for r in gl["invalid_reasons"])

@@ -22,24 +22,45 @@ def test_an_option_added_without_a_key_declaration_cannot_make_a_key():
         WithNewOption().key_variant()
 
 
-def test_key_changes_with_search_options_and_not_with_display_ones():
+def test_the_defaults_find_the_best_every_backend_both_levels_and_the_final_check():
+    """Issue #33: with no options a search uses every backend that loads here, both levels
+    with a bounded budget, and the final check (the model file on each library the floor)."""
+    from collage_tvm.build import resolve_backends
+    from collage_tvm.registry import get_backend, list_backends
+    from collage_tvm.target import make_target
+
     base = SearchOptions()
+    assert base.backends == () and base.graph_level and base.compare
+    assert 0 < base.budget <= 120
+    backends, skipped = resolve_backends(base.backends, make_target("llvm"))
+    cpu_f32 = {n for n in list_backends() if get_backend(n).device == "cpu"
+               and get_backend(n).precision == "f32" and get_backend(n).variant_of is None}
+    assert {"tvm", "onnxruntime", "openvino"} <= cpu_f32
+    assert set(backends) | set(skipped) == cpu_f32 | {"tvm"}
+    assert "cudnn" not in set(backends) | set(skipped)  # another device's library
+
+
+def test_key_changes_with_search_options_and_not_with_display_ones():
+    base = SearchOptions(graph_level=False)
     # The same variant text the placement log was keyed with before SearchOptions existed,
     # so logs written by earlier builds still hit.
     assert base.key_variant() == "|switching|refined2|calibrated4"
-    assert SearchOptions(graph_level=True).key_variant() == "|switching|graph-level|refined2|calibrated4"
-    assert SearchOptions(switching=False, refine_rounds=0, calibrate_rounds=0).key_variant() == ""
+    assert SearchOptions().key_variant() == "|switching|graph-level|refined2|calibrated4"
+    assert SearchOptions(switching=False, refine_rounds=0, calibrate_rounds=0,
+                         graph_level=False).key_variant() == ""
     for same in (dict(progress=False), dict(isolate=False), dict(budget=10.0),
-                 dict(on_generation=print), dict(build_jobs=4)):
-        assert SearchOptions(**same).key_variant() == base.key_variant(), same
+                 dict(on_generation=print), dict(build_jobs=4), dict(compare=False)):
+        assert SearchOptions(graph_level=False, **same).key_variant() == base.key_variant(), same
     for other in (dict(switching=False), dict(refine_rounds=1), dict(calibrate_rounds=0),
                   dict(graph_level=True)):
-        assert SearchOptions(**other).key_variant() != base.key_variant(), other
+        assert SearchOptions(**{"graph_level": False, **other}).key_variant() != \
+            base.key_variant(), other
 
 
 def test_options_from_keywords_name_an_unknown_one_and_check_values():
     opts = SearchOptions.of(None, backends="tvm,dnnl,mkl", graph_level=True, budget=None)
-    assert opts.backends == ("tvm", "dnnl", "mkl") and opts.graph_level and opts.budget == 300.0
+    assert opts.backends == ("tvm", "dnnl", "mkl") and opts.graph_level
+    assert opts.budget == SearchOptions().budget
     assert SearchOptions.of(opts, compare=True).graph_level  # changes keep the rest
     with pytest.raises(TypeError, match="graph_levle.*known: .*graph_level"):
         SearchOptions.of(None, graph_levle=True)

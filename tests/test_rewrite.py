@@ -135,7 +135,7 @@ def test_optimize_with_rewrite_builds_the_folded_graph_and_matches(tmp_path):
     x = torch.randn(1, 3, 8, 8)
     res = collage_tvm.optimize(m, "llvm", ["tvm"], db=str(tmp_path / "c.db"), rewrite=True,
                                example_inputs=(x,), isolate=False, progress=False,
-                               calibrate_rounds=0, refine_rounds=0)
+                               calibrate_rounds=0, refine_rounds=0, graph_level=False, compare=False)
     assert res.report.ops_per_backend["tvm"] < 10  # 2 convs, 2 adds, a relu: chains folded
     got = relax.VirtualMachine(res.executable, tvm.cpu())["main"](tvm.runtime.tensor(x.numpy()))
     got = got[0] if not hasattr(got, "numpy") else got
@@ -292,7 +292,7 @@ def test_the_final_check_times_the_unrewritten_placement_too(tmp_path):
     path = _convbn_onnx(tmp_path)
     res = collage_tvm.optimize(path, "llvm", ["tvm"], db=str(tmp_path / "c.db"), rewrite=True,
                                compare=True, isolate=False, progress=False,
-                               calibrate_rounds=0, refine_rounds=0)
+                               calibrate_rounds=0, refine_rounds=0, graph_level=False)
     comp = res.report.comparison
     assert comp["collage-unrewritten"]["match"] and comp["collage"]["match"]
     assert "unrewritten" in res.report.times
@@ -300,7 +300,7 @@ def test_the_final_check_times_the_unrewritten_placement_too(tmp_path):
     assert res.report.rewrite["folded_affine_tails"]
     plain = collage_tvm.optimize(path, "llvm", ["tvm"], db=str(tmp_path / "c.db"),
                                  isolate=False, progress=False, calibrate_rounds=0,
-                                 refine_rounds=0)
+                                 refine_rounds=0, graph_level=False, compare=False)
     assert len(plain.graph) > n_rewritten  # the fold removed the affine tails
 
 
@@ -325,7 +325,7 @@ def test_an_unrewritten_placement_that_wins_is_shipped_and_logged(tmp_path, monk
     res = collage_tvm.optimize(path, "llvm", ["tvm"], **kw)
     plain = collage_tvm.optimize(path, "llvm", ["tvm"], db=str(tmp_path / "other.db"),
                                  isolate=False, progress=False, calibrate_rounds=0,
-                                 refine_rounds=0)
+                                 refine_rounds=0, graph_level=False, compare=False)
     assert res.report.shipped == "collage-unrewritten" and len(res.graph) == len(plain.graph)
     x = np.random.default_rng(0).standard_normal((1, 3, 8, 8)).astype("float32")
     outs = [relax.VirtualMachine(r.executable, tvm.cpu())["main"](tvm.runtime.tensor(x))
@@ -747,7 +747,7 @@ def test_optimize_with_rewrite_applies_generated_rules_and_matches_torch(tmp_pat
     m, x = TransposeAroundRelu().eval(), torch.randn(256, 64)
     res = collage_tvm.optimize(m, "llvm", ["tvm"], db=str(tmp_path / "c.db"), rewrite=True,
                                example_inputs=(x,), isolate=False, progress=False,
-                               calibrate_rounds=0, refine_rounds=0)
+                               calibrate_rounds=0, refine_rounds=0, graph_level=False, compare=False)
     applied = res.report.rewrite["applied"]
     assert any(a.startswith("generated: ") for a in applied), res.report.rewrite
     got = relax.VirtualMachine(res.executable, tvm.cpu())["main"](tvm.runtime.tensor(x.numpy()))

@@ -11,7 +11,7 @@ from ..lower import compile_placement
 from ..measure.cuda_graph import capture, flat_numpy
 from ..measure.timing import time_main
 from .._errors import first_line  # noqa: F401 - re-exported: the check's reasons
-from ..precision import compare_outputs  # noqa: F401 - re-exported: the check's comparison
+from ..precision import Accuracy, compare_outputs  # noqa: F401 - compare_outputs re-exported
 from ..target import device_sync, target_device
 
 
@@ -20,10 +20,12 @@ def run_outputs(vm, args) -> list:
     return flat_numpy(vm["main"](*args))
 
 
-def evaluate(executable, graph, target, reference=None, rtol=1e-3, atol=1e-3, seed=0,
+def evaluate(executable, graph, target, reference=None, seed=0,
              cutoff_ms: float | None = None) -> dict:
-    """{"ms": median latency, "outputs": [...], "match": bool|None, "max_err": float,
-    "run": a zero-argument function running the model once (for interleaved timing),
+    """{"ms": median latency, "outputs": [...], "match": bool|None and "max_err" against
+    ``reference`` (outputs) by the strict f32 check, whose tolerance follows the outputs'
+    scale (``precision.Accuracy.check``), "run": a zero-argument function running the model
+    once (for interleaved timing),
     "timed_once": the first timed run passed ``cutoff_ms`` and is the reported time,
     "cuda_graph": None, or on a GPU whether the build runs as one CUDA graph, and if not
     why (``measure.cuda_graph``)}."""
@@ -35,10 +37,10 @@ def evaluate(executable, graph, target, reference=None, rtol=1e-3, atol=1e-3, se
     ms, why, _ = time_main(vm, args, dev, cutoff_ms=cutoff_ms, target_ms=50.0, repeat=3,
                            max_batches=3, sync=device_sync(target), run=main)
     result = {"ms": ms, "outputs": outputs, "match": None, "max_err": math.nan,
-              "run": main.replay, "timed_once": why is not None,
-              "cuda_graph": main.state}
+              "run": main.replay, "timed_once": why is not None, "cuda_graph": main.state}
     if reference is not None:
-        result["match"], result["max_err"] = compare_outputs(outputs, reference, rtol, atol)
+        check = Accuracy().check(outputs, reference)
+        result["match"], result["max_err"] = check["match"], check["max_err"]
     return result
 
 
@@ -77,7 +79,7 @@ def latency_evaluator(graph, backends: dict, target, accuracy=None):
     def evaluate_groups(groups):
         try:
             executable, _ = compile_placement(graph, groups, backends, target)
-            r = evaluate(executable, graph, target, reference[0] if reference else None)
+            r = evaluate(executable, graph, target)
         except Exception as err:  # noqa: BLE001 - an invalid individual, not a failed search
             return math.inf, first_line(err)
         if not reference:

@@ -6,6 +6,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from .._memory import release_memory
 from ..graph.subgraph import constant_bytes
@@ -25,17 +26,30 @@ SLOW_BUILD_FACTOR = 10.0
 
 
 @dataclass
+class Floor:
+    """The user's model file run whole by one graph library: what they would run without
+    Collage (DESIGN.md, "never slower"). ``build() -> executable``. ``budget``: the accuracy
+    budget it is judged by when the search's own does not allow its precision (timed for the
+    report only, never shipped: the report says what the flag would give)."""
+
+    backend: str
+    build: Callable
+    budget: object = None
+
+
+@dataclass
 class Verdict:
     placement: Placement   # what to ship
     shipped: str = "collage"
     comparison: dict = field(default_factory=dict)  # build -> {"ms", "match", "max_err", ...}
     seconds: float = 0.0
     graph: object = None   # the dataflow graph the shipped placement's groups refer to
+    floor: str | None = None  # a Floor won: its backend runs the user's model file whole
 
 
 def never_slower(graph, placement: Placement, backends: dict, target,
                  op_level: Placement | None = None, accuracy=None,
-                 others: dict | None = None) -> Verdict:
+                 others: dict | None = None, floors: dict | None = None) -> Verdict:
     """Time the placement end to end beside every single-backend build; ship the fastest.
 
     Builds: "tvm-only" (TVM's own fusion); "<lib>+tvm" for each external op library (its
@@ -43,8 +57,9 @@ def never_slower(graph, placement: Placement, backends: dict, target,
     can run the whole model ("<lib>+tvm" when some operators stay on TVM); and the
     op-level placement when the graph-level search changed it; and ``others``: name ->
     (graph, placement) on another graph of the same model (the unrewritten one when the
-    rewrites changed it: ``Verdict.graph`` says which graph the shipped one is on). Outputs
-    are checked
+    rewrites changed it: ``Verdict.graph`` says which graph the shipped one is on); and
+    ``floors``: name -> ``Floor``, the user's model file run whole by a graph library (one
+    that wins ships as ``Verdict.floor``). Outputs are checked
     against tvm-only (f32): per element (rtol 1e-3) under the strict budget; under another
     ``accuracy`` (``precision.Accuracy``) on the random inputs of ``CHECK_SEEDS``, each
     build within the budget, its error against f32 reported ("rel_err": of the scale).
@@ -59,6 +74,9 @@ def never_slower(graph, placement: Placement, backends: dict, target,
     graph_of = {name: graph for name in builds}
     for name, (other_graph, other) in (others or {}).items():
         builds[name], graph_of[name] = other.groups, other_graph
+    floors = floors or {}
+    for name in floors:
+        builds[name], graph_of[name] = None, graph
     # Collage first: its time sets the cutoff beyond which a build is timed once only (an
     # untuned TVM build of a big model can take minutes per run). Outputs are compared with
     # tvm-only's at the end.
@@ -66,8 +84,8 @@ def never_slower(graph, placement: Placement, backends: dict, target,
     cutoff = None
     weights = weight_bytes(graph)
     for name in ["collage", "tvm-only"] + [n for n in builds if n not in ("collage", "tvm-only")]:
-        same = seen.setdefault((id(graph_of[name]), frozenset((g.backend, g.nodes)
-                                                              for g in builds[name])), name)
+        same = seen.setdefault(name if name in floors else (
+            id(graph_of[name]), frozenset((g.backend, g.nodes) for g in builds[name])), name)
         if same != name:  # e.g. the two-level search chose the whole model on one library
             results[name] = {"same_as": same}
             logger.info("end to end: %s is the same placement as %s", name, same)
@@ -75,7 +93,10 @@ def never_slower(graph, placement: Placement, backends: dict, target,
         if len(runs) > 1 and memory_short(weights):
             _narrow(runs, results, outputs, builds, accuracy, target)
         try:
-            executable, _ = compile_placement(graph_of[name], builds[name], backends, target)
+            if name in floors:
+                executable = floors[name].build()
+            else:
+                executable, _ = compile_placement(graph_of[name], builds[name], backends, target)
             r = evaluate(executable, graph_of[name], target, cutoff_ms=cutoff)
         except Exception as err:  # noqa: BLE001 - a failing baseline is reported, not fatal
             if name == "collage":
@@ -88,6 +109,8 @@ def never_slower(graph, placement: Placement, backends: dict, target,
             cutoff = SLOW_BUILD_FACTOR * r["ms"]
         outputs[name] = [r["outputs"]] + outputs_on(executable, graph_of[name], target, seeds)
         results[name] = {"ms": r["ms"]}
+        if builds[name] is not None:
+            results[name]["ops"] = ops_per_backend(builds[name])
         if r["cuda_graph"] is not None:  # on a GPU: True, or why it runs launch by launch
             results[name]["cuda_graph"] = r["cuda_graph"]
         if r["timed_once"]:
@@ -99,12 +122,14 @@ def never_slower(graph, placement: Placement, backends: dict, target,
     ref = _reference(results, builds)
     reference = outputs[ref]
     for name, out in outputs.items():
-        results[name].update(accuracy.check_seeds(out, reference))
+        results[name].update(_budget_of(name, floors, accuracy).check_seeds(out, reference))
     # The contenders (correct, within 2x of the fastest) are timed again in alternating
     # rounds, so the machine's drifting load hits them alike: on a shared 2-core machine
     # one build timed after another differed by up to 40% from the same build re-timed.
     # (Builds that are the same placement as another have no run of their own.)
-    fastest = min((results[n]["ms"] for n in runs if results[n]["match"]), default=math.inf)
+    outside = {n for n, f in floors.items() if f.budget is not None}
+    fastest = min((results[n]["ms"] for n in runs if results[n]["match"] and n not in outside),
+                  default=math.inf)
     contenders = {n: runs[n] for n in runs
                   if results[n]["match"] and results[n]["ms"] <= 2 * fastest}
     if len(contenders) > 1:
@@ -115,17 +140,24 @@ def never_slower(graph, placement: Placement, backends: dict, target,
                    if "same_as" in results[n] else results[n])
                for n in ["tvm-only", *builds] if n in results}
     verdict = Verdict(placement, "collage", results, time.perf_counter() - t0, graph)
-    ok = {n: r for n, r in results.items() if r["match"] and "lost_to" not in r}
+    for name in outside & set(results):
+        results[name]["outside_budget"] = str(parse_accuracy(floors[name].budget))
+    ok = {n: r for n, r in results.items()
+          if r["match"] and "lost_to" not in r and n not in outside}
     if not ok:  # nothing agrees with the reference, not even itself: nothing to choose
         logger.warning("end to end: no build's outputs match %s's; keeping the placement", ref)
         return verdict
     best = min(ok, key=lambda n: ok[n]["ms"])
+    _advise(results, outside, ok[best]["ms"])
     if best == "collage" or ok[best]["ms"] >= ok.get("collage", {"ms": math.inf})["ms"]:
         return verdict
     verdict.shipped = best
     logger.warning("%s (%.3f ms) beat the collage placement (%.3f ms): shipping %s", best,
                    ok[best]["ms"], results["collage"]["ms"], best)
-    if best == "collage-op-level":
+    if best in floors:
+        verdict.floor = floors[best].backend
+        verdict.placement = Placement([], math.nan)
+    elif best == "collage-op-level":
         verdict.placement = op_level
     elif best in (others or {}):
         verdict.graph, verdict.placement = others[best]
@@ -133,6 +165,31 @@ def never_slower(graph, placement: Placement, backends: dict, target,
         groups = builds[best]
         verdict.placement = Placement(groups, math.nan, {g: f"baseline:{best}" for g in groups})
     return verdict
+
+
+def ops_per_backend(groups) -> dict:
+    """backend -> how many of the graph's operators ``groups`` place on it."""
+    out: dict = {}
+    for g in groups:
+        out[g.backend] = out.get(g.backend, 0) + len(g.nodes)
+    return out
+
+
+def _budget_of(name: str, floors: dict, accuracy):
+    """The budget ``name``'s outputs are judged by: a floor's own when it has one."""
+    floor = floors.get(name)
+    return parse_accuracy(floor.budget) if floor is not None and floor.budget else accuracy
+
+
+def _advise(results: dict, outside: set, shipped_ms: float) -> None:
+    """A build outside the budget that is faster than the shipped one and within its own
+    budget: ``advice`` says how much faster, and the flag (DESIGN.md, strict f32 default)."""
+    for name in outside & set(results):
+        r = results[name]
+        if r.get("match") and r["ms"] < shipped_ms:
+            r["advice"] = (f"{shipped_ms / r['ms']:.2f}x faster than the shipped build, error "
+                           f"{r['rel_err']:.1e} of the output scale: --accuracy "
+                           f"{r['outside_budget']} (accuracy={r['outside_budget']!r} in Python)")
 
 
 def weight_bytes(graph) -> int:

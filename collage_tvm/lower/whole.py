@@ -75,11 +75,13 @@ def _copy(proto):
     return copy
 
 
-def whole_model_module(proto, backend, input_shapes: dict | None = None) -> tvm.IRModule:
+def whole_model_module(proto, backend, input_shapes: dict | None = None,
+                       like: relax.Function | None = None) -> tvm.IRModule:
     """A Relax module whose ``main`` runs ONNX ``proto`` wholly on graph library
     ``backend`` (a ``registry.Backend`` whose lowering has ``compile(model, specs, sole)``);
     raises ``NotWhole`` when its inputs or outputs have no static shapes or the library
-    cannot load it."""
+    cannot load it. ``like``: the ``main`` of TVM's import of the same model, whose inputs
+    and outputs this one must have (the same random inputs run both in the final check)."""
     import onnx
 
     input_shapes = dict(input_shapes or {})
@@ -101,6 +103,8 @@ def whole_model_module(proto, backend, input_shapes: dict | None = None) -> tvm.
         out_types = [_static_type(vi, "output") for vi in inferred.graph.output]
     except NotWhole as why:  # (a Loop's outputs: shape inference does not see through it)
         out_types = _run_output_types(proto, inputs, in_types, why)
+    if like is not None:
+        _same_signature(in_types, out_types, like)
     specs = [(tuple(int(d) for d in t.shape.values), str(t.dtype)) for t in out_types]
     lowering = backend.get_lowering()
     compile_whole = getattr(lowering, "compile", None)
@@ -119,3 +123,20 @@ def whole_model_module(proto, backend, input_shapes: dict | None = None) -> tvm.
             out = bb.emit_output(relax.op.call_pure_packed(symbol, *params, ty_args=ret))
         bb.emit_func_output(out)
     return bb.get().with_attr("collage.symbols", [symbol])
+
+
+def _same_signature(in_types: list, out_types: list, main: relax.Function) -> None:
+    """``NotWhole`` unless the file's inputs and outputs have the types of ``main``'s."""
+
+    def text(types) -> str:
+        return ", ".join(f"{t.dtype}{[int(d) for d in t.shape.values]}" for t in types)
+
+    ret = main.ret_ty
+    outs = list(ret.fields) if isinstance(ret, relax.TupleType) else [ret]
+    params = [p.ty for p in main.params]
+    for what, file_types, ours in (("inputs", in_types, params), ("outputs", out_types, outs)):
+        if not all(isinstance(t, relax.TensorType) and t.shape is not None for t in ours):
+            raise NotWhole(f"TVM's import has {what} that are not static tensors")
+        if text(file_types) != text(ours):
+            raise NotWhole(f"the file's {what} ({text(file_types)}) differ from TVM's import's "
+                           f"({text(ours)})")

@@ -1,0 +1,145 @@
+"""The floor (issue #33): the user's own model file, run whole by each graph library, is a
+contender in the final check; it ships when it is the fastest correct build, and the
+placement log remembers that verdict. Which build is fastest is the machine's call, so the
+tests that need a winner fix the timings (a fake clock); the builds and outputs are real."""
+import importlib
+
+import numpy as np
+import onnx
+import pytest
+import torch
+import tvm
+from onnx import TensorProto, helper
+from tvm import relax
+
+import collage_tvm
+from collage_tvm.precision import cpu_precisions
+from collage_tvm.registry import get_backend
+
+ns = importlib.import_module("collage_tvm.check.never_slower")  # the module, not the function
+
+
+def _conv_relu6_onnx(path) -> str:
+    """conv -> Clip(0, 6) -> conv -> Clip(0, 6): a MobileNetV2 block as torch exports it."""
+    rng = np.random.default_rng(0)
+    w1 = helper.make_tensor("w1", TensorProto.FLOAT, [8, 3, 3, 3],
+                            rng.standard_normal(8 * 27).astype("float32") * 0.3)
+    w2 = helper.make_tensor("w2", TensorProto.FLOAT, [8, 8, 1, 1],
+                            rng.standard_normal(64).astype("float32") * 0.3)
+    lo = helper.make_tensor("lo", TensorProto.FLOAT, [], [0.0])
+    hi = helper.make_tensor("hi", TensorProto.FLOAT, [], [6.0])
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]),
+             helper.make_node("Clip", ["c1", "lo", "hi"], ["r1"]),
+             helper.make_node("Conv", ["r1", "w2"], ["c2"]),
+             helper.make_node("Clip", ["c2", "lo", "hi"], ["y"])]
+    graph = helper.make_graph(nodes, "block",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 16, 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 16, 16])],
+                              initializer=[w1, w2, lo, hi])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    onnx.save(model, str(path))
+    return str(path)
+
+
+@pytest.fixture
+def model_path(tmp_path):
+    return _conv_relu6_onnx(tmp_path / "block.onnx")
+
+
+def _fixed_clock(monkeypatch, fastest: str):
+    """Every build times 1 ms, ``fastest`` 0.1 ms: the real builds run, the clock is fixed."""
+    real = ns.evaluate
+
+    def evaluate(*args, **kwargs):
+        return {**real(*args, **kwargs), "ms": 1.0}
+
+    monkeypatch.setattr(ns, "evaluate", evaluate)
+    monkeypatch.setattr(ns, "interleaved", lambda runs, sync=None: {
+        n: (0.1 if n == fastest else 1.0) for n in runs})
+
+
+def _search(path, tmp_path, backends=("tvm", "onnxruntime"), **kw):
+    return collage_tvm.optimize(path, "llvm", list(backends), db=str(tmp_path / "c.db"),
+                                progress=False, isolate=False, graph_level=False,
+                                calibrate_rounds=0, refine_rounds=0, **kw)
+
+
+def test_the_model_file_whole_on_each_graph_library_is_a_contender(model_path, tmp_path):
+    res = _search(model_path, tmp_path, ("tvm", "onnxruntime", "openvino"))
+    comp = res.report.comparison
+    for lib in ("onnxruntime", "openvino"):
+        row = comp[f"{lib} (model file)"]
+        assert row["match"] and row["ms"] > 0, row
+    assert res.report.floor == ""
+    # builds of Collage's own placements say what runs where (the model file's do not)
+    assert set(comp["tvm-only"]["ops"]) == {"tvm"} and "ops" not in comp["onnxruntime (model file)"]
+
+
+def test_the_model_file_ships_when_it_is_the_fastest_and_the_log_remembers(model_path, tmp_path,
+                                                                            monkeypatch):
+    import onnxruntime as ort
+
+    _fixed_clock(monkeypatch, "onnxruntime (model file)")
+    res = _search(model_path, tmp_path)
+    assert res.report.shipped == "onnxruntime (model file)"
+    assert res.report.whole_model == {"backend": "onnxruntime", "floor": True,
+                                      "why": res.report.whole_model["why"]}
+    assert res.graph is None and res.report.ops_per_backend.get("onnxruntime", 0) > 0
+    x = np.random.default_rng(3).standard_normal((1, 3, 16, 16)).astype("float32")
+    got = relax.VirtualMachine(res.executable, tvm.cpu())["main"](tvm.runtime.tensor(x)).numpy()
+    session = ort.InferenceSession(model_path, providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(got, session.run(None, {"x": x})[0], rtol=1e-5, atol=1e-6)
+    monkeypatch.undo()  # the second build times nothing: the log's verdict stands
+    again = _search(model_path, tmp_path)
+    assert again.report.placement_from_log and again.report.distinct_measured == 0
+    assert again.report.shipped == "onnxruntime (model file)" and again.graph is None
+
+
+def test_a_model_file_that_is_slower_does_not_ship(model_path, tmp_path, monkeypatch):
+    _fixed_clock(monkeypatch, "collage")
+    res = _search(model_path, tmp_path)
+    assert res.report.shipped == "collage" and not res.report.whole_model
+    assert res.graph is not None and "onnxruntime (model file)" in res.report.comparison
+
+
+@pytest.mark.skipif(not cpu_precisions()["bf16"][0] or not get_backend("openvino").available()[0],
+                    reason="needs OpenVINO and a CPU with bf16 instructions")
+def test_a_faster_build_outside_the_f32_budget_is_reported_with_its_flag_never_shipped(
+        model_path, tmp_path, monkeypatch):
+    _fixed_clock(monkeypatch, "openvino_bf16 (model file)")
+    res = _search(model_path, tmp_path, ("tvm", "openvino"))
+    row = res.report.comparison["openvino_bf16 (model file)"]
+    assert row["outside_budget"] == "bf16"
+    assert res.report.shipped != "openvino_bf16 (model file)"
+    assert "--accuracy bf16" in row["advice"] and "faster than the shipped build" in row["advice"]
+
+
+def test_a_torch_module_is_judged_against_its_own_onnx_export(tmp_path):
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+
+        def forward(self, x):
+            return torch.nn.functional.relu6(self.conv(x))
+
+    res = collage_tvm.optimize(Block().eval(), "llvm", ["tvm", "onnxruntime"],
+                               example_inputs=(torch.randn(1, 3, 16, 16),),
+                               db=str(tmp_path / "c.db"), progress=False, isolate=False,
+                               graph_level=False, calibrate_rounds=0, refine_rounds=0)
+    assert res.report.comparison["onnxruntime (model file)"]["match"]
+
+
+def test_without_a_model_file_the_report_says_why_there_is_no_floor(tmp_path):
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((4, 8), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.nn.relu(x))
+        bb.emit_func_output(out)
+    res = collage_tvm.optimize(bb.get(), "llvm", ["tvm", "onnxruntime"],
+                               db=str(tmp_path / "c.db"), progress=False, isolate=False,
+                               graph_level=False, calibrate_rounds=0, refine_rounds=0)
+    assert "Relax module" in res.report.floor
+    assert not any("(model file)" in n for n in res.report.comparison)
