@@ -77,26 +77,33 @@ def _optimize(args) -> int:
     if rep.kept_on_tvm:
         print(f"  kept on TVM (nothing else could run or time them): "
               f"{', '.join(sorted(set(rep.kept_on_tvm)))}")
-    if rep.whole_model:
+    if rep.whole_model and not rep.whole_model.get("floor"):
         print(f"TVM cannot import this model ({rep.whole_model['why']}): it runs wholly on "
               f"{rep.whole_model['backend']}, no placement to search, write or show")
         return 0
-    if res.graph is None:
+    if rep.floor:
+        print(f"  the model file was not run whole by a graph library: {rep.floor}")
+    if res.graph is None and not rep.whole_model:
         print("the whole model was compiled by TVM alone: no placement to write or show")
         return 0
-    if args.output:
+    if rep.whole_model:
+        print(f"\nshipped: the model file run whole by {rep.whole_model['backend']} "
+              f"({rep.whole_model['why']}); no placement of Collage's beat it"
+              + (" (no placement to write to --output)" if args.output else ""))
+    elif args.output:
         with open(args.output, "w") as f:
             json.dump(placement_record(res.placement, res.graph, args.target, rep.comparison,
                                        rep.shipped, rep.graph_level),
                       f, indent=1)
         print(f"placement written to {args.output}")
-    _print_ops(res)
+    if res.graph is not None:
+        _print_ops(res)
     if rep.comparison:
-        print(f"\n{'build':<18}{'latency ms':>12}{'vs collage':>12}  matches tvm-only")
+        print(f"\n{'build':<26}{'latency ms':>12}{'vs collage':>12}  matches the reference")
         base = rep.comparison.get("collage", {}).get("ms", math.nan)
         for name, r in rep.comparison.items():
             if r.get("error"):
-                print(f"{name:<18}{'failed':>12}{'':>12}  {r['error']}")
+                print(f"{name:<26}{'failed':>12}{'':>12}  {r['error']}")
                 continue
             same = f"  (same placement as {r['same_as']})" if r.get("same_as") else ""
             same += "  (timed once: >10x slower)" if r.get("timed_once") else ""
@@ -104,15 +111,20 @@ def _optimize(args) -> int:
             rel = (f", {r['rel_err']:.1e} of the scale" if "rel_err" in r and rep.precision
                    else "")  # rep.precision: set under a budget other than strict f32
             if math.isnan(r["ms"]):  # checked for accuracy, not timed (no --compare)
-                print(f"{name:<18}{'not timed':>12}{'':>12}  {'yes' if r['match'] else 'NO'} "
+                print(f"{name:<26}{'not timed':>12}{'':>12}  {'yes' if r['match'] else 'NO'} "
                       f"(max err {r['max_err']:.2e}{rel})")
                 continue
-            print(f"{name:<18}{r['ms']:>12.3f}{r['ms'] / base:>11.2f}x  "
+            if r.get("outside_budget"):
+                same += f"  (outside the budget: {r['outside_budget']}, not shipped)"
+            print(f"{name:<26}{r['ms']:>12.3f}{r['ms'] / base:>11.2f}x  "
                   f"{'yes' if r['match'] else 'NO'} (max err {r['max_err']:.2e}{rel}){same}")
         if rep.shipped != "collage":
             print(f"shipped: {rep.shipped} (faster than the collage placement in this run)")
+        for name, r in rep.comparison.items():
+            if r.get("advice"):
+                print(f"faster at a looser precision: {name}, {r['advice']}")
         return 0 if all(r["match"] for n, r in rep.comparison.items()
-                        if n in ("collage", rep.shipped)) else 1
+                        if n in ("collage", rep.shipped) and not r.get("error")) else 1
     return 0
 
 
@@ -246,7 +258,9 @@ def _bench(args, parser) -> int:
 
 
 def _bench_suite(args) -> int:
-    """``bench --suite``: models nobody here wrote; a table per suite (docs/COVERAGE.md)."""
+    """``bench --suite``: models nobody here wrote; a table per suite (docs/COVERAGE.md).
+    suite_<name>.json: {"suite", "machine", "input_size", "rows"} (the tables are rendered
+    from it: ``suites.markdown(suite, rows, machine)``)."""
     import json
     import os
     from pathlib import Path
@@ -254,6 +268,7 @@ def _bench_suite(args) -> int:
     from ._files import write_json_atomic
     from .build import DEFAULT_DB
     from .tools import suites
+    from .tools.bench import machine
 
     backends = [b for b in args.backends.split(",") if b]
     base = os.path.join(args.out, f"suite_{args.suite}")
@@ -261,22 +276,30 @@ def _bench_suite(args) -> int:
     if args.resume and os.path.exists(base + ".json"):
         with open(base + ".json") as f:
             done = json.load(f)
+        done = done["rows"] if isinstance(done, dict) else done  # a list: before the machine
+        # A torch model's row at another input size is run again at this one (a row without
+        # one is from before input sizes: the small ones).
+        unsized = "small" if args.suite in suites.TORCH_SUITES else args.input_size
+        done = [r for r in done if r.get("input_size", unsized) == args.input_size]
         if args.again and args.models:  # the named models run again, the others kept
             done = [r for r in done if r.get("model") not in set(args.models)]
         print(f"resuming: {len(done)} model(s) of {base}.json kept", flush=True)
+    here = machine()
 
     def save(rows):
-        write_json_atomic(Path(base + ".json"), rows)
+        write_json_atomic(Path(base + ".json"), {"suite": args.suite, "machine": here,
+                                                 "input_size": args.input_size, "rows": rows})
         with open(base + ".md", "w") as f:
-            f.write(suites.markdown(args.suite, rows))
+            f.write(suites.markdown(args.suite, rows, here))
 
     print(f"== suite {args.suite} ({', '.join(backends)})", flush=True)
     rows = suites.run(args.suite, backends, args.db or DEFAULT_DB, args.out, full=args.full,
                       limit=args.limit, log=lambda line: print(line, flush=True),
                       only=args.models or None, done=done, on_row=save,
-                      graph_level=args.graph_level, budget=min(args.budget, 120.0))
+                      graph_level=args.graph_level, budget=min(args.budget, 120.0),
+                      input_size=args.input_size, frameworks=not args.no_frameworks)
     save(rows)
-    table = suites.markdown(args.suite, rows)
+    table = suites.markdown(args.suite, rows, here)
     print("\n" + table + f"\nwritten: {base}.json, {base}.md")
     return 0
 
@@ -317,6 +340,7 @@ def _jobs(text: str) -> int:
 
 
 def main(argv=None) -> int:
+    from .options import DEFAULT_BUDGET
     from .tools.suites import SUITES
 
     p = argparse.ArgumentParser(prog="collage-tvm", description=__doc__)
@@ -325,10 +349,11 @@ def main(argv=None) -> int:
     o.add_argument("model", help="an .onnx file")
     o.add_argument("--target", default="llvm",
                    help="llvm (this CPU, default), cuda (this machine's GPU) or cuda:sm_90")
-    o.add_argument("--backends", default="tvm,dnnl",
-                   help="comma-separated (default tvm,dnnl); built in: tvm, dnnl, mkl, "
-                        "onnxruntime, openvino; on a cuda target: tvm, cudnn, cublas, inductor "
-                        "(tensorrt: patterns only, not runnable here)")
+    o.add_argument("--backends", default="",
+                   help="comma-separated (default: every backend for the target that loads "
+                        "here); built in: tvm, dnnl, mkl, onnxruntime, openvino; on a cuda "
+                        "target: tvm, cudnn, cublas, inductor (tensorrt: patterns only, not "
+                        "runnable here)")
     o.add_argument("--db", default=None, help="cost DB path (default ~/.cache/collage-tvm/costs.db)")
     o.add_argument("--patterns", action="append", help="extra pattern file (repeatable)")
     o.add_argument("--input-shape", action="append", metavar="NAME=D1xD2x...",
@@ -340,10 +365,13 @@ def main(argv=None) -> int:
                         "shape the computation (a slice's bounds, a range's limits)")
     o.add_argument("--output", "-o", help="write the placement JSON here")
     o.add_argument("--no-compare", action="store_true",
-                   help="skip the never-slower check (single-backend builds timed end to end)")
-    o.add_argument("--graph-level", action="store_true",
+                   help="skip the never-slower check (the placement timed end to end beside "
+                        "every single-backend build and the model file run whole by each "
+                        "graph library; the fastest correct one ships)")
+    o.add_argument("--graph-level", action=argparse.BooleanOptionalAction, default=True,
                    help="after the op-level DP, run the evolutionary graph-level placer over the "
-                        "graph libraries among --backends (onnxruntime, openvino)")
+                        "graph libraries among --backends (onnxruntime, openvino); on by "
+                        "default, --no-graph-level turns it off")
     o.add_argument("--rewrite", action="store_true",
                    help="before placement, apply the z3-verified graph rewrites "
                         "(collage_tvm.rewrite): a convolution's per-channel affine tail (e.g. "
@@ -362,9 +390,9 @@ def main(argv=None) -> int:
     o.add_argument("--no-switching", action="store_true",
                    help="op-level DP with the paper's additive cost (no measured cost of "
                         "changing runtime between consecutive kernels)")
-    o.add_argument("--budget", type=float, default=300.0,
+    o.add_argument("--budget", type=float, default=DEFAULT_BUDGET,
                    help="time budget in seconds of the graph-level search and of the rewrite "
-                        "search, each (default 300)")
+                        f"search, each (default {DEFAULT_BUDGET:.0f})")
     o.add_argument("--in-process", action="store_true",
                    help="measure in this process (faster start, no crash isolation)")
     o.add_argument("--accuracy", default="f32", metavar="BUDGET", help=ACCURACY_HELP)
@@ -393,7 +421,9 @@ def main(argv=None) -> int:
     t.add_argument("--input-shape", action="append", metavar="NAME=D1xD2x...")
     t.add_argument("--in-process", action="store_true")
     t.add_argument("-v", "--verbose", action="store_true")
-    b = sub.add_parser("bench", help="Collage beside single-backend builds on bundled models")
+    b = sub.add_parser("bench", help="Collage beside the frameworks a user would run instead "
+                       "(ONNX Runtime, OpenVINO f32 and default precision, PyTorch) and its "
+                       "own single-backend builds, on zoo models or an external --suite")
     b.add_argument("models", nargs="*", help="model names: the zoo (collage_tvm.tools.zoo: bert, "
                    "dcgan, nasnet, resnet3d, resnext50, resnet50, inception_v3, squeezenet) "
                    "or resnet_small, bert_base, bert_small")
@@ -403,8 +433,22 @@ def main(argv=None) -> int:
                         "backend test models (node tests; pytorch-converted, pytorch-operator "
                         "and simple files), transformers models built from configs, every "
                         "torchvision classification, segmentation or video model, or 57 timm "
-                        "architectures; writes suite_<name>.json/.md. Model names given: only "
-                        "those of the suite")
+                        "architectures; writes suite_<name>.json/.md. A torch suite's model is "
+                        "exported to ONNX, searched, and its shipped Collage build timed "
+                        "interleaved in one process beside that ONNX file on ONNX Runtime, on "
+                        "OpenVINO at f32 and at its default precision (bf16 on CPUs with bf16 "
+                        "instructions) and PyTorch eager, all at one thread per core, each "
+                        "checked against PyTorch's outputs; the table gives Collage against "
+                        "the best correct f32 framework. Model names given: only those of the "
+                        "suite")
+    b.add_argument("--input-size", choices=["usual", "small"], default="usual",
+                   help="with a torch --suite: usual (default: what a user runs, e.g. "
+                        "ImageNet classifiers at 224x224 or their weights' own size, timm at "
+                        "its default_cfg input size, transformers at 128 tokens; segmentation "
+                        "and video keep their small sizes) or small (quick: 64x64 images, 16 "
+                        "tokens)")
+    b.add_argument("--no-frameworks", action="store_true",
+                   help="with a torch --suite: leave out the frameworks (coverage only)")
     b.add_argument("--full", action="store_true",
                    help="with an onnx suite: also the whole Collage search over --backends "
                         "on every case TVM alone runs")
@@ -426,9 +470,12 @@ def main(argv=None) -> int:
                    help="llvm (this CPU, default) or cuda (this machine's GPU: the "
                         "frameworks are PyTorch eager, torch.compile and torch.compile with "
                         "CUDA graphs on it; docs/GPU.md)")
-    b.add_argument("--graph-level", action="store_true", help="also run the two-level search")
-    b.add_argument("--budget", type=float, default=300.0,
-                   help="seconds of graph-level search and of rewrite search, each (default 300)")
+    b.add_argument("--graph-level", action=argparse.BooleanOptionalAction, default=True,
+                   help="the two-level search, as optimize runs it by default "
+                        "(--no-graph-level: the op level alone)")
+    b.add_argument("--budget", type=float, default=DEFAULT_BUDGET,
+                   help="seconds of graph-level search and of rewrite search, each (default "
+                        f"{DEFAULT_BUDGET:.0f}; a suite gives each model at most 120)")
     b.add_argument("--db", default=None)
     b.add_argument("--rewrite", action="store_true",
                    help="also Collage placed-only beside rewritten+placed (the z3-verified "

@@ -109,7 +109,7 @@ def test_models_that_crashed_the_search_build_on_every_cpu_backend_and_match_tor
     backends = _available_backends()
     res = collage_tvm.optimize(path, "llvm", backends, db=str(tmp_path / "c.db"), compare=True,
                                isolate=False, progress=False, calibrate_rounds=0,
-                               refine_rounds=0)
+                               refine_rounds=0, graph_level=False)
     assert all(r["match"] for r in res.report.comparison.values()), res.report.comparison
     vm = relax.VirtualMachine(res.executable, tvm.cpu())
     got = vm["main"](tvm.runtime.tensor(x.numpy())).numpy()
@@ -120,7 +120,7 @@ def test_models_that_crashed_the_search_build_on_every_cpu_backend_and_match_tor
 def test_a_model_with_control_flow_is_compiled_by_tvm_alone_with_the_reason(tmp_path):
     case = next(c for c in onnx_cases("node") if c.name == "test_if")
     res = collage_tvm.optimize(case.model, "llvm", ["tvm", "dnnl"], db=str(tmp_path / "c.db"),
-                               progress=False)
+                               progress=False, graph_level=False, compare=False)
     assert res.graph is None and "dataflow block" in res.report.kept_on_tvm[0]
     vm = relax.VirtualMachine(res.executable, tvm.cpu())
     got = vm["main"](*[tvm.runtime.tensor(np.asarray(a)) for a in case.inputs])
@@ -145,16 +145,16 @@ def test_a_model_tvm_cannot_import_runs_wholly_on_a_graph_library(tmp_path, caps
     m = _Lstm().eval()
     torch.onnx.export(m, (torch.randn(1, 5, 8),), path, dynamo=False, opset_version=17)
     with pytest.raises(ModelError, match="ONNX import failed.*LSTM.*add onnxruntime or openvino"):
-        collage_tvm.optimize(path, "llvm", ["tvm", "dnnl"], db=str(tmp_path / "c.db"))
+        collage_tvm.optimize(path, "llvm", ["tvm", "dnnl"], db=str(tmp_path / "c.db"), graph_level=False, compare=False)
     res = collage_tvm.optimize(path, "llvm", ["tvm", "dnnl", "onnxruntime"],
-                               db=str(tmp_path / "c.db"), progress=False)
+                               db=str(tmp_path / "c.db"), progress=False, graph_level=False, compare=False)
     assert res.graph is None and res.report.whole_model["backend"] == "onnxruntime"
     assert "LSTM" in res.report.whole_model["why"]
     x = torch.randn(1, 5, 8)
     got = relax.VirtualMachine(res.executable, tvm.cpu())["main"](tvm.runtime.tensor(x.numpy()))
     with torch.no_grad():
         assert matches([got.numpy()], [m(x).numpy()], 1e-4, 1e-5)
-    assert main(["optimize", path, "--backends", "tvm,onnxruntime",
+    assert main(["optimize", path, "--backends", "tvm,onnxruntime", "--no-graph-level",
                  "--db", str(tmp_path / "c.db")]) == 0
     assert "it runs wholly on onnxruntime" in capsys.readouterr().out
 
@@ -174,7 +174,7 @@ def test_a_dynamic_input_dimension_keeps_the_model_on_tvm_naming_the_flag_that_f
     path = str(tmp_path / "dyn.onnx")
     m = _dynamic_batch_onnx(path)
     res = collage_tvm.optimize(path, "llvm", ["tvm", "dnnl"], db=str(tmp_path / "c.db"),
-                               progress=False)
+                               progress=False, graph_level=False, compare=False)
     assert res.graph is None and len(res.report.kept_on_tvm) == 1
     assert "input 'image' has a dynamic dimension 0" in res.report.kept_on_tvm[0]
     assert "--input-shape image=1x3x8x8" in res.report.kept_on_tvm[0]
@@ -184,9 +184,9 @@ def test_a_dynamic_input_dimension_keeps_the_model_on_tvm_naming_the_flag_that_f
         assert matches([got.numpy()], [m(x).numpy()], 1e-3, 1e-4)
     with pytest.raises(ModelError, match="names no input of the model: imgae; its inputs: image"):
         collage_tvm.optimize(path, "llvm", ["tvm"], db=str(tmp_path / "c.db"),
-                             input_shapes={"imgae": (2, 3, 8, 8)})
+                             input_shapes={"imgae": (2, 3, 8, 8)}, graph_level=False, compare=False)
     res = collage_tvm.optimize(path, "llvm", ["tvm"], db=str(tmp_path / "c.db"), progress=False,
-                               isolate=False, input_shapes={"image": (2, 3, 8, 8)})
+                               isolate=False, input_shapes={"image": (2, 3, 8, 8)}, graph_level=False, compare=False)
     assert res.graph is not None and not res.report.kept_on_tvm
     x = torch.randn(2, 3, 8, 8)
     got = relax.VirtualMachine(res.executable, tvm.cpu())["main"](tvm.runtime.tensor(x.numpy()))
@@ -255,7 +255,7 @@ def test_onnx_from_both_pytorch_exporters_builds_and_matches_torch(model, shape,
     proto.ir_version = min(proto.ir_version, 10)
     onnx.save(proto, path)
     res = collage_tvm.optimize(path, "llvm", ["tvm"], db=str(tmp_path / "c.db"), isolate=False,
-                               progress=False, calibrate_rounds=0, refine_rounds=0)
+                               progress=False, calibrate_rounds=0, refine_rounds=0, graph_level=False, compare=False)
     got = relax.VirtualMachine(res.executable, tvm.cpu())["main"](tvm.runtime.tensor(x.numpy()))
     with torch.no_grad():
         assert matches([got.numpy()], [m(x).numpy()], 1e-3, 1e-4)
@@ -268,7 +268,7 @@ def test_pytorch_modules_through_torch_export_build_and_match_torch(model, shape
     m, x = model().eval(), torch.randn(*shape)
     res = collage_tvm.optimize(m, "llvm", ["tvm", "dnnl"], db=str(tmp_path / "c.db"),
                                example_inputs=(x,), isolate=False, progress=False,
-                               calibrate_rounds=0, refine_rounds=0)
+                               calibrate_rounds=0, refine_rounds=0, graph_level=False, compare=False)
     got = relax.VirtualMachine(res.executable, tvm.cpu())["main"](tvm.runtime.tensor(x.numpy()))
     got = got[0] if type(got).__name__ == "Array" or isinstance(got, (list, tuple)) else got
     with torch.no_grad():
@@ -399,7 +399,7 @@ def test_the_check_runs_every_build_on_the_users_inputs_first(tmp_path):
     case, shapes = _node_case("test_slice_default_axes")
     res = optimize(case.model, "llvm", ["tvm", "onnxruntime"], db=str(tmp_path / "c.db"),
                    compare=True, progress=False, input_shapes=shapes,
-                   example_inputs=case.inputs)
+                   example_inputs=case.inputs, graph_level=False)
     vm = relax.VirtualMachine(res.executable, tvm.cpu())
     got = vm["main"](*[tvm.runtime.tensor(a) for a in case.inputs])
     assert matches([got.numpy()], case.outputs, case.rtol, case.atol)
@@ -431,7 +431,7 @@ def test_optimize_takes_example_inputs_from_a_file_by_input_name(tmp_path, capsy
     np.savez(good, **dict(zip(names, case.inputs)))
     db = str(tmp_path / "c.db")
     assert main(["optimize", path, "--backends", "tvm,onnxruntime", "--db", db,
-                 "--inputs", good]) == 0
+                 "--no-graph-level", "--inputs", good]) == 0
     positional = str(tmp_path / "pos.npz")
     np.savez(positional, *case.inputs)  # arr_0, arr_1, ...: in the model's input order
     got = read_example_inputs(positional, path)
@@ -458,7 +458,7 @@ def test_a_placement_that_fails_to_compile_ships_tvm_alone_with_the_reason(tmp_p
     torch.onnx.export(m, (x,), path, dynamo=False, opset_version=17)
     monkeypatch.setattr(build, "compile_placement", broken)
     res = collage_tvm.optimize(path, "llvm", ["tvm"], db=str(tmp_path / "c.db"), isolate=False,
-                               progress=False, calibrate_rounds=0, refine_rounds=0)
+                               progress=False, calibrate_rounds=0, refine_rounds=0, graph_level=False, compare=False)
     assert res.report.shipped == "tvm-only"
     assert "codegen of group 3 failed" in res.report.kept_on_tvm[-1]
     got = relax.VirtualMachine(res.executable, tvm.cpu())["main"](tvm.runtime.tensor(x.numpy()))
@@ -604,7 +604,7 @@ def test_slices_with_bounds_computed_from_constants_become_static(tmp_path):
                for b in mod["main"].body.blocks[0].bindings
                if isinstance(b.var.ty, relax.TensorType))
     res = collage_tvm.optimize(path, "llvm", ["tvm", "onnxruntime"], db=str(tmp_path / "c.db"),
-                               isolate=False, progress=False, calibrate_rounds=0, refine_rounds=0)
+                               isolate=False, progress=False, calibrate_rounds=0, refine_rounds=0, graph_level=False, compare=False)
     got = relax.VirtualMachine(res.executable, tvm.cpu())["main"](tvm.runtime.tensor(x.numpy()))
     with torch.no_grad():
         assert matches([got.numpy()], [m(x).numpy()], 1e-3, 1e-4)
@@ -766,13 +766,13 @@ def test_a_resumed_suite_run_runs_named_models_again_with_again(tmp_path):
     out, table = tmp_path / "out", tmp_path / "out" / "suite_onnx-files.json"
     args = ["--backends", "tvm", "--out", str(out), "--db", str(tmp_path / "c.db")]
     assert main(["bench", "--suite", "onnx-files", "test_AvgPool1d", "test_AvgPool2d", *args]) == 0
-    rows = json.loads(table.read_text())
-    for r in rows:
+    doc = json.loads(table.read_text())
+    for r in doc["rows"]:
         r["marker"] = "earlier run"
-    table.write_text(json.dumps(rows))
+    table.write_text(json.dumps(doc))
     assert main(["bench", "--suite", "onnx-files", "test_AvgPool1d", "--resume", "--again",
                  *args]) == 0
-    rows = {r["model"]: r for r in json.loads(table.read_text())}
+    rows = {r["model"]: r for r in json.loads(table.read_text())["rows"]}
     assert "marker" not in rows["test_AvgPool1d"] and "marker" in rows["test_AvgPool2d"]
 
 
@@ -850,7 +850,7 @@ def test_an_operator_no_backend_can_run_is_one_clear_error_naming_it_and_its_dty
     case = next(c for c in onnx_cases("node") if c.name == "test_pow_types_int32_int32")
     with pytest.raises(UnsupportedOperator, match=r"relax\.power -> int32: TVM fails on it"):
         collage_tvm.optimize(case.model, "llvm", ["tvm", "onnxruntime"],
-                             db=str(tmp_path / "c.db"), isolate=False, progress=False)
+                             db=str(tmp_path / "c.db"), isolate=False, progress=False, graph_level=False, compare=False)
 
 
 def test_where_tvm_alone_cannot_build_a_whole_model_library_build_is_the_reference():
@@ -954,7 +954,7 @@ def test_a_whole_model_output_shape_inference_cannot_see_is_found_by_running_it(
     path = str(tmp_path / "loop.onnx")
     _loop_onnx(path)
     res = collage_tvm.optimize(path, "llvm", ["tvm", "onnxruntime"],
-                               db=str(tmp_path / "c.db"), progress=False)
+                               db=str(tmp_path / "c.db"), progress=False, graph_level=False, compare=False)
     assert res.report.whole_model["backend"] == "onnxruntime"
     assert "Loop" in res.report.whole_model["why"]
     x = np.array([-1.0, 0.5, 2.0, -3.0], "float32")
@@ -970,7 +970,7 @@ def test_a_whole_model_output_whose_shape_follows_the_input_is_a_clear_error(tmp
     _loop_onnx(path, trips=None)
     with pytest.raises(ModelError, match="Loop.*dynamic dimension.*follows the input's values"):
         collage_tvm.optimize(path, "llvm", ["tvm", "onnxruntime"], db=str(tmp_path / "c.db"),
-                             progress=False)
+                             progress=False, graph_level=False, compare=False)
 
 
 def test_a_whole_model_onnxruntime_fails_to_run_is_a_clear_error(tmp_path, monkeypatch):
@@ -992,4 +992,4 @@ def test_a_whole_model_onnxruntime_fails_to_run_is_a_clear_error(tmp_path, monke
     with pytest.raises(ModelError, match="onnxruntime failed to run it: RuntimeError: Loop "
                                          "subgraph input 0 has unknown shape"):
         collage_tvm.optimize(path, "llvm", ["tvm", "onnxruntime"], db=str(tmp_path / "c.db"),
-                             progress=False)
+                             progress=False, graph_level=False, compare=False)

@@ -239,6 +239,11 @@ CASES = [
                    op.take(x, op.add(i, relax.const(5, "int32")), axis=1, mode="wrap"),
                    op.take(x, relax.const(np.array([-1, 9], "int64")), axis=1, mode="wrap")]),
     ("broadcast_to", [((3, 1), F32)], lambda x: op.broadcast_to(x, (2, 3, 4))),
+    # repeats as many as, fewer than (left-padded with 1s) and more than the rank
+    ("tile", [((2, 3), F32)],
+     lambda x: [op.tile(x, [2, 3]), op.tile(x, [2]), op.tile(x, [2, 1, 2])]),
+    ("tile_int64", [((2, 3), "int64")], lambda x: op.tile(x, [1, 2])),
+    ("flip", X4, lambda x: [op.flip(x, 2), op.flip(x, -1), op.flip(x, 0)]),
     ("pad_constant", X4, lambda x: nn.pad(x, [0, 0, 0, 0, 1, 2, 0, 1], pad_value=0.5)),
     ("pad_reflect_replicate", X4,
      lambda x: [nn.pad(x, [0, 0, 0, 0, 2, 1, 1, 2], pad_mode="reflect"),
@@ -265,7 +270,7 @@ def test_op(name, specs, build):
 
 @pytest.mark.parametrize("name", ["conv2d_groups_asym_pad_dilation", "conv2d_transpose",
                                   "gelu", "layer_norm_last", "avg_pool2d_exclude_pad_ceil",
-                                  "strided_slice", "sum_mean", "take_clip_wrap"])
+                                  "strided_slice", "sum_mean", "take_clip_wrap", "tile", "flip"])
 def test_op_openvino(name):
     _, specs, build = next(c for c in CASES if c[0] == name)
     check(function(specs, build), openvino=True)

@@ -146,7 +146,8 @@ def test_a_build_whose_error_breaks_the_budget_is_not_shipped(tmp_path):
     # on the f32 backends
     report = BuildReport(backends=list(backends))
     options = SearchOptions(backends=("tvm", "noisy_bf16"), accuracy="bf16", isolate=False,
-                            progress=False, calibrate_rounds=0, refine_rounds=0)
+                            progress=False, calibrate_rounds=0, refine_rounds=0,
+                            compare=False, graph_level=False)
     placed, placed_graph = _within_budget(graph, noisy, backends, target,
                                           open_db(str(tmp_path / "c.db")), options, report)
     assert placed_graph is graph and all(g.backend == "tvm" for g in placed.groups)

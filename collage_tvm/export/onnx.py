@@ -686,6 +686,26 @@ def _broadcast_to(b, call):
     return b.node("Expand", [b.value(call.args[0]), b.ints(_static_shape(call.ty))])
 
 
+@_register("tile", ANY)
+def _tile(b, call):
+    # ONNX Tile wants one repeat per axis; Relax left-pads the shorter of shape and repeats
+    # with 1s (numpy.tile): the input is reshaped to the result's rank first where needed.
+    shape, out = _shape(call.args[0]), _static_shape(call.ty)
+    x = b.value(call.args[0])
+    if len(shape) < len(out):
+        shape = (1,) * (len(out) - len(shape)) + shape
+        x = b.node("Reshape", [x, b.ints(shape)])
+    return b.node("Tile", [x, b.ints([m // n for n, m in zip(shape, out)])])
+
+
+@_register("flip", ANY)
+def _flip(b, call):
+    # ONNX has no Flip: a Slice with step -1 from the last element past the first
+    axis = _norm_axis(int(call.attrs.axis), len(_shape(call.args[0])))
+    return b.node("Slice", [b.value(call.args[0]), b.ints([-1]), b.ints([-(2 ** 63)]),
+                            b.ints([axis]), b.ints([-1])])
+
+
 @_register("permute_dims", ANY)
 def _permute_dims(b, call):
     ndim = len(_shape(call.args[0]))

@@ -8,6 +8,7 @@ import tvm
 from tvm import relax
 
 from .fold_shapes import fold_shapes
+from .raise_tir import raise_call_tir
 from .static_slices import static_slices
 
 logger = logging.getLogger("collage_tvm")
@@ -194,10 +195,12 @@ def _from_torch(model, example_inputs) -> tvm.IRModule:
                          "(exporting to ONNX first may work: the ONNX importer covers more)") from err
 
 
-def normalize_for_collage(mod: tvm.IRModule) -> tvm.IRModule:
+def normalize_for_collage(mod: tvm.IRModule, raise_tir: bool = True) -> tvm.IRModule:
     """One dataflow block of single-op bindings, constants folded, common subexpressions
     computed once, inference-only ops; slices with bounds computed from constants made
-    static (``static_slices``)."""
+    static (``static_slices``); the importer's ``call_tir``s of ordinary operators raised to
+    Relax ops (``raise_call_tir``; ``raise_tir=False`` leaves them, to measure what that
+    buys: tools/survey_call_tir.py)."""
     mod = static_slices(mod)
     try:
         out = _normalize(mod, fold=True)
@@ -205,12 +208,14 @@ def normalize_for_collage(mod: tvm.IRModule) -> tvm.IRModule:
         # (integer Pow: "power only applies to float"); a library may still run it.
         logger.warning("constant folding failed (%s); the model is searched unfolded",
                        str(err).strip().splitlines()[-1][:200] if str(err).strip() else err)
-        return _normalize(mod, fold=False)
-    if _undefined_globals(out):
-        # FoldConstant can leave a call_tir to a PrimFunc it made and then dropped (a
-        # dynamic_strided_slice's shape function, seen on ONNX Slice): keep the constants.
         out = _normalize(mod, fold=False)
-    return out
+    else:
+        if _undefined_globals(out):
+            # FoldConstant can leave a call_tir to a PrimFunc it made and then dropped (a
+            # dynamic_strided_slice's shape function, seen on ONNX Slice): keep the constants.
+            out = _normalize(mod, fold=False)
+    # after folding: Clip's bounds are constants only once the importer's NaN guards fold
+    return raise_call_tir(out) if raise_tir else out
 
 
 def _normalize(mod: tvm.IRModule, fold: bool) -> tvm.IRModule:

@@ -128,119 +128,142 @@ def model_and_input(name: str, size: str):
 
 def frameworks(name: str, size: str, onnx_path: str, collage_executable, accuracy=None,
                collage_f32=None) -> dict:
-    """The frameworks a user would pick instead, at their documented latency settings and
-    this process's core count, timed interleaved with the shipped Collage build; every
-    output is checked against PyTorch's (rtol/atol 1e-3).
+    """The frameworks a user would pick instead of zoo model ``name`` at ``size``, timed
+    interleaved with the shipped Collage build (``torch_frameworks``, every row judged by
+    the ``accuracy`` budget: ``precision.Accuracy``, strict f32 by default).
 
-    PyTorch eager (``inference_mode``); torch.compile (inductor, ``inference_mode``, the
-    default mode: ``max-autotune-no-cudagraphs`` measured no faster on dcgan small, each
-    mode compiled in a fresh process on 2 cores: 0.47-0.51 ms against 0.48-0.52 ms, both
-    compiling in 12-16 s; compiled by two warm-up calls before the timing, its kernels
-    cached in inductor's default folder under the system temp dir); ONNX Runtime (all
-    graph optimizations, a session made as the onnxruntime backend makes them: on the
-    process-wide thread pool once that is set up, as ONNX Runtime then refuses a session
-    with a pool of its own); OpenVINO (latency hint, f32 precision). A framework that fails
-    to load or compile the model is reported with its error instead of a latency.
-
-    At each framework's own default precision too (issue #17): OpenVINO with no precision
-    hint ("openvino (default)", bf16 on CPUs with bf16 instructions; the row says which it
-    used) and PyTorch under ``torch.autocast("cpu", torch.bfloat16)`` ("pytorch (bf16
-    autocast)"); ONNX Runtime's CPU default is f32, its row above. Every row carries its
-    error against PyTorch in f32 ("rel_err": of the output's scale) and "match" by the
-    ``accuracy`` budget (``precision.Accuracy``; strict f32 by default).
+    Besides PyTorch eager, ONNX Runtime and OpenVINO (f32 and default), torch.compile
+    (inductor, ``inference_mode``, the default mode: ``max-autotune-no-cudagraphs``
+    measured no faster on dcgan small, each mode compiled in a fresh process on 2 cores:
+    0.47-0.51 ms against 0.48-0.52 ms, both compiling in 12-16 s; compiled by two warm-up
+    calls before the timing, its kernels cached in inductor's default folder under the
+    system temp dir) and PyTorch under ``torch.autocast("cpu", torch.bfloat16)``
+    ("pytorch (bf16 autocast)", PyTorch's reduced-precision default, issue #17).
     ``collage_f32``: the Collage build of the strict budget, timed beside the others as
     "collage (f32)" when ``collage_executable`` was built under another budget.
     """
     from collage_tvm.precision import parse_accuracy
 
     accuracy = parse_accuracy(accuracy)
+    model, x = model_and_input(name, size)
+    return torch_frameworks(model, (x,), onnx_path, collage_executable,
+                            lambda out, ref, precision: accuracy.check(out, ref),
+                            collage_f32=collage_f32, torch_compile=True, autocast=True,
+                            label=name)
+
+
+def torch_frameworks(model, inputs, onnx_path: str, collage_executable, check, *,
+                     collage_f32=None, torch_compile: bool = False,
+                     autocast: bool = False, label: str = "the model") -> dict:
+    """What a user runs instead of Collage, timed interleaved in this process with the
+    shipped Collage build (``collage_executable``) on the same ``inputs`` (a tuple of torch
+    tensors, in the order of the ONNX file's inputs), every library at this process's core
+    count (``torch.set_num_threads(host_cores())``; the libraries as the backends make them,
+    one thread per core):
+
+    - "pytorch": ``model`` eager under ``inference_mode``: its outputs are the reference;
+    - "onnxruntime": the user's ONNX file ``onnx_path``, all graph optimizations, a session
+      made as the onnxruntime backend makes them (on the process-wide thread pool once that
+      is set up, as ONNX Runtime then refuses a session with a pool of its own);
+    - "openvino": the same file, latency hint, f32 precision;
+    - "openvino (default)": latency hint and nothing else, so the CPU plugin's default
+      precision (bf16 on CPUs with bf16 instructions: "precision" says which it used);
+    - with ``torch_compile``, "torch.compile" (inductor, default mode; "compile_s"); with
+      ``autocast``, "pytorch (bf16 autocast)".
+
+    ``check(outputs, reference, precision)`` -> {"match", "max_err", "rel_err"} judges each
+    row against PyTorch's outputs. A framework that fails to load or compile the model is
+    reported with its error instead of a latency. Returns ``_rows``.
+    """
     import torch
     import tvm
     from tvm import relax
 
-    from collage_tvm.check import compare_outputs, run_outputs
+    from collage_tvm.check import run_outputs
     from collage_tvm.measure.timing import interleaved
     from collage_tvm.registry import get_backend
     from collage_tvm.target import host_cores
 
     torch.set_num_threads(host_cores())
-    model, x = model_and_input(name, size)
+    inputs = tuple(inputs)
     with torch.inference_mode():
-        ref = _numpy_outputs(model(x))
+        ref = _numpy_outputs(model(*inputs))
     runs: dict = {}
     outs: dict = {}
     extra: dict = {}
 
     def eager():
         with torch.inference_mode():
-            return model(x)
+            return model(*inputs)
 
     runs["pytorch"] = eager
     outs["pytorch"] = ref
-    print(f"  torch.compile: compiling {name} with inductor (may take minutes)", flush=True)
-    try:
-        compiled = torch.compile(model)
+    if torch_compile:
+        print(f"  torch.compile: compiling {label} with inductor (may take minutes)", flush=True)
+        try:
+            compiled = torch.compile(model)
 
-        def inductor():
-            with torch.inference_mode():
-                return compiled(x)
+            def inductor():
+                with torch.inference_mode():
+                    return compiled(*inputs)
 
-        t0 = time.perf_counter()
-        outs["torch.compile"] = _numpy_outputs(inductor())
-        inductor()  # a recompile, if any, happens here rather than in the timing
-        extra["torch.compile"] = {"compile_s": time.perf_counter() - t0}
-        runs["torch.compile"] = inductor
-        print(f"  torch.compile: compiled in {extra['torch.compile']['compile_s']:.1f} s",
-              flush=True)
-    except Exception as err:  # noqa: BLE001 - a failed compile is reported, not fatal
-        outs["torch.compile"] = _why(err)
-    def autocast():
-        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
-            return model(x)
+            t0 = time.perf_counter()
+            outs["torch.compile"] = _numpy_outputs(inductor())
+            inductor()  # a recompile, if any, happens here rather than in the timing
+            extra["torch.compile"] = {"compile_s": time.perf_counter() - t0}
+            runs["torch.compile"] = inductor
+            print(f"  torch.compile: compiled in {extra['torch.compile']['compile_s']:.1f} s",
+                  flush=True)
+        except Exception as err:  # noqa: BLE001 - a failed compile is reported, not fatal
+            outs["torch.compile"] = _why(err)
+    if autocast:
+        def bf16():
+            with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+                return model(*inputs)
 
-    try:
-        outs["pytorch (bf16 autocast)"] = _numpy_outputs(_float(autocast()))
-        runs["pytorch (bf16 autocast)"] = autocast
-        extra["pytorch (bf16 autocast)"] = {"precision": "bf16"}
-    except Exception as err:  # noqa: BLE001 - reported, not fatal
-        outs["pytorch (bf16 autocast)"] = _why(err)
-    x_np = x.numpy()
-    model_bytes = open(onnx_path, "rb").read()
+        try:
+            outs["pytorch (bf16 autocast)"] = _numpy_outputs(_float(bf16()))
+            runs["pytorch (bf16 autocast)"] = bf16
+            extra["pytorch (bf16 autocast)"] = {"precision": "bf16"}
+        except Exception as err:  # noqa: BLE001 - reported, not fatal
+            outs["pytorch (bf16 autocast)"] = _why(err)
+    arrays = [i.numpy() for i in inputs]
     for lib in GLUE_LIBRARIES:
         try:
-            runs[lib], outs[lib] = _plain_runner(lib, get_backend(lib), onnx_path, [x_np])
+            runs[lib], outs[lib] = _plain_runner(lib, get_backend(lib), onnx_path, arrays)
         except Exception as err:  # noqa: BLE001 - a missing framework is reported, not fatal
             outs[lib] = _why(err)
     try:
-        run, outs["openvino (default)"], used = _openvino_default(model_bytes, [x_np])
+        run, outs["openvino (default)"], used = _openvino_default(onnx_path, arrays)
         runs["openvino (default)"] = run
         extra["openvino (default)"] = {"precision": used}
     except Exception as err:  # noqa: BLE001
         outs["openvino (default)"] = _why(err)
     dev = tvm.cpu()
-    args = [tvm.runtime.tensor(x_np, dev)]
+    args = [tvm.runtime.tensor(a, dev) for a in arrays]
     builds = {"collage": collage_executable}
     if collage_f32 is not None:
         builds["collage (f32)"] = collage_f32
-    for label, executable in builds.items():
+    for name, executable in builds.items():
         vm = relax.VirtualMachine(executable, dev)
-        runs[label] = lambda main=vm["main"]: main(*args)
-        outs[label] = run_outputs(vm, args)
+        runs[name] = lambda main=vm["main"]: main(*args)
+        outs[name] = run_outputs(vm, args)
     print(f"  timing {', '.join(runs)} interleaved", flush=True)
-    return _rows(outs, interleaved(runs), ref, accuracy, extra)
+    return _rows(outs, interleaved(runs), ref, check, extra)
 
 
-def _rows(outs: dict, ms: dict, ref, accuracy, extra: dict) -> dict:
+def _rows(outs: dict, ms: dict, ref, check, extra: dict) -> dict:
     """Framework -> {"ms", "match", "max_err", "rel_err", ...} (or {"error"}) of its outputs
-    ``outs[fw]`` (an error string when it failed) against ``ref`` by ``accuracy``."""
+    ``outs[fw]`` (an error string when it failed) against ``ref`` by ``check(outputs, ref,
+    precision)`` (the row's precision: ``extra[fw]["precision"]``, else f32)."""
     result = {}
     for fw, out in outs.items():
         if isinstance(out, str):
             result[fw] = {"error": out, "ms": math.nan, "match": False}
             continue
-        check = accuracy.check(out, ref)
-        result[fw] = {"ms": ms[fw], "match": check["match"], "max_err": check["max_err"],
-                      "rel_err": check["rel_err"], **extra.get(fw, {})}
+        judged = check(out, ref, extra.get(fw, {}).get("precision", "f32"))
+        result[fw] = {"ms": ms[fw], "match": judged["match"], "max_err": judged["max_err"],
+                      "rel_err": judged["rel_err"], **extra.get(fw, {})}
     return result
 
 
@@ -304,7 +327,8 @@ def gpu_frameworks(name: str, size: str, collage_executable, accuracy=None) -> d
     extra["collage"] = {"cuda_graph": main.state}
     print(f"  timing {', '.join(runs)} interleaved on the GPU", flush=True)
     extra = {fw: {"precision": "f32", **extra.get(fw, {})} for fw in outs}
-    return _rows(outs, interleaved(runs, sync=torch.cuda.synchronize), ref, accuracy, extra)
+    return _rows(outs, interleaved(runs, sync=torch.cuda.synchronize), ref,
+                 lambda out, r, precision: accuracy.check(out, r), extra)
 
 
 def _to_cpu(out):
@@ -321,16 +345,16 @@ def _float(out):
     return out.float()
 
 
-def _openvino_default(model_bytes: bytes, arrays: list) -> tuple:
-    """OpenVINO as a user runs it: the latency hint and nothing else, so the CPU plugin's
-    default inference precision (bf16 where the CPU has bf16 instructions). (call, outputs,
-    the precision it used)."""
+def _openvino_default(onnx_path: str, arrays: list) -> tuple:
+    """OpenVINO as a user runs it on the ONNX file (its external data beside it): the
+    latency hint and nothing else, so the CPU plugin's default inference precision (bf16
+    where the CPU has bf16 instructions). (call, outputs, the precision it used)."""
     import openvino as ov
 
     from collage_tvm.backends._graphlib import threads
 
     core = ov.Core()
-    compiled = core.compile_model(core.read_model(model_bytes, b""), "CPU",
+    compiled = core.compile_model(core.read_model(onnx_path), "CPU",
                                   {"PERFORMANCE_HINT": "LATENCY",
                                    "INFERENCE_NUM_THREADS": threads()})
     hint = compiled.get_property("INFERENCE_PRECISION_HINT")  # an ov.Type: bf16, f32, ...

@@ -9,9 +9,11 @@ compile is a node Collage can place.
 """
 from __future__ import annotations
 
+import functools
 import glob
 import math
 import os
+import statistics
 import warnings
 from dataclasses import dataclass
 
@@ -168,10 +170,28 @@ def tvm_only_check(case: Case, target) -> dict:
 TRANSFORMERS = ("bert", "roberta", "distilbert", "gpt2", "gpt_neo", "t5_encoder", "vit",
                 "whisper_encoder", "llama")
 
+# The input sizes a torch suite builds its models at (``bench --suite --input-size``):
+# "usual", what a user runs the architecture at (ImageNet classifiers at the size their
+# published weights are evaluated at, timm's ``default_cfg["input_size"]``, transformers at
+# 128 tokens), and "small", the quick sizes of the coverage runs and the tests. Segmentation
+# and video models keep their small sizes under both: at their usual 520x520 images and
+# 16x112x112 clips one search takes many minutes a model on 2 cores.
+INPUT_SIZES = ("usual", "small")
+TRANSFORMERS_TOKENS = {"small": 16, "usual": 128}
 
-def transformers_model(name: str):
+
+def _size(size: str) -> str:
+    if size not in INPUT_SIZES:
+        raise ValueError(f"unknown input size {size!r}: one of {', '.join(INPUT_SIZES)}")
+    return size
+
+
+def transformers_model(name: str, size: str = "small"):
     """(torch module returning the last hidden state, example inputs) of a 2-layer model
-    built from its ``transformers`` config, random weights (nothing downloaded)."""
+    built from its ``transformers`` config, random weights (nothing downloaded). ``size``
+    "small": 16 tokens (ViT: a 32x32 image in 8x8 patches; Whisper: 16 mel bins, 32
+    positions); "usual": 128 tokens (ViT: 224x224 in 16x16 patches, 196 tokens; Whisper:
+    80 mel bins, 128 positions)."""
     import torch
 
     try:  # transformers imports torchvision where installed (ViT, Whisper): make it importable
@@ -180,31 +200,35 @@ def transformers_model(name: str):
         pass
     import transformers as T
 
+    tokens = TRANSFORMERS_TOKENS[_size(size)]
+    positions = max(64, tokens)
     torch.manual_seed(0)
-    ids = (torch.randint(0, 1000, (1, 16), generator=torch.Generator().manual_seed(1)),)
+    ids = (torch.randint(0, 1000, (1, tokens), generator=torch.Generator().manual_seed(1)),)
+    image, patch = (32, 8) if size == "small" else (224, 16)
+    mels, frames = (16, 32) if size == "small" else (80, tokens)  # frames: after the stride-2 conv
     small = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
-                 intermediate_size=128, vocab_size=1000, max_position_embeddings=64)
+                 intermediate_size=128, vocab_size=1000, max_position_embeddings=positions)
     build = {
         "bert": lambda: T.BertModel(T.BertConfig(**small)),
         "roberta": lambda: T.RobertaModel(T.RobertaConfig(**small, pad_token_id=1)),
         "distilbert": lambda: T.DistilBertModel(T.DistilBertConfig(
             n_layers=2, dim=64, n_heads=4, hidden_dim=128, vocab_size=1000,
-            max_position_embeddings=64)),
+            max_position_embeddings=positions)),
         "gpt2": lambda: T.GPT2Model(T.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1000,
-                                                 n_positions=64)),
+                                                 n_positions=positions)),
         "gpt_neo": lambda: T.GPTNeoModel(T.GPTNeoConfig(
             num_layers=2, hidden_size=64, num_heads=4, vocab_size=1000,
-            max_position_embeddings=64, attention_types=[[["global", "local"], 1]],
+            max_position_embeddings=positions, attention_types=[[["global", "local"], 1]],
             window_size=8)),
         "t5_encoder": lambda: T.T5EncoderModel(T.T5Config(
             num_layers=2, d_model=64, d_kv=16, num_heads=4, d_ff=128, vocab_size=1000)),
         "vit": lambda: T.ViTModel(T.ViTConfig(
             num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
-            image_size=32, patch_size=8)),
+            image_size=image, patch_size=patch)),
         "whisper_encoder": lambda: T.WhisperModel(T.WhisperConfig(
             encoder_layers=2, decoder_layers=2, d_model=64, encoder_attention_heads=4,
             decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
-            num_mel_bins=16, max_source_positions=32, vocab_size=1000, pad_token_id=1,
+            num_mel_bins=mels, max_source_positions=frames, vocab_size=1000, pad_token_id=1,
             bos_token_id=2, eos_token_id=3, decoder_start_token_id=2)).get_encoder(),
         # Llama-style: RMSNorm, rotary embeddings, SwiGLU. Key/value heads = query heads:
         # torch's ONNX exporter cannot write grouped-query attention (enable_gqa).
@@ -212,17 +236,19 @@ def transformers_model(name: str):
     }
     if name not in build:
         raise ValueError(f"unknown transformers model {name!r}: one of {', '.join(TRANSFORMERS)}")
-    inputs = {"vit": (torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(1)),),
-              "whisper_encoder": (torch.randn(1, 16, 64,
+    inputs = {"vit": (torch.randn(1, 3, image, image,
+                                  generator=torch.Generator().manual_seed(1)),),
+              "whisper_encoder": (torch.randn(1, mels, 2 * frames,
                                               generator=torch.Generator().manual_seed(1)),)}
     return _LastHidden(build[name]()).eval(), inputs.get(name, ids)
 
 
 # --------------------------------------------------------------------------- torchvision, timm
 
-# Input side length per model: 64 where the architecture allows (fast enough for a suite run
-# on 2 cores), else the smallest it accepts (inception: 75+; maxvit_t: 224, its 7x7 partitions
-# of every stage; ViT-H/14: a multiple of its 14-pixel patches, passed as ``image_size``).
+# Input side length per model at the "small" size: 64 where the architecture allows (fast
+# enough for a suite run on 2 cores), else the smallest it accepts (inception: 75+; maxvit_t:
+# 224, its 7x7 partitions of every stage; ViT-H/14: a multiple of its 14-pixel patches,
+# passed as ``image_size``). The "usual" size: ``torchvision_usual_size``.
 TORCHVISION_SIZES = {"inception_v3": 96, "maxvit_t": 224, "vit_h_14": 56}
 
 
@@ -232,14 +258,28 @@ def torchvision_names() -> list:
     return sorted(models.list_models(module=models))
 
 
-def torchvision_model(name: str):
-    """(torchvision classification model ``name``, random weights, eval mode; its input)."""
+def torchvision_usual_size(name: str) -> int:
+    """The side a user runs classification model ``name`` at: the smallest crop its
+    published ImageNet weights are evaluated at (torchvision's weights' ``transforms``):
+    224 for most, 299 for Inception v3, 240-600 for the EfficientNets, 256 for Swin v2
+    (ViT-B/16, ViT-L/16, ViT-H/14 and the large RegNets also have 384-518 weights)."""
+    models = import_torchvision().models
+    crops = [w.transforms.keywords.get("crop_size") for w in models.get_model_weights(name)]
+    crops = [c[0] if isinstance(c, (tuple, list)) else c for c in crops if c]
+    return min(crops, default=224)
+
+
+def torchvision_model(name: str, size: str = "small"):
+    """(torchvision classification model ``name``, random weights, eval mode; its input at
+    ``size``: "small" (``TORCHVISION_SIZES``, else 64) or "usual"
+    (``torchvision_usual_size``))."""
     import torch
 
     models = import_torchvision().models
     if name not in torchvision_names():
         raise ValueError(f"unknown torchvision classification model {name!r}")
-    size = TORCHVISION_SIZES.get(name, 64)
+    size = (TORCHVISION_SIZES.get(name, 64) if _size(size) == "small"
+            else torchvision_usual_size(name))
     kwargs = {"image_size": size} if name.startswith("vit_") else {}
     torch.manual_seed(0)
     model = models.get_model(name, weights=None, **kwargs).eval()
@@ -258,11 +298,12 @@ def torchvision_task_names(task: str) -> list:
     return sorted(models.list_models(module=getattr(models, task)))
 
 
-def torchvision_segmentation_model(name: str):
+def torchvision_segmentation_model(name: str, size: str = "small"):
     """(torchvision segmentation model ``name``, random weights and backbone, eval mode,
-    returning its ``"out"`` map; a 64x64 image)."""
+    returning its ``"out"`` map; a 64x64 image at either ``size``: see ``INPUT_SIZES``)."""
     import torch
 
+    _size(size)
     models = import_torchvision().models
     if name not in torchvision_task_names("segmentation"):
         raise ValueError(f"unknown torchvision segmentation model {name!r}")
@@ -271,11 +312,13 @@ def torchvision_segmentation_model(name: str):
     return _Output(no_zero_weights(model), "out"), (_image((1, 3, 64, 64)),)
 
 
-def torchvision_video_model(name: str):
+def torchvision_video_model(name: str, size: str = "small"):
     """(torchvision video classification model ``name``, random weights, eval mode; a clip
-    (1, 3, frames, side, side): ``TORCHVISION_VIDEO_SIZES``)."""
+    (1, 3, frames, side, side): ``TORCHVISION_VIDEO_SIZES``, at either ``size``: see
+    ``INPUT_SIZES``)."""
     import torch
 
+    _size(size)
     models = import_torchvision().models
     if name not in torchvision_task_names("video"):
         raise ValueError(f"unknown torchvision video model {name!r}")
@@ -301,11 +344,13 @@ TIMM = (
     "fastvit_t8", "efficientvit_b0", "mobileone_s0", "maxvit_nano_rw_256", "botnet26t_256",
     "coat_lite_tiny", "inception_next_atto", "sequencer2d_s",
 )
-TIMM_SIZES = {"inception_v3": 96}  # input side: 64 unless the architecture needs more
+TIMM_SIZES = {"inception_v3": 96}  # "small" input side: 64 unless the architecture needs more
 
 
-def timm_model(name: str):
-    """(timm architecture ``name``, ``pretrained=False``, eval mode; its input)."""
+def timm_model(name: str, size: str = "small"):
+    """(timm architecture ``name``, ``pretrained=False``, eval mode; its input at ``size``:
+    "small" (``TIMM_SIZES``, else 64, passed as ``img_size`` where the model takes one) or
+    "usual" (the model as timm builds it, its ``default_cfg["input_size"]``))."""
     import torch
 
     import_torchvision()  # timm imports it
@@ -313,13 +358,16 @@ def timm_model(name: str):
 
     if name not in TIMM:
         raise ValueError(f"unknown timm model {name!r}: one of {', '.join(TIMM)}")
-    size = TIMM_SIZES.get(name, 64)
     torch.manual_seed(0)
+    if _size(size) == "usual":
+        model = timm.create_model(name, pretrained=False)
+        return no_zero_weights(model.eval()), (_image((1, *model.default_cfg["input_size"])),)
+    side = TIMM_SIZES.get(name, 64)
     try:
-        model = timm.create_model(name, pretrained=False, img_size=size)
+        model = timm.create_model(name, pretrained=False, img_size=side)
     except TypeError:  # a convolutional net: no fixed input size to set
         model = timm.create_model(name, pretrained=False)
-    return no_zero_weights(model.eval()), (_image((1, 3, size, size)),)
+    return no_zero_weights(model.eval()), (_image((1, 3, side, side)),)
 
 
 def no_zero_weights(model):
@@ -409,6 +457,13 @@ def collage_check(model, inputs: list, expected: list, backends, db, rtol: float
     ``scaled_atol``). Returns
     {"status": "built"|"unsupported"|"crash", "error", "match", "max_err",
     "search_s", "collage_ms", "best": (build, ms), "shipped", "kept_on_tvm"}."""
+    return _collage_build(model, inputs, expected, backends, db, rtol, atol, graph_level,
+                          budget, input_shapes, scale_aware)[0]
+
+
+def _collage_build(model, inputs, expected, backends, db, rtol, atol, graph_level, budget,
+                   input_shapes, scale_aware) -> tuple:
+    """(``collage_check``'s row, the shipped executable or None when it did not build)."""
     import time
 
     import tvm
@@ -425,9 +480,9 @@ def collage_check(model, inputs: list, expected: list, backends, db, rtol: float
                        graph_level=graph_level, budget=budget, calibrate_rounds=0,
                        refine_rounds=1, input_shapes=input_shapes, example_inputs=inputs)
     except (ModelError, NotImplementedError) as err:
-        return {"status": "unsupported", "error": _first_line(err)}
+        return {"status": "unsupported", "error": _first_line(err)}, None
     except Exception as err:  # noqa: BLE001 - a suite records every failure
-        return {"status": "crash", "error": _first_line(err)}
+        return {"status": "crash", "error": _first_line(err)}, None
     row["search_s"] = time.perf_counter() - t0
     rep = res.report
     vm = relax.VirtualMachine(res.executable, tvm.cpu())
@@ -450,12 +505,12 @@ def collage_check(model, inputs: list, expected: list, backends, db, rtol: float
     if rep.whole_model:  # TVM cannot import it: a graph library runs it whole
         row["shipped"] = f"{rep.whole_model['backend']} (whole: {rep.whole_model['why']})"
     row["kept_on_tvm"] = sorted(set(rep.kept_on_tvm))
-    return row
+    return row, res.executable
 
 
 # --------------------------------------------------------------------------- a suite
 
-TORCH_SUITES = {  # name: (the model names, name -> (torch module, inputs))
+TORCH_SUITES = {  # name: (the model names, (name, size="small") -> (torch module, inputs))
     "transformers": (lambda: list(TRANSFORMERS), transformers_model),
     "torchvision": (torchvision_names, torchvision_model),
     "timm": (lambda: list(TIMM), timm_model),
@@ -468,14 +523,18 @@ SUITES = ("onnx-node", "onnx-files", *TORCH_SUITES)
 
 def run(suite: str, backends, db, out_dir: str, full: bool = False, limit: int | None = None,
         log=print, graph_level: bool = False, budget: float = 60.0,
-        only: list | None = None, done: list | None = None, on_row=None) -> list:
+        only: list | None = None, done: list | None = None, on_row=None,
+        input_size: str = "usual", frameworks: bool = True) -> list:
     """Every model of ``suite``; one row each (see ``markdown``).
 
     ``onnx-node`` / ``onnx-files`` (the onnx wheel's node tests; its pytorch-converted,
     pytorch-operator and simple models): TVM alone, and Collage's import and partition with
     every node on TVM, against the wheel's expected outputs; with ``full``, also the whole
     Collage search over ``backends``. ``transformers``: each model exported to ONNX, the
-    whole Collage search over ``backends``, outputs against PyTorch's. ``graph_level``: the
+    whole Collage search over ``backends``, outputs against PyTorch's; the torch suites' models
+    at ``input_size`` (``INPUT_SIZES``) and, with ``frameworks``, the shipped build timed
+    beside ONNX Runtime, OpenVINO (f32 and default) and PyTorch (``framework_row``).
+    ``graph_level``: the
     search runs both levels (the graph-level one for at most ``budget`` seconds a model).
     ``only``: just the models (cases) of these names (a torch suite's in the order given).
     ``done``: rows of an earlier,
@@ -508,6 +567,7 @@ def run(suite: str, backends, db, out_dir: str, full: bool = False, limit: int |
                     + (f"; search {row['build']['status']}" if "build" in row else ""))
     else:
         names, make = TORCH_SUITES[suite]
+        make = functools.partial(make, size=_size(input_size))
         every = names()
         chosen = [n for n in only if n in every] if only else every  # named: in that order
         unknown = sorted(set(only or ()) - set(every))
@@ -516,13 +576,20 @@ def run(suite: str, backends, db, out_dir: str, full: bool = False, limit: int |
         items = ((n, n) for n in chosen)
 
         def check(name):
-            return {"model": name, "build": torch_model_check(make, name, backends, db, out_dir,
-                                                              graph_level, budget)}
+            return {"model": name, "input_size": input_size,
+                    "build": torch_model_check(make, name, backends, db, out_dir, graph_level,
+                                               budget, frameworks=frameworks)}
 
         def line(row):
             b = row["build"]
-            return b["status"] + (f", match {b['match']}, max err {b['max_err']:.1e}"
-                                  if b["status"] == "built" else f": {b['error']}")
+            if b["status"] != "built":
+                return f"{b['status']}: {b['error']}"
+            text = f"built, match {b['match']}, max err {b['max_err']:.1e}"
+            if b.get("vs_best_f32") is not None:
+                best, ms = b["best_f32"]
+                text += (f"; collage {b['frameworks']['collage']['ms']:.3f} ms, best f32 "
+                         f"framework {best} {ms:.3f} ms ({b['vs_best_f32']:.2f}x)")
+            return text
     earlier = {r["model"]: r for r in done or ()}
     rows = []
     for k, (name, item) in enumerate(items):
@@ -549,13 +616,15 @@ def _others(earlier: dict, rows: list) -> list:
 
 
 def torch_model_check(make, name: str, backends, db, out_dir: str, graph_level: bool = False,
-                      budget: float = 60.0, rtol: float = 1e-3, atol: float = 1e-4) -> dict:
+                      budget: float = 60.0, rtol: float = 1e-3, atol: float = 1e-4,
+                      frameworks: bool = False) -> dict:
     """``make(name)`` -> (torch module, inputs); exported to ONNX into ``out_dir`` (the
     TorchScript-based exporter, else the dynamo one: ``exporter`` in the row), through
     ``collage_check``, outputs against PyTorch's (tolerance relative to their scale). A
-    model neither exporter can write is "unsupported" with the exporters' reasons."""
-    import torch
-
+    model neither exporter can write is "unsupported" with the exporters' reasons.
+    ``frameworks`` (``run`` asks for them): once built, the shipped build beside what the
+    user would otherwise run (``framework_row``: "frameworks", "best_f32", "vs_best_f32",
+    "vs_openvino_default"; "frameworks_error" where timing them failed)."""
     try:
         model, inputs, expected, signal, weights = checked_model(make, name)
     except Exception as err:  # noqa: BLE001 - a model that does not run in PyTorch here
@@ -571,9 +640,96 @@ def torch_model_check(make, name: str, backends, db, out_dir: str, graph_level: 
         return {"status": "unsupported", "error": "ONNX export: " + "; ".join(errors)}
     del model  # its weights are in the ONNX file now: one copy fewer during the search
     release_memory()
-    row = collage_check(path, [i.numpy() for i in inputs], expected, backends, db, rtol, atol,
-                        graph_level=graph_level, budget=budget, scale_aware=True)
-    return {**row, "exporter": exporter, "signal": signal, "weights": weights}
+    row, executable = _collage_build(path, [i.numpy() for i in inputs], expected, backends, db,
+                                     rtol, atol, graph_level, budget, None, scale_aware=True)
+    row = {**row, "exporter": exporter, "signal": signal, "weights": weights,
+           "input": [_shape_text(i.shape) for i in inputs]}
+    if frameworks and executable is not None:
+        try:
+            row.update(framework_row(make, name, path, executable, rtol, atol))
+        except Exception as err:  # noqa: BLE001 - the build's row stands without them
+            row["frameworks_error"] = _first_line(err)
+    return row
+
+
+def _shape_text(shape) -> str:
+    return "x".join(str(d) for d in shape)
+
+
+# The frameworks a user runs at f32 instead of Collage, on their own ONNX file or model
+# (``framework_row``); the best correct one of them is what Collage is judged against.
+F32_FRAMEWORKS = ("onnxruntime", "openvino", "pytorch")
+GOAL = 0.97  # issue #33: Collage at least 0.97x the best f32 framework's speed on every row
+CLEAR_WIN = 1.03  # a row where Collage beats every f32 framework by 3% or more
+
+
+def framework_row(make, name: str, onnx_path: str, executable, rtol: float = 1e-3,
+                  atol: float = 1e-4) -> dict:
+    """The shipped Collage build ``executable`` of ``make(name)`` beside the user's ONNX file
+    ``onnx_path`` on ONNX Runtime, on OpenVINO at f32 and at its default precision, and
+    PyTorch eager, timed interleaved in this process at one thread per core
+    (``bench.torch_frameworks``; torch.compile is left out: minutes to compile a model on
+    2 cores). The model is made again for PyTorch (seeded: the same weights and input;
+    ``checked_model``) rather than held through the search. Each framework is judged
+    against PyTorch's outputs: an f32 one as the suite judges Collage (``rtol``, ``atol``
+    relative to the output scale), a reduced-precision one by its rel_err within
+    ``precision.LEVELS`` of its precision (2e-2 for bf16).
+
+    {"frameworks": {name: {"ms", "match", "rel_err", "max_err", "precision"} or {"error",
+    "ms": nan, "match": False}}, "best_f32": (name, ms) of the fastest correct one of
+    ``F32_FRAMEWORKS`` (None: none), "vs_best_f32": its ms / Collage's, "vs_openvino_default":
+    OpenVINO default's ms / Collage's (None where one is missing), "threads"}."""
+    from ..target import host_cores
+    from .bench import torch_frameworks
+
+    model, inputs, _, _, _ = checked_model(make, name)
+    rows = torch_frameworks(model, inputs, onnx_path, executable,
+                            _framework_check(rtol, atol), label=name)
+    rows = {fw: {"precision": "f32", **r} if "error" not in r else r for fw, r in rows.items()}
+    return {"frameworks": rows, **versus(rows), "threads": host_cores()}
+
+
+def _framework_check(rtol: float, atol: float):
+    """``check(outputs, reference, precision)`` for ``torch_frameworks``: see
+    ``framework_row``."""
+    from ..check import compare_outputs
+    from ..precision import LEVELS, output_scale, relative_error
+
+    def check(outputs, reference, precision):
+        rel = relative_error(outputs, reference)
+        if precision == "f32":
+            scale = max((output_scale(r) for r in reference), default=0.0)
+            match = compare_outputs(outputs, reference, rtol, scaled_atol(atol, scale))[0]
+        else:
+            match = rel <= LEVELS.get(precision, LEVELS["bf16"])
+        return {"match": bool(match), "max_err": compare_outputs(outputs, reference)[1],
+                "rel_err": rel}
+
+    return check
+
+
+def versus(frameworks: dict) -> dict:
+    """{"best_f32": (name, ms) or None, "vs_best_f32", "vs_openvino_default"} of one row's
+    ``frameworks``: the fastest correct f32 framework, and each latency over Collage's
+    (above 1: Collage is faster; None where a latency is missing)."""
+    collage = frameworks.get("collage", {}).get("ms", math.nan)
+
+    def ms(fw):
+        r = frameworks.get(fw, {})
+        return r["ms"] if "error" not in r and math.isfinite(r.get("ms", math.nan)) else None
+
+    correct = {fw: ms(fw) for fw in F32_FRAMEWORKS
+               if ms(fw) is not None and frameworks[fw]["match"]
+               and frameworks[fw].get("precision", "f32") == "f32"}
+    best = min(correct, key=correct.get) if correct else None
+    ok = math.isfinite(collage) and collage > 0
+
+    def over(value):
+        return value / collage if ok and value is not None else None
+
+    return {"best_f32": (best, correct[best]) if best else None,
+            "vs_best_f32": over(correct[best]) if best else None,
+            "vs_openvino_default": over(ms("openvino (default)"))}
 
 
 def checked_model(make, name: str) -> tuple:
@@ -651,9 +807,10 @@ def _build_cell(b: dict) -> list:
             f"{b['search_s']:.0f}", f"{b['collage_ms']:.3f}", best]
 
 
-def markdown(suite: str, rows: list) -> str:
-    """The suite's table: per model, what happened and how it compares."""
-    lines = []
+def markdown(suite: str, rows: list, machine: dict | None = None) -> str:
+    """The suite's table: per model, what happened and how it compares; ``machine``
+    (``bench.machine()``: "cpu", "cores", library versions) named once at the top."""
+    lines = [machine_line(machine), ""] if machine else []
     if suite.startswith("onnx"):
         tvm_ok = [r for r in rows if r["tvm"] == "match"]
         both = [r for r in tvm_ok if r["collage"] == "match" and not r.get("uncovered")]
@@ -689,13 +846,87 @@ def markdown(suite: str, rows: list) -> str:
             lines.append("| (none: Collage matches wherever TVM alone matches) | | |")
         return "\n".join(lines) + "\n"
     built = [r for r in rows if r["build"]["status"] == "built" and r["build"]["match"]]
-    lines.append(f"{len(rows)} models; {len(built)} built and match PyTorch.\n")
-    head = ["model", "status", "match", "max err (of output scale)", "search s", "collage ms",
-            "best single ms", "shipped"]
+    sizes = sorted({r["input_size"] for r in rows if "input_size" in r})
+    lines.append(f"{len(rows)} models" + (f" at the {' and '.join(sizes)} input size"
+                                          f"{'s' if len(sizes) > 1 else ''}" if sizes else "")
+                 + f"; {len(built)} built and match PyTorch.\n")
+    threads = sorted({r["build"]["threads"] for r in rows if "threads" in r["build"]})
+    if threads:
+        lines.append(
+            "Latencies in ms, timed interleaved in one process at "
+            f"{'/'.join(map(str, threads))} thread(s) each: the shipped Collage build; the "
+            "exported ONNX file on ONNX Runtime, on OpenVINO at f32 and at OpenVINO's default "
+            "precision (named in the cell); PyTorch eager. A framework whose outputs do not "
+            "match PyTorch's within its precision is marked wrong. \"Collage vs best f32\": "
+            "the fastest correct f32 framework's ms over Collage's (above 1: Collage is "
+            f"faster; bold below the {GOAL}x goal). \"best single build\": the fastest "
+            "single-backend build of Collage's own never-slower check.\n")
+    head = ["model", "input", "status", "match", "max err (of output scale)", "search s",
+            "Collage ms", "ORT ms", "OpenVINO f32 ms", "OpenVINO default ms", "PyTorch ms",
+            "Collage vs best f32", "best single build ms", "shipped"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         b = r["build"]
         model = r["model"] + (" (dynamo export)" if b.get("exporter") == "dynamo" else "")
-        lines.append("| " + " | ".join([model, *_build_cell(b), b.get("shipped", "")])
-                     + " |")
+        status, match, err, search_s, collage_ms, best = _build_cell(b)
+        fw = b.get("frameworks", {})
+        if "collage" in fw and "error" not in fw["collage"]:
+            collage_ms = f"{fw['collage']['ms']:.3f}"
+        if b.get("frameworks_error"):
+            status += f" (frameworks failed: {b['frameworks_error']})"
+        cells = [model, ", ".join(b.get("input", [])), status, match, err, search_s, collage_ms,
+                 *(_framework_cell(fw.get(n)) for n in ("onnxruntime", "openvino",
+                                                        "openvino (default)", "pytorch")),
+                 _versus_cell(b), best, b.get("shipped", "")]
+        lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+    lines += ["", versus_summary(rows)]
     return "\n".join(lines) + "\n"
+
+
+def machine_line(machine: dict) -> str:
+    """"Machine: <CPU model>, <n> cores; <library versions>" for the top of a table."""
+    libs = [f"{k} {machine[k]}" for k in ("tvm", "onnxruntime", "openvino", "torch")
+            if machine.get(k)]
+    return (f"Machine: {machine.get('cpu', '?')}, {machine.get('cores', '?')} cores"
+            + (f"; {', '.join(libs)}" if libs else ""))
+
+
+def _framework_cell(r: dict | None) -> str:
+    if not r:
+        return ""
+    if "error" in r:
+        return f"failed: {r['error'][:100]}"
+    text = f"{r['ms']:.3f}"
+    if r.get("precision", "f32") != "f32":
+        text += f" ({r['precision']})"
+    return text if r["match"] else text + " (**wrong**)"
+
+
+def _versus_cell(b: dict) -> str:
+    if b.get("vs_best_f32") is None:
+        return ""
+    text = f"{b['vs_best_f32']:.2f}x ({b['best_f32'][0]})"
+    return f"**{text}**" if b["vs_best_f32"] < GOAL else text
+
+
+def versus_summary(rows: list) -> str:
+    """The line under a torch suite's table: over the rows where Collage built, matches
+    PyTorch and some f32 framework is correct, the median and worst "Collage vs best f32",
+    the rows below ``GOAL`` and those where Collage beats every f32 framework by 3% or more
+    (``CLEAR_WIN``)."""
+    counted = [(r["model"], r["build"]["vs_best_f32"]) for r in rows
+               if r["build"].get("status") == "built" and r["build"].get("match")
+               and r["build"].get("vs_best_f32") is not None]
+    what = ("Collage vs best f32 framework (the fastest correct of ONNX Runtime, OpenVINO f32 "
+            "and PyTorch eager; its ms over Collage's)")
+    if not counted:
+        return f"{what}: no row counted (none built, matched and had a correct f32 framework)."
+    worst_model, worst = min(counted, key=lambda mv: mv[1])
+    below = [m for m, v in counted if v < GOAL]
+    wins = [m for m, v in counted if v >= CLEAR_WIN]
+    median = statistics.median(v for _, v in counted)
+    return (f"{what}: {len(counted)} rows counted; median {median:.2f}x, worst {worst:.2f}x "
+            f"({worst_model}); {len(below)} below {GOAL}x"
+            + (f" ({', '.join(below)})" if below else "")
+            + f"; Collage beats every f32 framework by 3% or more on {len(wins)}"
+            + (f": {', '.join(wins)}." if wins else "."))

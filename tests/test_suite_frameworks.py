@@ -1,0 +1,152 @@
+"""The torch suites judged against the frameworks (issue #33): a suite row times the shipped
+Collage build beside the user's ONNX file on ONNX Runtime and OpenVINO (f32 and default
+precision) and PyTorch eager, checks each against PyTorch, and the table sums up Collage
+against the best correct f32 framework; the models are built at their usual input sizes."""
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from collage_tvm.registry import get_backend
+from collage_tvm.target import host_cores
+from collage_tvm.tools import suites
+
+needs_libraries = pytest.mark.skipif(
+    not (get_backend("onnxruntime").available()[0] and get_backend("openvino").available()[0]),
+    reason="needs onnxruntime and openvino")
+EVERY_FRAMEWORK = {"collage", "onnxruntime", "openvino", "openvino (default)", "pytorch"}
+
+
+class TwoInputNet(nn.Module):
+    """A conv block on an image plus a bias map given as a second input: the suite's
+    frameworks take every input of the model, in the ONNX file's order."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+
+    def forward(self, x, bias):
+        return torch.relu(self.conv(x) + bias).mean(dim=(2, 3))
+
+
+def _make(name):
+    torch.manual_seed(0)
+    return TwoInputNet().eval(), (torch.randn(1, 3, 16, 16), torch.randn(1, 8, 16, 16))
+
+
+@needs_libraries
+def test_a_suite_row_times_collage_beside_every_framework_checked_against_pytorch(tmp_path):
+    row = suites.torch_model_check(_make, "two_input", ["tvm", "onnxruntime"],
+                                   str(tmp_path / "c.db"), str(tmp_path), frameworks=True)
+    assert row["status"] == "built" and row["match"], row
+    assert row["input"] == ["1x3x16x16", "1x8x16x16"]
+    fw = row["frameworks"]
+    assert set(fw) == EVERY_FRAMEWORK, fw
+    for name, r in fw.items():
+        assert "error" not in r, (name, r)
+        assert math.isfinite(r["ms"]) and r["ms"] > 0 and isinstance(r["match"], bool), (name, r)
+        assert r["precision"] and math.isfinite(r["rel_err"]), (name, r)
+    assert all(fw[n]["match"] for n in ("collage", "onnxruntime", "openvino", "pytorch")), fw
+    assert fw["pytorch"]["rel_err"] == 0.0 and fw["openvino"]["precision"] == "f32"
+    best, best_ms = row["best_f32"]
+    assert best in suites.F32_FRAMEWORKS
+    assert best_ms == min(fw[n]["ms"] for n in suites.F32_FRAMEWORKS)
+    assert row["vs_best_f32"] == pytest.approx(best_ms / fw["collage"]["ms"])
+    assert row["vs_openvino_default"] == pytest.approx(
+        fw["openvino (default)"]["ms"] / fw["collage"]["ms"])
+    assert row["threads"] == host_cores()
+    assert torch.get_num_threads() == row["threads"]
+
+
+def test_the_best_f32_framework_leaves_out_wrong_and_reduced_precision_ones():
+    fw = {"collage": {"ms": 2.0, "match": True, "precision": "f32"},
+          "onnxruntime": {"ms": 1.0, "match": False, "precision": "f32"},  # fast but wrong
+          "openvino": {"ms": 2.5, "match": True, "precision": "f32"},
+          "openvino (default)": {"ms": 0.5, "match": True, "precision": "bf16"},
+          "pytorch": {"error": "RuntimeError: no", "ms": math.nan, "match": False}}
+    v = suites.versus(fw)
+    assert v["best_f32"] == ("openvino", 2.5)
+    assert v["vs_best_f32"] == pytest.approx(1.25)
+    assert v["vs_openvino_default"] == pytest.approx(0.25)
+    none_correct = {**fw, "openvino": {**fw["openvino"], "match": False}}
+    assert suites.versus(none_correct)["best_f32"] is None
+    assert suites.versus(none_correct)["vs_best_f32"] is None
+
+
+def _row(model, vs, match=True):
+    collage = 10.0
+    best = collage * vs
+    fw = {"collage": {"ms": collage, "match": match, "precision": "f32", "rel_err": 0.0},
+          "onnxruntime": {"ms": best, "match": True, "precision": "f32", "rel_err": 1e-6},
+          "openvino": {"ms": best * 1.5, "match": True, "precision": "f32", "rel_err": 1e-6},
+          "openvino (default)": {"ms": best / 2, "match": True, "precision": "bf16",
+                                 "rel_err": 3e-3},
+          "pytorch": {"ms": best * 2, "match": True, "precision": "f32", "rel_err": 0.0}}
+    return {"model": model, "input_size": "usual",
+            "build": {"status": "built", "match": match, "max_err": 1e-6, "scale": 1.0,
+                      "search_s": 5.0, "collage_ms": collage, "best": ("onnxruntime", best),
+                      "shipped": "collage", "input": ["1x3x224x224"], "frameworks": fw,
+                      "threads": 2, **suites.versus(fw)}}
+
+
+def test_the_suite_table_sums_up_collage_against_the_best_f32_framework():
+    rows = [_row("a", 1.10), _row("b", 0.95), _row("c", 0.80), _row("d", 1.04), _row("e", 1.00),
+            _row("wrong", 0.50, match=False),  # a build that does not match is not counted
+            {"model": "crashed", "input_size": "usual",
+             "build": {"status": "crash", "error": "boom"}}]
+    machine = {"cpu": "Some CPU 9000", "cores": 2, "tvm": "0.27", "onnxruntime": "1.31"}
+    text = suites.markdown("torchvision", rows, machine)
+    assert text.splitlines()[0].startswith("Machine: Some CPU 9000, 2 cores")
+    for column in ("Collage ms", "ORT ms", "OpenVINO f32 ms", "OpenVINO default ms",
+                   "PyTorch ms", "Collage vs best f32"):
+        assert f"| {column} |" in text, column
+    row_a = next(line for line in text.splitlines() if line.startswith("| a |"))
+    assert "| 11.000 |" in row_a and "| 5.500 (bf16) |" in row_a and "1.10x (onnxruntime)" in row_a
+    assert "**0.95x (onnxruntime)**" in text  # below the goal: bold
+    summary = text.strip().splitlines()[-1]
+    assert "5 rows counted" in summary and "median 1.00x" in summary, summary
+    assert "worst 0.80x (c)" in summary and "2 below 0.97x (b, c)" in summary, summary
+    assert "by 3% or more on 2: a, d." in summary, summary
+
+
+def _needs_torchvision():
+    try:
+        suites.import_torchvision()  # against the CPU torch (collage_tvm._torchvision)
+    except ImportError as err:
+        pytest.skip(str(err))
+
+
+def test_usual_input_sizes_are_what_users_run_and_small_ones_stay_quick():
+    _needs_torchvision()
+    _, (x,) = suites.torchvision_model("resnet18", "usual")
+    assert x.shape == (1, 3, 224, 224)
+    assert suites.torchvision_model("resnet18")[1][0].shape == (1, 3, 64, 64)  # small
+    # the size their published weights are evaluated at
+    assert suites.torchvision_usual_size("inception_v3") == 299
+    assert suites.torchvision_usual_size("efficientnet_b3") == 300
+    assert suites.torchvision_usual_size("vit_h_14") == 224
+    with pytest.raises(ValueError, match="unknown input size 'huge'"):
+        suites.torchvision_model("resnet18", "huge")
+
+
+def test_timm_usual_size_is_its_default_cfg_input_size():
+    _needs_torchvision()  # timm imports it
+    pytest.importorskip("timm")
+    model, (x,) = suites.timm_model("levit_128s", "usual")
+    assert x.shape == (1, *model.default_cfg["input_size"]) == (1, 3, 224, 224)
+    with torch.no_grad():
+        assert model(x).shape == (1, 1000)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "vit", "whisper_encoder"])
+def test_transformers_at_the_usual_size_run_128_tokens(name):
+    _needs_torchvision()  # transformers imports it for ViT and Whisper
+    pytest.importorskip("transformers")
+    model, inputs = suites.transformers_model(name, "usual")
+    with torch.no_grad():
+        hidden = model(*inputs)
+    assert hidden.shape[1] == {"vit": 197, "whisper_encoder": 128}.get(name, 128), hidden.shape
+    small, small_inputs = suites.transformers_model(name)
+    with torch.no_grad():
+        assert small(*small_inputs).shape[1] < hidden.shape[1]
