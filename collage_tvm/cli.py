@@ -116,6 +116,8 @@ def _optimize(args) -> int:
                 continue
             if r.get("outside_budget"):
                 same += f"  (outside the budget: {r['outside_budget']}, not shipped)"
+            if r.get("ops") and name.startswith("collage"):  # what the searched ones place where
+                same += "  [" + ", ".join(f"{b} {n} ops" for b, n in sorted(r["ops"].items())) + "]"
             print(f"{name:<26}{r['ms']:>12.3f}{r['ms'] / base:>11.2f}x  "
                   f"{'yes' if r['match'] else 'NO'} (max err {r['max_err']:.2e}{rel}){same}")
         if rep.shipped != "collage":

@@ -143,3 +143,15 @@ def test_without_a_model_file_the_report_says_why_there_is_no_floor(tmp_path):
                                graph_level=False, calibrate_rounds=0, refine_rounds=0)
     assert "Relax module" in res.report.floor
     assert not any("(model file)" in n for n in res.report.comparison)
+
+
+@pytest.mark.skipif(not cpu_precisions()["bf16"][0] or not get_backend("openvino").available()[0],
+                    reason="needs OpenVINO and a CPU with bf16 instructions")
+def test_under_the_bf16_budget_the_model_file_at_openvinos_default_precision_can_ship(
+        model_path, tmp_path, monkeypatch):
+    _fixed_clock(monkeypatch, "openvino_bf16 (model file)")
+    res = _search(model_path, tmp_path, ("tvm", "openvino"), accuracy="bf16")
+    row = res.report.comparison["openvino_bf16 (model file)"]
+    assert "outside_budget" not in row and row["match"]
+    assert res.report.shipped == "openvino_bf16 (model file)"
+    assert res.report.whole_model["backend"] == "openvino_bf16"

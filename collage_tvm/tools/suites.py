@@ -495,15 +495,19 @@ def _collage_build(model, inputs, expected, backends, db, rtol, atol, graph_leve
     else:
         row["match"] = matches(got, expected, rtol, atol)
     row["max_err"] = compare_outputs(got, expected)[1]
-    comp = {n: r for n, r in rep.comparison.items() if r.get("match")}
+    comp = {n: r for n, r in rep.comparison.items()  # (a build outside the budget: not one)
+            if r.get("match") and not r.get("outside_budget")}
     row["collage_ms"] = rep.comparison.get("collage", {}).get("ms", math.nan)
     singles = {n: r["ms"] for n, r in comp.items() if not n.startswith("collage")}
     if singles:
         best = min(singles, key=singles.get)
         row["best"] = (best, singles[best])
     row["shipped"] = rep.shipped
-    if rep.whole_model:  # TVM cannot import it: a graph library runs it whole
+    if rep.whole_model and not rep.whole_model.get("floor"):
+        # TVM cannot import it: a graph library runs it whole (the model file winning the
+        # final check is named by ``rep.shipped``: "openvino (model file)")
         row["shipped"] = f"{rep.whole_model['backend']} (whole: {rep.whole_model['why']})"
+    row["collage_ops"] = rep.comparison.get("collage", {}).get("ops", {})
     row["kept_on_tvm"] = sorted(set(rep.kept_on_tvm))
     return row, res.executable
 
