@@ -210,7 +210,9 @@ def transformers_model(name: str, size: str = "small"):
                  intermediate_size=128, vocab_size=1000, max_position_embeddings=positions)
     build = {
         "bert": lambda: T.BertModel(T.BertConfig(**small)),
-        "roberta": lambda: T.RobertaModel(T.RobertaConfig(**small, pad_token_id=1)),
+        # RoBERTa numbers positions from pad_token_id + 1: two more than the tokens
+        "roberta": lambda: T.RobertaModel(T.RobertaConfig(
+            **{**small, "max_position_embeddings": positions + 2}, pad_token_id=1)),
         "distilbert": lambda: T.DistilBertModel(T.DistilBertConfig(
             n_layers=2, dim=64, n_heads=4, hidden_dim=128, vocab_size=1000,
             max_position_embeddings=positions)),
