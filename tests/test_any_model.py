@@ -145,9 +145,11 @@ def test_a_model_tvm_cannot_import_runs_wholly_on_a_graph_library(tmp_path, caps
     m = _Lstm().eval()
     torch.onnx.export(m, (torch.randn(1, 5, 8),), path, dynamo=False, opset_version=17)
     with pytest.raises(ModelError, match="ONNX import failed.*LSTM.*add onnxruntime or openvino"):
-        collage_tvm.optimize(path, "llvm", ["tvm", "dnnl"], db=str(tmp_path / "c.db"), graph_level=False, compare=False)
+        collage_tvm.optimize(path, "llvm", ["tvm", "dnnl"], db=str(tmp_path / "c.db"),
+                             graph_level=False, compare=False)
     res = collage_tvm.optimize(path, "llvm", ["tvm", "dnnl", "onnxruntime"],
-                               db=str(tmp_path / "c.db"), progress=False, graph_level=False, compare=False)
+                               db=str(tmp_path / "c.db"), progress=False,
+                               graph_level=False, compare=False)
     assert res.graph is None and res.report.whole_model["backend"] == "onnxruntime"
     assert "LSTM" in res.report.whole_model["why"]
     x = torch.randn(1, 5, 8)
@@ -184,9 +186,11 @@ def test_a_dynamic_input_dimension_keeps_the_model_on_tvm_naming_the_flag_that_f
         assert matches([got.numpy()], [m(x).numpy()], 1e-3, 1e-4)
     with pytest.raises(ModelError, match="names no input of the model: imgae; its inputs: image"):
         collage_tvm.optimize(path, "llvm", ["tvm"], db=str(tmp_path / "c.db"),
-                             input_shapes={"imgae": (2, 3, 8, 8)}, graph_level=False, compare=False)
+                             input_shapes={"imgae": (2, 3, 8, 8)},
+                             graph_level=False, compare=False)
     res = collage_tvm.optimize(path, "llvm", ["tvm"], db=str(tmp_path / "c.db"), progress=False,
-                               isolate=False, input_shapes={"image": (2, 3, 8, 8)}, graph_level=False, compare=False)
+                               isolate=False, input_shapes={"image": (2, 3, 8, 8)},
+                               graph_level=False, compare=False)
     assert res.graph is not None and not res.report.kept_on_tvm
     x = torch.randn(2, 3, 8, 8)
     got = relax.VirtualMachine(res.executable, tvm.cpu())["main"](tvm.runtime.tensor(x.numpy()))
@@ -255,7 +259,8 @@ def test_onnx_from_both_pytorch_exporters_builds_and_matches_torch(model, shape,
     proto.ir_version = min(proto.ir_version, 10)
     onnx.save(proto, path)
     res = collage_tvm.optimize(path, "llvm", ["tvm"], db=str(tmp_path / "c.db"), isolate=False,
-                               progress=False, calibrate_rounds=0, refine_rounds=0, graph_level=False, compare=False)
+                               progress=False, calibrate_rounds=0, refine_rounds=0,
+                               graph_level=False, compare=False)
     got = relax.VirtualMachine(res.executable, tvm.cpu())["main"](tvm.runtime.tensor(x.numpy()))
     with torch.no_grad():
         assert matches([got.numpy()], [m(x).numpy()], 1e-3, 1e-4)
@@ -268,7 +273,8 @@ def test_pytorch_modules_through_torch_export_build_and_match_torch(model, shape
     m, x = model().eval(), torch.randn(*shape)
     res = collage_tvm.optimize(m, "llvm", ["tvm", "dnnl"], db=str(tmp_path / "c.db"),
                                example_inputs=(x,), isolate=False, progress=False,
-                               calibrate_rounds=0, refine_rounds=0, graph_level=False, compare=False)
+                               calibrate_rounds=0, refine_rounds=0,
+                               graph_level=False, compare=False)
     got = relax.VirtualMachine(res.executable, tvm.cpu())["main"](tvm.runtime.tensor(x.numpy()))
     got = got[0] if type(got).__name__ == "Array" or isinstance(got, (list, tuple)) else got
     with torch.no_grad():
@@ -458,7 +464,8 @@ def test_a_placement_that_fails_to_compile_ships_tvm_alone_with_the_reason(tmp_p
     torch.onnx.export(m, (x,), path, dynamo=False, opset_version=17)
     monkeypatch.setattr(build, "compile_placement", broken)
     res = collage_tvm.optimize(path, "llvm", ["tvm"], db=str(tmp_path / "c.db"), isolate=False,
-                               progress=False, calibrate_rounds=0, refine_rounds=0, graph_level=False, compare=False)
+                               progress=False, calibrate_rounds=0, refine_rounds=0,
+                               graph_level=False, compare=False)
     assert res.report.shipped == "tvm-only"
     assert "codegen of group 3 failed" in res.report.kept_on_tvm[-1]
     got = relax.VirtualMachine(res.executable, tvm.cpu())["main"](tvm.runtime.tensor(x.numpy()))
@@ -604,7 +611,8 @@ def test_slices_with_bounds_computed_from_constants_become_static(tmp_path):
                for b in mod["main"].body.blocks[0].bindings
                if isinstance(b.var.ty, relax.TensorType))
     res = collage_tvm.optimize(path, "llvm", ["tvm", "onnxruntime"], db=str(tmp_path / "c.db"),
-                               isolate=False, progress=False, calibrate_rounds=0, refine_rounds=0, graph_level=False, compare=False)
+                               isolate=False, progress=False, calibrate_rounds=0, refine_rounds=0,
+                               graph_level=False, compare=False)
     got = relax.VirtualMachine(res.executable, tvm.cpu())["main"](tvm.runtime.tensor(x.numpy()))
     with torch.no_grad():
         assert matches([got.numpy()], [m(x).numpy()], 1e-3, 1e-4)
@@ -850,7 +858,8 @@ def test_an_operator_no_backend_can_run_is_one_clear_error_naming_it_and_its_dty
     case = next(c for c in onnx_cases("node") if c.name == "test_pow_types_int32_int32")
     with pytest.raises(UnsupportedOperator, match=r"relax\.power -> int32: TVM fails on it"):
         collage_tvm.optimize(case.model, "llvm", ["tvm", "onnxruntime"],
-                             db=str(tmp_path / "c.db"), isolate=False, progress=False, graph_level=False, compare=False)
+                             db=str(tmp_path / "c.db"), isolate=False, progress=False,
+                             graph_level=False, compare=False)
 
 
 def test_where_tvm_alone_cannot_build_a_whole_model_library_build_is_the_reference():
@@ -954,7 +963,8 @@ def test_a_whole_model_output_shape_inference_cannot_see_is_found_by_running_it(
     path = str(tmp_path / "loop.onnx")
     _loop_onnx(path)
     res = collage_tvm.optimize(path, "llvm", ["tvm", "onnxruntime"],
-                               db=str(tmp_path / "c.db"), progress=False, graph_level=False, compare=False)
+                               db=str(tmp_path / "c.db"), progress=False,
+                               graph_level=False, compare=False)
     assert res.report.whole_model["backend"] == "onnxruntime"
     assert "Loop" in res.report.whole_model["why"]
     x = np.array([-1.0, 0.5, 2.0, -3.0], "float32")

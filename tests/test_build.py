@@ -21,7 +21,8 @@ def _available(name):
 def test_collage_build_matches_tvm_only_and_reuses_db(small_onnx, tmp_path):
     backends = ["tvm", "dnnl"] if _available("dnnl") else ["tvm"]
     db = str(tmp_path / "c.db")
-    res = collage_tvm.optimize(small_onnx, "llvm", backends, db=db, isolate=False, progress=False, graph_level=False, compare=False)
+    res = collage_tvm.optimize(small_onnx, "llvm", backends, db=db, isolate=False, progress=False,
+                               graph_level=False, compare=False)
     assert res.report.distinct_measured > 0
     ref_ex = tvm.compile(tvm.IRModule({"main": res.graph.func}), res_target())
     ref = evaluate(ref_ex, res.graph, res_target())
@@ -44,7 +45,8 @@ def test_collage_build_matches_tvm_only_and_reuses_db(small_onnx, tmp_path):
     assert [g.nodes for g in again.placement.groups] == [g.nodes for g in res.placement.groups]
     # Without the placement log, the cost DB answers every candidate.
     third = collage_tvm.optimize(small_onnx, "llvm", backends, db=db, progress=False,
-                                 isolate=False, placement_log=str(tmp_path / "other.json"), graph_level=False, compare=False)
+                                 isolate=False, placement_log=str(tmp_path / "other.json"),
+                                 graph_level=False, compare=False)
     assert third.report.distinct_measured == 0 and third.report.db_hits > 0
     assert third.report.side_by_side == 0  # close calls re-timed once, then from the DB
 
@@ -83,7 +85,8 @@ def test_unknown_backend_and_missing_model_are_clear_errors(tmp_path):
     from collage_tvm.frontend.load import ModelError
 
     with pytest.raises(ModelError, match="not found"):
-        collage_tvm.optimize(str(tmp_path / "missing.onnx"), "llvm", ["tvm"], graph_level=False, compare=False)
+        collage_tvm.optimize(str(tmp_path / "missing.onnx"), "llvm", ["tvm"],
+                             graph_level=False, compare=False)
 
 
 def test_backend_whose_library_is_missing_is_skipped(tmp_path, caplog):

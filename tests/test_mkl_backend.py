@@ -362,7 +362,8 @@ def test_build_small_mlp_places_matmuls_on_mkl(tmp_path):
     torch.manual_seed(0)
     m, x = MLP().eval(), torch.randn(32, 64)
     db = str(tmp_path / "c.db")
-    ex = collage_tvm.build(m, "llvm", backends=["tvm", "mkl"], db=db, example_inputs=(x,), progress=False, graph_level=False, compare=False)
+    ex = collage_tvm.build(m, "llvm", backends=["tvm", "mkl"], db=db, example_inputs=(x,), progress=False,
+                           graph_level=False, compare=False)
     out = relax.VirtualMachine(ex, tvm.cpu())["main"](tvm.runtime.tensor(x.numpy()))
     out = out if hasattr(out, "numpy") else out[0]
     # TVM-only reference: the same imported module, compiled by TVM alone.
@@ -374,7 +375,8 @@ def test_build_small_mlp_places_matmuls_on_mkl(tmp_path):
     _close(out.numpy(), ref.numpy())
     _close(out.numpy(), m(x).detach().numpy())
     # The placement (read back from the placement log): every matmul runs on mkl.
-    res = collage_tvm.optimize(m, "llvm", backends=["tvm", "mkl"], db=db, example_inputs=(x,), progress=False, graph_level=False, compare=False)
+    res = collage_tvm.optimize(m, "llvm", backends=["tvm", "mkl"], db=db, example_inputs=(x,), progress=False,
+                               graph_level=False, compare=False)
     assert res.report.placement_from_log
     placed = {i: g.backend for g in res.placement.groups for i in g.nodes}
     matmuls = [n.index for n in res.graph.nodes if n.op_name == "relax.matmul"]

@@ -135,7 +135,8 @@ def test_optimize_with_rewrite_builds_the_folded_graph_and_matches(tmp_path):
     x = torch.randn(1, 3, 8, 8)
     res = collage_tvm.optimize(m, "llvm", ["tvm"], db=str(tmp_path / "c.db"), rewrite=True,
                                example_inputs=(x,), isolate=False, progress=False,
-                               calibrate_rounds=0, refine_rounds=0, graph_level=False, compare=False)
+                               calibrate_rounds=0, refine_rounds=0,
+                               graph_level=False, compare=False)
     assert res.report.ops_per_backend["tvm"] < 10  # 2 convs, 2 adds, a relu: chains folded
     got = relax.VirtualMachine(res.executable, tvm.cpu())["main"](tvm.runtime.tensor(x.numpy()))
     got = got[0] if not hasattr(got, "numpy") else got
@@ -747,7 +748,8 @@ def test_optimize_with_rewrite_applies_generated_rules_and_matches_torch(tmp_pat
     m, x = TransposeAroundRelu().eval(), torch.randn(256, 64)
     res = collage_tvm.optimize(m, "llvm", ["tvm"], db=str(tmp_path / "c.db"), rewrite=True,
                                example_inputs=(x,), isolate=False, progress=False,
-                               calibrate_rounds=0, refine_rounds=0, graph_level=False, compare=False)
+                               calibrate_rounds=0, refine_rounds=0,
+                               graph_level=False, compare=False)
     applied = res.report.rewrite["applied"]
     assert any(a.startswith("generated: ") for a in applied), res.report.rewrite
     got = relax.VirtualMachine(res.executable, tvm.cpu())["main"](tvm.runtime.tensor(x.numpy()))

@@ -272,7 +272,8 @@ def test_tune_then_build_uses_tuned_kernels_and_a_second_tune_measures_nothing(t
     assert [r.status for r in rep.results] == ["tuned"] and rep.remeasured == 1, rep.summary()
     assert os.path.dirname(rep.tuning_db) == str(tmp_path / "costs.tuning")
     assert "| matmul | " in rep.markdown() and " | 1 | " in rep.markdown()
-    res = collage_tvm.optimize(mod, backends=["tvm"], db=db, progress=False, isolate=False, graph_level=False, compare=False)
+    res = collage_tvm.optimize(mod, backends=["tvm"], db=db, progress=False, isolate=False,
+                               graph_level=False, compare=False)
     assert res.report.tuning["records"] == rep.records_after > 0
     assert res.report.distinct_measured == 0, res.report  # tune measured everything
     plain = collage_tvm.optimize(mod, backends=["tvm"], db=db, progress=False, isolate=False,
