@@ -19,8 +19,8 @@ import tvm
 from tvm import relax
 
 from ._memory import release_memory
-from .check import (Floor, first_line, latency_evaluator, never_slower, outputs_on,
-                    tvm_reference)
+from .check import (Floor, first_line, latency_evaluator, never_slower, ops_per_backend,
+                    outputs_on, tvm_reference)
 from .frontend import ModelError, dynamic_input, load_model, normalize_for_collage
 from .frontend.model_file import ModelFile, model_file
 from .graph import DataflowGraph, NotDataflow
@@ -439,8 +439,7 @@ def _search_imported(model, target, options, db, placement_log, example_inputs, 
             graph, mod = shipped_graph, original
             record["unrewritten"] = True
         log.put(key, record)
-    for g in placement.groups:
-        report.ops_per_backend[g.backend] = report.ops_per_backend.get(g.backend, 0) + len(g.nodes)
+    report.ops_per_backend = ops_per_backend(placement.groups)
     logger.info("collage: %s", report.summary())
     return SearchResult(graph, placement, backends, report, target, mod, tuning)
 
