@@ -76,15 +76,24 @@ def model_file(model, example_inputs=None) -> ModelFile:
     return ModelFile(torch_module=model, inputs=tuple(torch.as_tensor(x) for x in inputs))
 
 
-def export_torch(model, inputs: tuple, path: str) -> str:
+def export_torch(model, inputs: tuple, path: str, **export_args) -> str:
     """``model`` exported as a PyTorch user exports it for a graph library (TorchScript
-    exporter, opset 17), at an IR version onnxruntime reads."""
-    import onnx
+    exporter, opset 17; ``export_args``: more of ``torch.onnx.export``'s, e.g. input names),
+    at an IR version onnxruntime reads."""
     import torch
 
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
-        torch.onnx.export(model.eval(), inputs, path, dynamo=False, opset_version=17)
+        torch.onnx.export(model.eval(), inputs, path, dynamo=False, opset_version=17,
+                          **export_args)
+    return cap_ir_version(path)
+
+
+def cap_ir_version(path: str) -> str:
+    """The ONNX file at ``path`` rewritten at IR version ``MAX_IR_VERSION`` where it is
+    newer (external data stays where it is); returns ``path``."""
+    import onnx
+
     proto = onnx.load(path, load_external_data=False)
     if proto.ir_version > MAX_IR_VERSION:
         proto.ir_version = MAX_IR_VERSION

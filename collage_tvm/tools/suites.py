@@ -429,22 +429,17 @@ def export_onnx(model, inputs, path: str, exporter: str = "torchscript") -> str:
     (``torch.export``-based, opset 18: its version converter cannot take every model down to
     17). A model over protobuf's 2 GB gets its weights in external data files beside
     ``path`` (the exporter's own choice)."""
-    import onnx
     import torch
 
+    from ..frontend.model_file import cap_ir_version, export_torch
+
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    if exporter != "dynamo":
+        return export_torch(model, inputs, path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        if exporter == "dynamo":
-            torch.onnx.export(model, inputs, dynamo=True, opset_version=18,
-                              verbose=False).save(path)
-        else:
-            torch.onnx.export(model, inputs, path, dynamo=False, opset_version=17)
-    proto = onnx.load(path, load_external_data=False)  # external data stays where it is
-    if proto.ir_version > 10:
-        proto.ir_version = 10
-        onnx.save(proto, path)
-    return path
+        torch.onnx.export(model, inputs, dynamo=True, opset_version=18, verbose=False).save(path)
+    return cap_ir_version(path)
 
 
 # --------------------------------------------------------------------------- one model

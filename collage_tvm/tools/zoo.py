@@ -18,7 +18,6 @@ inception_v3 ``(1, 3, 299, 299)``; squeezenet ``(1, 3, 224, 224)``.
 from __future__ import annotations
 
 import os
-import warnings
 
 SIZES = ("small", "paper")
 
@@ -609,17 +608,8 @@ def export_onnx(name: str, size: str, path: str | None = None) -> str:
     """
     if path is None:
         size, path = "small", size
-    torch, _ = _torch()
-    import onnx
+    from ..frontend.model_file import export_torch
 
     model, x = get(name, size)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(model, (x,), path, dynamo=False, opset_version=17,
-                          input_names=["input"], output_names=["output"])
-    proto = onnx.load(path)
-    if proto.ir_version > 10:
-        proto.ir_version = 10
-        onnx.save(proto, path)
-    return path
+    return export_torch(model, (x,), path, input_names=["input"], output_names=["output"])
