@@ -261,7 +261,8 @@ def _bench(args, parser) -> int:
 
 def _bench_suite(args) -> int:
     """``bench --suite``: models nobody here wrote; a table per suite (docs/COVERAGE.md).
-    suite_<name>.json: {"suite", "machine", "input_size", "rows"} (the tables are rendered
+    suite_<name>.json (suite_<name>_<budget>.json under a reduced ``--accuracy``): {"suite",
+    "machine", "input_size", "accuracy", "rows"} (the tables are rendered
     from it: ``suites.markdown(suite, rows, machine)``)."""
     import json
     import os
@@ -269,11 +270,20 @@ def _bench_suite(args) -> int:
 
     from ._files import write_json_atomic
     from .build import DEFAULT_DB
+    from .precision import parse_accuracy
     from .tools import suites
     from .tools.bench import machine
 
     backends = [b for b in args.backends.split(",") if b]
-    base = os.path.join(args.out, f"suite_{args.suite}")
+    try:
+        budget = parse_accuracy(args.accuracy)  # a bad budget: before any model runs
+    except ValueError as err:
+        print(f"collage-tvm: error: {err}", file=sys.stderr)
+        return 2
+    # A reduced budget's rows go to their own file (suite_timm_bf16.json): never mixed with
+    # the f32 rows of the same suite.
+    base = os.path.join(args.out, f"suite_{args.suite}"
+                        + ("" if budget.strict else f"_{budget.name}"))
     done = None
     if args.resume and os.path.exists(base + ".json"):
         with open(base + ".json") as f:
@@ -290,7 +300,8 @@ def _bench_suite(args) -> int:
 
     def save(rows):
         write_json_atomic(Path(base + ".json"), {"suite": args.suite, "machine": here,
-                                                 "input_size": args.input_size, "rows": rows})
+                                                 "input_size": args.input_size,
+                                                 "accuracy": budget.name, "rows": rows})
         with open(base + ".md", "w") as f:
             f.write(suites.markdown(args.suite, rows, here))
 
@@ -299,7 +310,8 @@ def _bench_suite(args) -> int:
                       limit=args.limit, log=lambda line: print(line, flush=True),
                       only=args.models or None, done=done, on_row=save,
                       graph_level=args.graph_level, budget=min(args.budget, 120.0),
-                      input_size=args.input_size, frameworks=not args.no_frameworks)
+                      input_size=args.input_size, frameworks=not args.no_frameworks,
+                      accuracy=budget.name)
     save(rows)
     table = suites.markdown(args.suite, rows, here)
     print("\n" + table + f"\nwritten: {base}.json, {base}.md")
@@ -483,7 +495,10 @@ def main(argv=None) -> int:
                    help="also Collage placed-only beside rewritten+placed (the z3-verified "
                         "graph rewrites, collage_tvm.rewrite), timed interleaved, outputs "
                         "checked against placed-only")
-    b.add_argument("--accuracy", default="f32", metavar="BUDGET", help=ACCURACY_HELP)
+    b.add_argument("--accuracy", default="f32", metavar="BUDGET",
+                   help=ACCURACY_HELP + "; with a torch --suite, the rows also judge Collage "
+                   "against OpenVINO at its default precision and go to suite_<name>_<budget>"
+                   ".json")
     b.add_argument("--build-jobs", type=_jobs, default=None, metavar="N", help=BUILD_JOBS_HELP)
     b.add_argument("--tune", type=float, default=0.0, metavar="SECONDS",
                    help="first tune each model's TVM kernels for SECONDS (collage-tvm tune; "

@@ -784,6 +784,23 @@ def test_a_resumed_suite_run_runs_named_models_again_with_again(tmp_path):
     assert "marker" not in rows["test_AvgPool1d"] and "marker" in rows["test_AvgPool2d"]
 
 
+def test_a_suite_under_a_reduced_budget_writes_its_own_file_and_refuses_a_bad_one(tmp_path,
+                                                                                   capsys):
+    import json
+
+    from collage_tvm.cli import main
+
+    out = tmp_path / "out"
+    args = ["--backends", "tvm", "--out", str(out), "--db", str(tmp_path / "c.db")]
+    assert main(["bench", "--suite", "onnx-files", "test_AvgPool1d", "--accuracy", "banana",
+                 *args]) == 2
+    assert "accuracy 'banana'" in capsys.readouterr().err and not out.exists()
+    assert main(["bench", "--suite", "onnx-files", "test_AvgPool1d", "--accuracy", "bf16",
+                 *args]) == 0
+    doc = json.loads((out / "suite_onnx-files_bf16.json").read_text())
+    assert doc["accuracy"] == "bf16" and not (out / "suite_onnx-files.json").exists()
+
+
 class _RelPad(nn.Module):
     """timm's botnet relative logits: F.pad of a (B, W, 2W - 1) tensor, flattened, padded
     again, reshaped. The TorchScript exporter writes the pads as a computation over

@@ -110,6 +110,48 @@ def test_the_suite_table_sums_up_collage_against_the_best_f32_framework():
     assert "by 3% or more on 2: a, d." in summary, summary
 
 
+def test_openvino_default_counts_only_within_its_precision():
+    fw = {"collage": {"ms": 2.0, "match": True, "precision": "f32"},
+          "openvino (default)": {"ms": 1.0, "match": False, "precision": "bf16"}}
+    assert suites.versus(fw)["vs_openvino_default"] is None  # wrong: no figure against it
+    fw["openvino (default)"]["match"] = True
+    assert suites.versus(fw)["vs_openvino_default"] == pytest.approx(0.5)
+
+
+def test_a_bf16_table_sums_up_collage_against_openvino_default_and_counts_mixed_placements():
+    rows = [_row("a", 1.10), _row("b", 1.00), _row("floor", 1.20)]
+    for r in rows:
+        r["build"]["accuracy"] = "bf16"
+    rows[0]["build"]["collage_ops"] = {"openvino_bf16": 40, "dnnl": 3}  # mixed, wins
+    rows[1]["build"]["collage_ops"] = {"openvino": 40, "tvm": 2}  # mixed, no clear win
+    rows[2]["build"].update(shipped="openvino_bf16 (model file)",  # one library: not mixed
+                            collage_ops={"openvino": 40, "tvm": 2})
+    text = suites.markdown("timm", rows)
+    assert "| Collage vs OpenVINO default |" in text and "accuracy budget bf16" in text
+    row_a = next(line for line in text.splitlines() if line.startswith("| a |"))
+    assert "| **0.55x** |" in row_a  # _row: OpenVINO default at half the best f32's ms
+    versus_f32, versus_default = [line for line in text.splitlines() if "rows counted" in line]
+    assert "Collage vs best f32" in versus_f32
+    assert "Collage vs OpenVINO at its default precision" in versus_default
+    assert "worst 0.50x (b)" in versus_default and "3 below 0.97x" in versus_default
+    assert "mixed placement (operators on two or more backends) shipped on 2 (a, b)" in versus_f32
+    assert "1 of them winning by 3% or more: a." in versus_f32
+    assert not suites.is_mixed(rows[2]["build"]) and suites.is_mixed(rows[0]["build"])
+
+
+@needs_libraries
+def test_a_bf16_suite_row_is_searched_and_judged_within_the_budget(tmp_path):
+    row = suites.torch_model_check(_make, "two_input", ["tvm", "openvino"],
+                                   str(tmp_path / "c.db"), str(tmp_path), frameworks=True,
+                                   accuracy="bf16")
+    assert row["status"] == "built" and row["accuracy"] == "bf16", row
+    assert row["match"] and row["rel_err"] <= 2e-2, row
+    assert math.isfinite(row["frameworks"]["collage"]["ms"])
+    f32 = suites.torch_model_check(_make, "two_input", ["tvm"], str(tmp_path / "c.db"),
+                                   str(tmp_path))
+    assert f32["accuracy"] == "f32" and "rel_err" not in f32
+
+
 def _needs_torchvision():
     try:
         suites.import_torchvision()  # against the CPU torch (collage_tvm._torchvision)

@@ -446,20 +446,23 @@ def export_onnx(model, inputs, path: str, exporter: str = "torchscript") -> str:
 
 def collage_check(model, inputs: list, expected: list, backends, db, rtol: float = 1e-3,
                   atol: float = 1e-4, graph_level: bool = False, budget: float = 60.0,
-                  input_shapes: dict | None = None, scale_aware: bool = False) -> dict:
+                  input_shapes: dict | None = None, scale_aware: bool = False,
+                  accuracy: str = "f32") -> dict:
     """One model through ``collage_tvm.optimize`` with ``backends`` and the never-slower
     check, which runs every build on ``inputs`` first (a slice's bounds as the case gives
     them, not random ones TVM alone may not run). ``scale_aware``: the absolute tolerance
     follows the expected outputs' largest magnitude (``"scale"`` in the row;
-    ``scaled_atol``). Returns
+    ``scaled_atol``). ``accuracy``: the search's accuracy budget (``--accuracy``); under a
+    reduced one ("bf16") the outputs are judged within it (``Accuracy.check``: "rel_err"
+    in the row). Returns
     {"status": "built"|"unsupported"|"crash", "error", "match", "max_err",
-    "search_s", "collage_ms", "best": (build, ms), "shipped", "kept_on_tvm"}."""
+    "search_s", "collage_ms", "best": (build, ms), "shipped", "kept_on_tvm", "accuracy"}."""
     return _collage_build(model, inputs, expected, backends, db, rtol, atol, graph_level,
-                          budget, input_shapes, scale_aware)[0]
+                          budget, input_shapes, scale_aware, accuracy)[0]
 
 
 def _collage_build(model, inputs, expected, backends, db, rtol, atol, graph_level, budget,
-                   input_shapes, scale_aware) -> tuple:
+                   input_shapes, scale_aware, accuracy="f32") -> tuple:
     """(``collage_check``'s row, the shipped executable or None when it did not build)."""
     import time
 
@@ -469,13 +472,16 @@ def _collage_build(model, inputs, expected, backends, db, rtol, atol, graph_leve
     from ..build import optimize
     from ..check import compare_outputs, run_outputs
     from ..frontend.load import ModelError
+    from ..precision import parse_accuracy
 
     t0 = time.perf_counter()
     row: dict = {}
+    allowed = parse_accuracy(accuracy)
     try:
         res = optimize(model, "llvm", list(backends), db=db, compare=True, progress=False,
                        graph_level=graph_level, budget=budget, calibrate_rounds=0,
-                       refine_rounds=1, input_shapes=input_shapes, example_inputs=inputs)
+                       refine_rounds=1, input_shapes=input_shapes, example_inputs=inputs,
+                       accuracy=allowed)
     except (ModelError, NotImplementedError) as err:
         return {"status": "unsupported", "error": _first_line(err)}, None
     except Exception as err:  # noqa: BLE001 - a suite records every failure
@@ -491,6 +497,11 @@ def _collage_build(model, inputs, expected, backends, db, rtol, atol, graph_leve
         row["match"] = compare_outputs(got, expected, rtol, scaled_atol(atol, scale))[0]
     else:
         row["match"] = matches(got, expected, rtol, atol)
+    if not allowed.strict:  # a reduced budget: within it (``Accuracy.check``)
+        judged = allowed.check(got, expected)
+        row["match"] = bool(row["match"] or judged["match"])
+        row["rel_err"] = judged["rel_err"]
+    row["accuracy"] = allowed.name
     row["max_err"] = compare_outputs(got, expected)[1]
     comp = {n: r for n, r in rep.comparison.items()  # (a build outside the budget: not one)
             if r.get("match") and not r.get("outside_budget")}
@@ -525,7 +536,7 @@ SUITES = ("onnx-node", "onnx-files", *TORCH_SUITES)
 def run(suite: str, backends, db, out_dir: str, full: bool = False, limit: int | None = None,
         log=print, graph_level: bool = False, budget: float = 60.0,
         only: list | None = None, done: list | None = None, on_row=None,
-        input_size: str = "usual", frameworks: bool = True) -> list:
+        input_size: str = "usual", frameworks: bool = True, accuracy: str = "f32") -> list:
     """Every model of ``suite``; one row each (see ``markdown``).
 
     ``onnx-node`` / ``onnx-files`` (the onnx wheel's node tests; its pytorch-converted,
@@ -537,6 +548,8 @@ def run(suite: str, backends, db, out_dir: str, full: bool = False, limit: int |
     beside ONNX Runtime, OpenVINO (f32 and default) and PyTorch (``framework_row``).
     ``graph_level``: the
     search runs both levels (the graph-level one for at most ``budget`` seconds a model).
+    ``accuracy``: the search's accuracy budget; under a reduced one ("bf16") a build is
+    judged within it, and a torch row against OpenVINO at its default precision too.
     ``only``: just the models (cases) of these names (a torch suite's in the order given).
     ``done``: rows of an earlier,
     interrupted run of the same suite, kept and not run again. ``on_row(rows)`` after each
@@ -560,7 +573,7 @@ def run(suite: str, backends, db, out_dir: str, full: bool = False, limit: int |
             if full and row["tvm"] == "match":
                 row["build"] = collage_check(case.model, case.inputs, case.outputs, backends,
                                              db, case.rtol, case.atol, graph_level, budget,
-                                             input_shapes=input_shapes(case))
+                                             input_shapes=input_shapes(case), accuracy=accuracy)
             return row
 
         def line(row):
@@ -579,7 +592,8 @@ def run(suite: str, backends, db, out_dir: str, full: bool = False, limit: int |
         def check(name):
             return {"model": name, "input_size": input_size,
                     "build": torch_model_check(make, name, backends, db, out_dir, graph_level,
-                                               budget, frameworks=frameworks)}
+                                               budget, frameworks=frameworks,
+                                               accuracy=accuracy)}
 
         def line(row):
             b = row["build"]
@@ -590,6 +604,8 @@ def run(suite: str, backends, db, out_dir: str, full: bool = False, limit: int |
                 best, ms = b["best_f32"]
                 text += (f"; collage {b['frameworks']['collage']['ms']:.3f} ms, best f32 "
                          f"framework {best} {ms:.3f} ms ({b['vs_best_f32']:.2f}x)")
+            if b.get("accuracy", "f32") != "f32" and b.get("vs_openvino_default") is not None:
+                text += f"; vs OpenVINO default {b['vs_openvino_default']:.2f}x"
             return text
     earlier = {r["model"]: r for r in done or ()}
     rows = []
@@ -618,14 +634,15 @@ def _others(earlier: dict, rows: list) -> list:
 
 def torch_model_check(make, name: str, backends, db, out_dir: str, graph_level: bool = False,
                       budget: float = 60.0, rtol: float = 1e-3, atol: float = 1e-4,
-                      frameworks: bool = False) -> dict:
+                      frameworks: bool = False, accuracy: str = "f32") -> dict:
     """``make(name)`` -> (torch module, inputs); exported to ONNX into ``out_dir`` (the
     TorchScript-based exporter, else the dynamo one: ``exporter`` in the row), through
     ``collage_check``, outputs against PyTorch's (tolerance relative to their scale). A
     model neither exporter can write is "unsupported" with the exporters' reasons.
     ``frameworks`` (``run`` asks for them): once built, the shipped build beside what the
     user would otherwise run (``framework_row``: "frameworks", "best_f32", "vs_best_f32",
-    "vs_openvino_default"; "frameworks_error" where timing them failed)."""
+    "vs_openvino_default"; "frameworks_error" where timing them failed). ``accuracy``: the
+    search's budget (``collage_check``)."""
     try:
         model, inputs, expected, signal, weights = checked_model(make, name)
     except Exception as err:  # noqa: BLE001 - a model that does not run in PyTorch here
@@ -642,7 +659,8 @@ def torch_model_check(make, name: str, backends, db, out_dir: str, graph_level: 
     del model  # its weights are in the ONNX file now: one copy fewer during the search
     release_memory()
     row, executable = _collage_build(path, [i.numpy() for i in inputs], expected, backends, db,
-                                     rtol, atol, graph_level, budget, None, scale_aware=True)
+                                     rtol, atol, graph_level, budget, None, scale_aware=True,
+                                     accuracy=accuracy)
     row = {**row, "exporter": exporter, "signal": signal, "weights": weights,
            "input": [_shape_text(i.shape) for i in inputs]}
     if frameworks and executable is not None:
@@ -712,7 +730,8 @@ def _framework_check(rtol: float, atol: float):
 def versus(frameworks: dict) -> dict:
     """{"best_f32": (name, ms) or None, "vs_best_f32", "vs_openvino_default"} of one row's
     ``frameworks``: the fastest correct f32 framework, and each latency over Collage's
-    (above 1: Collage is faster; None where a latency is missing)."""
+    (above 1: Collage is faster; None where a latency is missing or, for OpenVINO at
+    its default precision, its outputs are not within that precision)."""
     collage = frameworks.get("collage", {}).get("ms", math.nan)
 
     def ms(fw):
@@ -728,9 +747,11 @@ def versus(frameworks: dict) -> dict:
     def over(value):
         return value / collage if ok and value is not None else None
 
+    default = frameworks.get("openvino (default)", {})
     return {"best_f32": (best, correct[best]) if best else None,
             "vs_best_f32": over(correct[best]) if best else None,
-            "vs_openvino_default": over(ms("openvino (default)"))}
+            "vs_openvino_default": over(ms("openvino (default)")) if default.get("match")
+            else None}
 
 
 def checked_model(make, name: str) -> tuple:
@@ -862,9 +883,17 @@ def markdown(suite: str, rows: list, machine: dict | None = None) -> str:
             "the fastest correct f32 framework's ms over Collage's (above 1: Collage is "
             f"faster; bold below the {GOAL}x goal). \"best single build\": the fastest "
             "single-backend build of Collage's own never-slower check.\n")
+    reduced = sorted({r["build"].get("accuracy", "f32") for r in rows} - {"f32"})
+    if reduced:
+        lines.append(
+            f"Searched under the accuracy budget {', '.join(reduced)} (`--accuracy`): Collage's "
+            "outputs are judged within it (\"match\"), and its latency also against OpenVINO "
+            "at its default precision, where that is within its precision (\"Collage vs "
+            f"OpenVINO default\", bold below the {GOAL}x goal).\n")
     head = ["model", "input", "status", "match", "max err (of output scale)", "search s",
             "Collage ms", "ORT ms", "OpenVINO f32 ms", "OpenVINO default ms", "PyTorch ms",
-            "Collage vs best f32", "best single build ms", "shipped"]
+            "Collage vs best f32", *(["Collage vs OpenVINO default"] if reduced else []),
+            "best single build ms", "shipped"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         b = r["build"]
@@ -878,9 +907,12 @@ def markdown(suite: str, rows: list, machine: dict | None = None) -> str:
         cells = [model, ", ".join(b.get("input", [])), status, match, err, search_s, collage_ms,
                  *(_framework_cell(fw.get(n)) for n in ("onnxruntime", "openvino",
                                                         "openvino (default)", "pytorch")),
-                 _versus_cell(b), best, b.get("shipped", "")]
+                 _versus_cell(b), *([_default_cell(b)] if reduced else []), best,
+                 b.get("shipped", "")]
         lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     lines += ["", versus_summary(rows)]
+    if reduced:
+        lines += ["", default_summary(rows)]
     return "\n".join(lines) + "\n"
 
 
@@ -910,24 +942,59 @@ def _versus_cell(b: dict) -> str:
     return f"**{text}**" if b["vs_best_f32"] < GOAL else text
 
 
+def _default_cell(b: dict) -> str:
+    if b.get("vs_openvino_default") is None:
+        return ""
+    text = f"{b['vs_openvino_default']:.2f}x"
+    return f"**{text}**" if b["vs_openvino_default"] < GOAL else text
+
+
+def default_summary(rows: list) -> str:
+    """The line under a table searched under a reduced accuracy budget: ``versus_summary``'s
+    figures for "Collage vs OpenVINO default" (the rows whose OpenVINO default is correct)."""
+    return _summary(rows, "vs_openvino_default",
+                    "Collage vs OpenVINO at its default precision (its ms over Collage's)",
+                    "OpenVINO default")
+
+
 def versus_summary(rows: list) -> str:
     """The line under a torch suite's table: over the rows where Collage built, matches
     PyTorch and some f32 framework is correct, the median and worst "Collage vs best f32",
     the rows below ``GOAL`` and those where Collage beats every f32 framework by 3% or more
     (``CLEAR_WIN``)."""
-    counted = [(r["model"], r["build"]["vs_best_f32"]) for r in rows
+    return _summary(rows, "vs_best_f32",
+                    "Collage vs best f32 framework (the fastest correct of ONNX Runtime, "
+                    "OpenVINO f32 and PyTorch eager; its ms over Collage's)", "f32 framework")
+
+
+def _summary(rows: list, key: str, what: str, other: str) -> str:
+    counted = [(r["model"], r["build"][key]) for r in rows
                if r["build"].get("status") == "built" and r["build"].get("match")
-               and r["build"].get("vs_best_f32") is not None]
-    what = ("Collage vs best f32 framework (the fastest correct of ONNX Runtime, OpenVINO f32 "
-            "and PyTorch eager; its ms over Collage's)")
+               and r["build"].get(key) is not None]
     if not counted:
-        return f"{what}: no row counted (none built, matched and had a correct f32 framework)."
+        return (f"{what}: no row counted (none built, matched and had a correct "
+                f"{other}).")
     worst_model, worst = min(counted, key=lambda mv: mv[1])
     below = [m for m, v in counted if v < GOAL]
     wins = [m for m, v in counted if v >= CLEAR_WIN]
     median = statistics.median(v for _, v in counted)
+    shipped = {r["model"]: r["build"] for r in rows}
+    mixed = [m for m, _ in counted if is_mixed(shipped[m])]
+    mixed_wins = [m for m in wins if m in mixed]
     return (f"{what}: {len(counted)} rows counted; median {median:.2f}x, worst {worst:.2f}x "
             f"({worst_model}); {len(below)} below {GOAL}x"
             + (f" ({', '.join(below)})" if below else "")
-            + f"; Collage beats every f32 framework by 3% or more on {len(wins)}"
-            + (f": {', '.join(wins)}." if wins else "."))
+            + f"; Collage beats {'every ' if other.endswith('framework') else ''}{other} by 3% "
+            f"or more on {len(wins)}"
+            + (f": {', '.join(wins)}" if wins else "")
+            + f". A mixed placement (operators on two or more backends) shipped on {len(mixed)}"
+            + (f" ({', '.join(mixed)})" if mixed else "")
+            + f", {len(mixed_wins)} of them winning by 3% or more"
+            + (f": {', '.join(mixed_wins)}." if mixed_wins else "."))
+
+
+def is_mixed(build: dict) -> bool:
+    """Whether a row's shipped build is a placement over two or more backends (not one
+    library running the whole model, the user's model file included)."""
+    return (str(build.get("shipped", "")).startswith("collage")
+            and sum(1 for n in (build.get("collage_ops") or {}).values() if n) >= 2)
