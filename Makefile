@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test test-slow clean
+.PHONY: setup demo test test-slow docs clean
 
 setup: $(VENV)/.installed
 
@@ -21,6 +21,10 @@ test: setup
 
 test-slow: setup
 	$(PY) -m pytest -q -m slow
+
+# The docs' measured tables, rendered again from docs/results/*.json.
+docs: setup
+	$(PY) -m collage_tvm.tools.docs
 
 clean:
 	rm -rf $(VENV) *.egg-info out

@@ -967,22 +967,34 @@ def versus_summary(rows: list) -> str:
                     "OpenVINO f32 and PyTorch eager; its ms over Collage's)", "f32 framework")
 
 
-def _summary(rows: list, key: str, what: str, other: str) -> str:
+def suite_stats(rows: list, key: str = "vs_best_f32") -> dict | None:
+    """Over the rows where Collage built, matches and has the figure ``key`` ("vs_best_f32"
+    or "vs_openvino_default"): {"rows", "median", "worst": (model, x), "below": models under
+    ``GOAL``, "wins": models at ``CLEAR_WIN`` or more, "mixed": models that shipped a mixed
+    placement (``is_mixed``), "mixed_wins"}; None when no row has it."""
     counted = [(r["model"], r["build"][key]) for r in rows
                if r["build"].get("status") == "built" and r["build"].get("match")
                and r["build"].get(key) is not None]
     if not counted:
+        return None
+    shipped = {r["model"]: r["build"] for r in rows}
+    wins = [m for m, v in counted if v >= CLEAR_WIN]
+    mixed = [m for m, _ in counted if is_mixed(shipped[m])]
+    return {"rows": len(counted), "median": statistics.median(v for _, v in counted),
+            "worst": min(counted, key=lambda mv: mv[1]),
+            "below": [m for m, v in counted if v < GOAL], "wins": wins, "mixed": mixed,
+            "mixed_wins": [m for m in wins if m in mixed]}
+
+
+def _summary(rows: list, key: str, what: str, other: str) -> str:
+    st = suite_stats(rows, key)
+    if st is None:
         return (f"{what}: no row counted (none built, matched and had a correct "
                 f"{other}).")
-    worst_model, worst = min(counted, key=lambda mv: mv[1])
-    below = [m for m, v in counted if v < GOAL]
-    wins = [m for m, v in counted if v >= CLEAR_WIN]
-    median = statistics.median(v for _, v in counted)
-    shipped = {r["model"]: r["build"] for r in rows}
-    mixed = [m for m, _ in counted if is_mixed(shipped[m])]
-    mixed_wins = [m for m in wins if m in mixed]
-    return (f"{what}: {len(counted)} rows counted; median {median:.2f}x, worst {worst:.2f}x "
-            f"({worst_model}); {len(below)} below {GOAL}x"
+    (worst_model, worst), below, wins = st["worst"], st["below"], st["wins"]
+    mixed, mixed_wins = st["mixed"], st["mixed_wins"]
+    return (f"{what}: {st['rows']} rows counted; median {st['median']:.2f}x, worst "
+            f"{worst:.2f}x ({worst_model}); {len(below)} below {GOAL}x"
             + (f" ({', '.join(below)})" if below else "")
             + f"; Collage beats {'every ' if other.endswith('framework') else ''}{other} by 3% "
             f"or more on {len(wins)}"

@@ -1,0 +1,150 @@
+"""The measured tables of the docs, rendered from the results files beside them (issue #34).
+
+A page (docs/BENCHMARKS.md, docs/COVERAGE.md) marks each rendered block::
+
+    <!-- rendered: KIND results/FILE.json [results/OTHER.json ...] -->
+    ...the table, written by this module...
+    <!-- end rendered -->
+
+and ``render_page`` replaces what lies between the markers with the table rendered from the
+named files (paths relative to the page's folder). Kinds:
+
+- ``suite-table``: one ``bench --suite`` results file's table (``suites.markdown``).
+- ``suite-summary``: one line per suite file: the rows, the median and worst of Collage
+  against the best f32 framework (and against OpenVINO at its default precision, for a
+  file searched under a reduced accuracy budget), the rows below the goal, the clear and
+  the mixed wins.
+- ``optimize-report``: an ``optimize`` report's final check (``BuildReport.comparison``):
+  every build it timed, its latency, correctness and operators per backend.
+
+``python -m collage_tvm.tools.docs`` renders every page; ``--check`` exits 1, naming the
+pages, when rendering would change one (the test suite runs it: the pages never drift from
+their results files).
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+from . import suites
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+PAGES = ("BENCHMARKS.md", "COVERAGE.md")
+_BLOCK = re.compile(r"(<!-- rendered: (?P<spec>[^>]*?) -->\n)(?P<body>.*?)(<!-- end rendered -->)",
+                    re.S)
+
+
+def _load(folder: Path, name: str) -> dict:
+    path = folder / name
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: the results file a rendered block names is missing")
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not a results file ({err})") from None
+
+
+def suite_table(doc: dict) -> str:
+    return suites.markdown(doc["suite"], doc["rows"], doc.get("machine"))
+
+
+def _x(v) -> str:
+    return f"{v:.2f}x"
+
+
+def suite_summary(docs: list) -> str:
+    """One row per suite results file (see the module's docstring)."""
+    head = ["suite", "accuracy", "input", "rows", "median vs best f32", "worst", "below "
+            f"{suites.GOAL}x", "median vs OpenVINO default", "worst", f"below {suites.GOAL}x",
+            f"wins by 3%+", "mixed placements shipped", "mixed wins by 3%+"]
+    lines = ["| " + " | ".join(head) + " |", "|---|---|---|" + "---:|" * (len(head) - 3)]
+    machines = []
+    for doc in docs:
+        rows, accuracy = doc["rows"], doc.get("accuracy", "f32")
+        f32 = suites.suite_stats(rows, "vs_best_f32")
+        default = suites.suite_stats(rows, "vs_openvino_default") if accuracy != "f32" else None
+        cells = [doc["suite"], accuracy, doc.get("input_size", ""), str(len(rows))]
+        for st in (f32, default):
+            cells += ([_x(st["median"]), f"{_x(st['worst'][1])} ({st['worst'][0]})",
+                       str(len(st["below"]))] if st else ["", "", ""])
+        main = default or f32
+        cells += [str(len(main["wins"])) if main else "", str(len(main["mixed"])) if main else "",
+                  ", ".join(main["mixed_wins"]) or "0" if main else ""]
+        lines.append("| " + " | ".join(cells) + " |")
+        line = suites.machine_line(doc.get("machine") or {})
+        if line not in machines:
+            machines.append(line)
+    return "\n".join(machines + [""] + lines) + "\n"
+
+
+def optimize_report(doc: dict) -> str:
+    """The final check of one ``optimize`` report (``BuildReport`` as JSON)."""
+    comp = doc.get("comparison") or {}
+    lines = [f"Shipped: {doc.get('shipped', '?')}" + (f" (target {doc['target']})"
+                                                       if doc.get("target") else ""), "",
+             "| build | ms | correct | max err (rel err) | operators per backend |",
+             "|---|---:|---|---:|---|"]
+    order = sorted(comp, key=lambda n: (not math.isfinite(comp[n].get("ms", math.nan)),
+                                        comp[n].get("ms", math.inf)))
+    for name in order:
+        r = comp[name]
+        ms = r.get("ms", math.nan)
+        ops = ", ".join(f"{b} {n}" for b, n in sorted((r.get("ops") or {}).items(),
+                                                      key=lambda bn: -bn[1]))
+        mark = " (shipped)" if name == doc.get("shipped") else ""
+        if r.get("outside_budget"):  # timed for the report's advice, never shipped
+            mark += f" (outside the accuracy budget: {r['outside_budget']}, advice only)"
+        lines.append(f"| {name}{mark} | {ms:.3f} | {'yes' if r.get('match') else 'no'} | "
+                     f"{r.get('max_err', math.nan):.1e} ({r.get('rel_err', math.nan):.1e}) | "
+                     f"{ops} |")
+    return "\n".join(lines) + "\n"
+
+
+KINDS = {"suite-table": lambda docs: suite_table(docs[0]), "suite-summary": suite_summary,
+         "optimize-report": lambda docs: optimize_report(docs[0])}
+
+
+def render_page(text: str, folder: Path) -> str:
+    """``text`` with each rendered block's body rendered again from its results files."""
+
+    def block(m):
+        kind, *files = m.group("spec").split()
+        if kind not in KINDS or not files:
+            raise ValueError(f"rendered block {m.group('spec')!r}: expected one of "
+                             f"{', '.join(KINDS)} and the results files it renders")
+        return m.group(1) + KINDS[kind]([_load(folder, f) for f in files]) + m.group(4)
+
+    return _BLOCK.sub(block, text)
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m collage_tvm.tools.docs",
+                                description="render the docs' tables from their results files")
+    p.add_argument("--check", action="store_true",
+                   help="change nothing; exit 1 naming the pages rendering would change")
+    p.add_argument("--docs", default=str(DOCS), help="the docs folder (default: this repo's)")
+    args = p.parse_args(argv)
+    folder, stale = Path(args.docs), []
+    for page in PAGES:
+        path = folder / page
+        text = path.read_text()
+        new = render_page(text, folder)
+        if new != text:
+            stale.append(page)
+            if not args.check:
+                path.write_text(new)
+    if args.check and stale:
+        print(f"out of date with their results files: {', '.join(stale)} "
+              "(python -m collage_tvm.tools.docs renders them)", file=sys.stderr)
+        return 1
+    print(("rendered: " + ", ".join(stale)) if stale else "every page is up to date")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

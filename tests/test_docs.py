@@ -1,0 +1,45 @@
+"""The docs' measured tables are rendered from the results files committed beside them
+(issue #34): the committed pages match a fresh rendering, and a changed results file shows."""
+import json
+
+import pytest
+
+from collage_tvm.tools import docs
+
+
+def test_the_committed_pages_are_what_their_results_files_render():
+    assert docs.main(["--check"]) == 0
+
+
+def _report(ms):
+    return {"target": "llvm", "shipped": "collage",
+            "comparison": {"collage": {"ms": ms, "match": True, "max_err": 1e-7,
+                                       "rel_err": 1e-7, "ops": {"openvino": 3, "tvm": 1}},
+                           "tvm-only": {"ms": 9.0, "match": True, "max_err": 0.0,
+                                        "rel_err": 0.0, "ops": {"tvm": 4}}}}
+
+
+def test_a_block_renders_its_results_file_and_check_names_a_stale_page(tmp_path, capsys):
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "r.json").write_text(json.dumps(_report(1.25)))
+    page = ("# Bench\n\nprose stays\n\n<!-- rendered: optimize-report results/r.json -->\n"
+            "old table\n<!-- end rendered -->\n\nmore prose\n")
+    (tmp_path / "BENCHMARKS.md").write_text(page)
+    (tmp_path / "COVERAGE.md").write_text("# nothing rendered\n")
+    assert docs.main(["--check", "--docs", str(tmp_path)]) == 1
+    assert "BENCHMARKS.md" in capsys.readouterr().err
+    assert docs.main(["--docs", str(tmp_path)]) == 0
+    text = (tmp_path / "BENCHMARKS.md").read_text()
+    assert "old table" not in text and "prose stays" in text and "more prose" in text
+    assert "| collage (shipped) | 1.250 |" in text and "openvino 3, tvm 1" in text
+    assert docs.main(["--check", "--docs", str(tmp_path)]) == 0  # rendering again: the same
+    (tmp_path / "results" / "r.json").write_text(json.dumps(_report(2.5)))
+    assert docs.main(["--check", "--docs", str(tmp_path)]) == 1  # the figure moved
+
+
+def test_a_block_naming_a_missing_file_or_an_unknown_kind_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="gone.json"):
+        docs.render_page("<!-- rendered: suite-table results/gone.json -->\n"
+                         "<!-- end rendered -->", tmp_path)
+    with pytest.raises(ValueError, match="expected one of suite-table"):
+        docs.render_page("<!-- rendered: pie-chart x.json -->\n<!-- end rendered -->", tmp_path)
