@@ -21,21 +21,20 @@ def tvm_threads() -> int:
 
 
 def make_target(target="llvm") -> tvm.target.Target:
-    """``"llvm"`` means this host: its CPU (so LLVM uses AVX2/AVX-512) and its cores."""
+    """``"llvm"`` means this host: its CPU (so LLVM uses AVX2/AVX-512) and its cores. A
+    host CPU target given any other way (``Target({"kind": "llvm"})``, a dict, JSON) without
+    an ``mcpu`` is the same target: this CPU's ``mcpu`` and cores are filled in (``host``),
+    so it compiles for this CPU and finds the costs and tuning records measured here."""
     if isinstance(target, tvm.target.Target):
-        return target
+        return _host(target)
     if isinstance(target, dict):
-        return tvm.target.Target(target)
+        return _host(tvm.target.Target(target))
     if target in ("llvm", "cpu"):
-        spec = {"kind": "llvm", "num-cores": host_cores()}
-        cpu = tvm.target.codegen.llvm_get_system_cpu()
-        if cpu and cpu != "generic":
-            spec["mcpu"] = cpu
-        return tvm.target.Target(spec)
+        return _host(tvm.target.Target({"kind": "llvm"}))
     if isinstance(target, str) and target.startswith("{"):
         import json
 
-        return tvm.target.Target(json.loads(target))
+        return _host(tvm.target.Target(json.loads(target)))
     if target == "cuda":
         arch, why = cuda_arch()
         if arch is None:
@@ -49,6 +48,23 @@ def make_target(target="llvm") -> tvm.target.Target:
         return tvm.target.Target({"kind": "cuda", "arch": arch})
     raise ValueError(f"unsupported target {target!r}: use 'llvm', 'cuda' (this machine's "
                      "GPU), 'cuda:sm_90' or a target dict")
+
+
+def _host(target: tvm.target.Target) -> tvm.target.Target:
+    """``target`` with this CPU's ``mcpu`` and ``num-cores`` filled in where it is an LLVM
+    target for this host (no triple, or this host's) that names no CPU; else unchanged."""
+    if target.kind.name != "llvm" or target.attrs.get("mcpu"):
+        return target
+    triple = str(target.attrs.get("mtriple", "") or "")
+    if triple and triple != tvm.target.codegen.llvm_get_system_triple():
+        return target  # another machine's: its CPU is not this one
+    cpu = tvm.target.codegen.llvm_get_system_cpu()
+    config = target.export()
+    spec = {str(k): config[k] for k in config if str(k) not in ("tag", "keys", "mtriple")}
+    if cpu and cpu != "generic":
+        spec["mcpu"] = cpu
+    spec.setdefault("num-cores", host_cores())
+    return tvm.target.Target(spec)
 
 
 def cuda_arch() -> tuple[str | None, str]:

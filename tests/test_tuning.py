@@ -120,6 +120,26 @@ def test_default_directory_sits_next_to_the_cost_db_one_per_target(tmp_path):
     assert tuning.target_id(other) != tuning.target_id(TARGET)
 
 
+def test_the_host_cpu_is_one_target_however_it_is_given(tmp_path):
+    # issue #35: Target({"kind": "llvm"}) found none of the records "llvm" had tuned (the
+    # tuning DB and the costs are keyed by the mcpu the string form adds); it also compiled
+    # for a generic x86-64 CPU.
+    from collage_tvm.target import device_fingerprint, make_target
+
+    host = make_target("llvm")
+    for given in (tvm.target.Target({"kind": "llvm"}), {"kind": "llvm"}, '{"kind": "llvm"}'):
+        same = make_target(given)
+        assert str(same) == str(host), given
+        assert tuning.default_dir(str(tmp_path / "c.db"), same) == tuning.default_dir(
+            str(tmp_path / "c.db"), host)
+        assert device_fingerprint(same) == device_fingerprint(host)
+    named = make_target({"kind": "llvm", "mcpu": "x86-64"})  # a CPU named: kept as given
+    assert named.attrs["mcpu"] == "x86-64"
+    arm = make_target({"kind": "llvm", "mtriple": "aarch64-linux-gnu"})  # another machine's
+    assert not arm.attrs.get("mcpu")
+    assert make_target({"kind": "llvm", "num-cores": 1}).attrs["num-cores"] == 1
+
+
 def test_tuner_goes_on_after_a_failing_kernel_and_stops_at_the_budget(tmp_path, monkeypatch):
     db = tuning.TuningDB(str(tmp_path / "t"), TARGET)
     items = [tuning.KernelToTune(f"k{i}", tuning.kernels(_matmul(16 + i)["main"], TARGET)[0][1])
