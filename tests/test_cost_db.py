@@ -58,7 +58,8 @@ def test_get_many_stats_rows_in_memory():
         assert set(got) == set(keys[::2])
         assert db.get_many("tvm", "1", [], "cpu") == {}
         st = db.stats()
-        assert st == {"path": ":memory:", "records": 601, "by_backend": {"dnnl": 1, "tvm": 600}, "failed": 1}
+        assert st == {"path": ":memory:", "records": 601, "by_backend": {"dnnl": 1, "tvm": 600}, "failed": 1,
+                      "failed_by_kind": {"cannot-run": 1}}
         rows = db.rows()
         assert len(rows) == 601
         assert set(rows[0]) == {"backend", "version", "key", "device", "cost_ms", "reason", "measured_at", "extra"}
@@ -223,3 +224,107 @@ def test_import_bad_json_raises_value_error_naming_file(tmp_path, content, what)
         db.import_json(p)
     assert str(p) in str(info.value) and what in str(info.value)
     assert len(db) == 0
+
+
+def test_failures_are_sorted_by_kind_and_only_those_of_the_moment_are_retried():
+    from collage_tvm.measure.db import failure_kind
+
+    assert failure_kind("timed out after 120 s") == "timeout"
+    assert failure_kind("measurement process died (killed by signal SIGKILL)") == "crash"
+    assert failure_kind("MemoryError: unable to allocate 3 GiB") == "memory"
+    assert failure_kind("NotImplementedError: openvino cannot run op foo") == "cannot-run"
+    died = CostRecord(math.inf, "measurement process died (exit code 1)", 0.0)
+    assert died.failure_kind == "crash" and died.retry
+    assert not CostRecord(math.inf, "measurement process died", 0.0, {"retried": True}).retry
+    assert not CostRecord(math.inf, "TVMError: no schedule", 0.0).retry  # a real "cannot run"
+    assert CostRecord(1.5, None, 0.0).failure_kind is None
+
+
+def _cached_measurer(db):
+    """A measurer's ``_cached`` (the DB lookup-or-measure) without a worker or target."""
+    from collage_tvm.measure.measurer import Measurer
+
+    m = Measurer.__new__(Measurer)
+    m.db, m.device, m.deadline = db, "dev", None
+    m.hits = m.measured = m.retried = 0
+    m.failures = []
+    return m
+
+
+def test_a_candidate_that_crashed_its_measuring_process_is_measured_again_once():
+    db = CostDB(None)
+    m = _cached_measurer(db)
+    crash = (math.inf, "measurement process died (killed by signal SIGKILL)", {})
+    calls = []
+
+    def measure(result):
+        def run():
+            calls.append(result)
+            return result
+        return run
+
+    assert m._cached("ort", "1", "k", "conv", measure(crash)) == math.inf
+    assert db.get("ort", "1", "k", "dev").retry  # a later run tries it again
+    assert m._cached("ort", "1", "k", "conv", measure(crash)) == math.inf  # retried: failed
+    assert m.retried == 1 and len(calls) == 2
+    rec = db.get("ort", "1", "k", "dev")
+    assert rec.extra["retried"] and not rec.retry
+    assert m._cached("ort", "1", "k", "conv", measure((1.0, None, {}))) == math.inf  # stays
+    assert len(calls) == 2 and m.hits == 1
+    # A crash retried that then runs: the measurement replaces the failure.
+    assert m._cached("ort", "1", "k2", "relu", measure(crash)) == math.inf
+    assert m._cached("ort", "1", "k2", "relu", measure((0.25, None, {}))) == 0.25
+    assert db.get("ort", "1", "k2", "dev").cost_ms == 0.25
+    # A real "cannot run" is never measured again.
+    assert m._cached("ort", "1", "k3", "gelu", measure((math.inf, "NotImplementedError: no",
+                                                         {}))) == math.inf
+    assert m._cached("ort", "1", "k3", "gelu", measure((0.1, None, {}))) == math.inf
+
+
+def test_forget_deletes_by_backend_kind_and_label_and_refuses_no_filter(tmp_path):
+    db = CostDB(tmp_path / "c.db")
+    db.put("ort", "1", "a", "dev", 1.0, extra={"label": "conv2d+relu"})
+    db.put("ort", "1", "b", "dev", math.inf, "timed out after 120 s", {"label": "matmul"})
+    db.put("ort", "1", "c", "dev", math.inf, "NotImplementedError: no", {"label": "gelu"})
+    db.put("dnnl", "3", "a", "dev", 2.0, extra={"label": "conv2d"})
+    db.put("dnnl", "3", "d", "dev", math.inf, "measurement process died", {"label": "dense"})
+    assert db.stats()["failed_by_kind"] == {"timeout": 1, "cannot-run": 1, "crash": 1}
+    with pytest.raises(ValueError, match="name a backend"):
+        db.forget()
+    with pytest.raises(ValueError, match="'oops' is not one of"):
+        db.forget(kind="oops")
+    assert db.forget(kind="timeout") == 1 and db.get("ort", "1", "b", "dev") is None
+    assert db.forget(backend="dnnl", kind="failed") == 1
+    assert db.get("dnnl", "3", "a", "dev") is not None
+    assert db.forget(label="conv2d") == 2  # both conv records, whatever the backend
+    assert [r["key"] for r in db.rows()] == ["c"]
+
+
+def test_a_write_locked_out_past_the_busy_timeout_waits_and_writes_again(tmp_path, monkeypatch):
+    from collage_tvm.measure import db as dbmod
+
+    db = CostDB(tmp_path / "c.db")
+    monkeypatch.setattr(dbmod, "LOCKED_WAIT_S", 0.0)
+    real, tries = db._use, []
+
+    class Locked:
+        def __init__(self, conn):
+            self.conn = conn
+
+        def execute(self, *args):
+            tries.append(1)
+            if len(tries) < 3:
+                raise sqlite3.OperationalError("database is locked")
+            return self.conn.execute(*args)
+
+    from contextlib import contextmanager
+
+    @contextmanager
+    def flaky():
+        with real() as conn:
+            yield Locked(conn)
+
+    monkeypatch.setattr(db, "_use", flaky)
+    db.put("tvm", "1", "k", "cpu", 1.5)
+    monkeypatch.setattr(db, "_use", real)
+    assert len(tries) == 3 and db.get("tvm", "1", "k", "cpu").cost_ms == 1.5

@@ -40,6 +40,7 @@ SCHEMA_VERSION = 1
 EXPORT_FORMAT = "collage_tvm.costdb"
 EXPORT_VERSION = 1
 BUSY_TIMEOUT_S = 30.0
+LOCKED_RETRIES, LOCKED_WAIT_S = 10, 1.0  # a write still locked out after the busy timeout
 _MEMORY = ":memory:"
 _CHUNK = 500  # bound on SQL variables per statement
 
@@ -92,6 +93,36 @@ class CostRecord:
     @property
     def failed(self) -> bool:
         return math.isinf(self.cost_ms)
+
+    @property
+    def failure_kind(self) -> str | None:
+        """None for a measurement; else "timeout", "memory", "crash" (the measuring process
+        died) or "cannot-run" (the library refused or failed on it: ``failure_kind``)."""
+        return failure_kind(self.reason) if self.failed else None
+
+    @property
+    def retry(self) -> bool:
+        """A failure of the moment (timeout, out of memory, a crashed measuring process) not
+        yet retried: measured again once by a later run; a real "cannot run" stays."""
+        return self.failure_kind in TRANSIENT and not self.extra.get("retried")
+
+
+# Failures of the moment rather than of the candidate: retried once (``CostRecord.retry``).
+TRANSIENT = ("timeout", "memory", "crash")
+FAILURE_KINDS = (*TRANSIENT, "cannot-run")
+
+
+def failure_kind(reason: str | None) -> str:
+    """The kind of a failed measurement's ``reason`` (``CostRecord.failure_kind``): the
+    measuring worker writes "timed out after N s" and "measurement process died (...)"."""
+    text = (reason or "").lower()
+    if text.startswith("timed out") or "timeout" in text.split(":")[0]:
+        return "timeout"
+    if "memoryerror" in text or "out of memory" in text or "cannot allocate memory" in text:
+        return "memory"
+    if text.startswith("measurement process died") or "sigkill" in text or "sigsegv" in text:
+        return "crash"
+    return "cannot-run"
 
 
 class _DamagedDB(Exception):
@@ -335,8 +366,19 @@ class CostDB:
         if reason is not None and not isinstance(reason, str):
             raise TypeError(f"reason must be a str or None, got {type(reason).__name__}")
         row = (backend, version, key, device, _check_cost(cost_ms), reason, time.time(), _dump_extra(extra))
-        with self._use() as conn:
-            conn.execute(_UPSERT, row)  # autocommit: one short transaction
+        for attempt in range(LOCKED_RETRIES + 1):
+            try:
+                with self._use() as conn:
+                    conn.execute(_UPSERT, row)  # autocommit: one short transaction
+                return
+            except sqlite3.OperationalError as err:
+                # Another process held the write lock past the busy timeout (a long import,
+                # a stalled disk): wait and write again; the measurement is never dropped.
+                if "locked" not in str(err) and "busy" not in str(err) or attempt == LOCKED_RETRIES:
+                    raise
+                logger.warning("cost database %s is locked (%s); writing again in %.0f s",
+                               self.path, err, LOCKED_WAIT_S)
+                time.sleep(LOCKED_WAIT_S)
 
     def __len__(self) -> int:
         with self._use() as conn:
@@ -349,7 +391,48 @@ class CostDB:
                 conn.execute("SELECT backend, COUNT(*) FROM costs GROUP BY backend ORDER BY backend").fetchall()
             )
             failed = conn.execute("SELECT COUNT(*) FROM costs WHERE cost_ms = ?", (math.inf,)).fetchone()[0]
-        return {"path": self.path, "records": total, "by_backend": by_backend, "failed": failed}
+            reasons = [r[0] for r in conn.execute("SELECT reason FROM costs WHERE cost_ms = ?",
+                                                  (math.inf,))]
+        by_kind: dict = {}
+        for reason in reasons:
+            kind = failure_kind(reason)
+            by_kind[kind] = by_kind.get(kind, 0) + 1
+        return {"path": self.path, "records": total, "by_backend": by_backend, "failed": failed,
+                "failed_by_kind": by_kind}
+
+    def forget(self, backend: str | None = None, kind: str | None = None,
+               label: str | None = None) -> int:
+        """Delete the records matching every filter given, and return how many: ``backend``
+        (its name), ``kind`` ("failed": every failure, one of ``FAILURE_KINDS``, or
+        "measured": every success), ``label`` (a substring of the candidate's label, e.g. an
+        operator's name). With no filter, nothing is deleted (use a fresh file for that)."""
+        if backend is None and kind is None and label is None:
+            raise ValueError("forget: name a backend, a kind or a label (nothing forgotten)")
+        kinds = ("failed", "measured", *FAILURE_KINDS)
+        if kind is not None and kind not in kinds:
+            raise ValueError(f"forget: kind {kind!r} is not one of {', '.join(kinds)}")
+        doomed = []
+        for r in self.rows():
+            failed = math.isinf(r["cost_ms"])
+            if backend is not None and r["backend"] != backend:
+                continue
+            if kind == "measured" and failed or kind == "failed" and not failed:
+                continue
+            if kind in FAILURE_KINDS and not (failed and failure_kind(r["reason"]) == kind):
+                continue
+            if label is not None and label not in str(r["extra"].get("label", "")):
+                continue
+            doomed.append((r["backend"], r["version"], r["key"], r["device"]))
+        with self._use() as conn:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                conn.executemany("DELETE FROM costs WHERE backend = ? AND version = ? AND key = ?"
+                                 " AND device = ?", doomed)
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+        return len(doomed)
 
     def rows(self) -> list[dict]:
         with self._use() as conn:

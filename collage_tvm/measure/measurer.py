@@ -156,6 +156,7 @@ class Measurer:
         self.measured = 0
         self.hits = 0
         self.failures: list = []  # (backend, label, reason)
+        self.retried = 0  # earlier failures of the moment measured again (``CostRecord.retry``)
         self._can_pickle: dict = {}
         self._func_of: dict = {}  # candidate -> (DB key, standalone function), from costs()
         self.side_by_side = 0  # sets of candidates re-timed side by side (retime)
@@ -221,18 +222,26 @@ class Measurer:
         """The DB's cost for (name, version, key, device), else ``measure()`` -> (cost,
         reason, extra), stored; a failure (inf) is recorded with its reason."""
         rec = self.db.get(name, version, key, self.device)
-        if rec is not None:
+        if rec is not None and not rec.retry:
             self.hits += 1
             return rec.cost_ms
         if self.deadline is not None and time.perf_counter() > self.deadline:
+            if rec is not None:  # a failure of the moment, not retried this run
+                return rec.cost_ms
             raise DeadlinePassed(f"{name} {label}: not measured, the deadline has passed")
+        if rec is not None:
+            self.retried += 1
+            logger.info("%s %s: measuring again once (it failed earlier: %s)", name, label,
+                        rec.reason)
         cost, reason, extra = measure()
         self.measured += 1
         if math.isinf(cost):
             self.failures.append((name, label, reason))
             logger.info("%s %s failed: %s", name, label, reason)
-        self.db.put(name, version, key, self.device, cost, reason,
-                    {"label": label, **{k: v for k, v in extra.items() if k != "traceback"}})
+        kept = {"label": label, **{k: v for k, v in extra.items() if k != "traceback"}}
+        if rec is not None and math.isinf(cost):
+            kept["retried"] = True  # failed twice: it stays a failure
+        self.db.put(name, version, key, self.device, cost, reason, kept)
         return cost
 
     def epsilon(self, backends) -> dict:
