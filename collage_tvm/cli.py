@@ -216,6 +216,13 @@ def _db(args) -> int:
         print(f"exported {db.export_json(args.file)} records to {args.file}")
     elif args.action == "import":
         print(f"imported {db.import_json(args.file)} records from {args.file}")
+    elif args.action == "forget":
+        try:
+            n = db.forget(args.backend, args.kind, args.label)
+        except ValueError as err:
+            print(f"collage-tvm: error: db {err}", file=sys.stderr)
+            return 2
+        print(f"forgot {n} records of {db.path}: the next search measures them again")
     elif args.action == "show":
         for r in sorted(db.rows(), key=lambda r: (r["backend"], r["cost_ms"]))[: args.limit]:
             cost = "inf" if math.isinf(r["cost_ms"]) else f"{r['cost_ms']:.4f}"
@@ -511,11 +518,17 @@ def main(argv=None) -> int:
                    help="folder for results.json / results.md / results.png (the plots need "
                         "matplotlib: pip install 'collage-tvm[plot]')")
     b.add_argument("-v", "--verbose", action="store_true")
-    d = sub.add_parser("db", help="inspect, export or import the cost DB")
-    d.add_argument("action", choices=["stats", "show", "export", "import"])
+    d = sub.add_parser("db", help="inspect, export, import or forget records of the cost DB")
+    d.add_argument("action", choices=["stats", "show", "export", "import", "forget"])
     d.add_argument("file", nargs="?")
     d.add_argument("--db", default=None)
     d.add_argument("--limit", type=int, default=50)
+    d.add_argument("--backend", default=None, help="forget: only this backend's records")
+    d.add_argument("--kind", default=None,
+                   help="forget: failed, measured, or one kind of failure: timeout, memory, "
+                        "crash (the measuring process died), cannot-run")
+    d.add_argument("--label", default=None,
+                   help="forget: only candidates whose label contains this (an operator)")
     s = sub.add_parser("show", help="draw a placement JSON: the dataflow graph coloured by "
                                     "backend, fused groups boxed")
     s.add_argument("placement", help="a placement JSON written by `collage-tvm optimize -o`")

@@ -328,3 +328,18 @@ def test_a_write_locked_out_past_the_busy_timeout_waits_and_writes_again(tmp_pat
     db.put("tvm", "1", "k", "cpu", 1.5)
     monkeypatch.setattr(db, "_use", real)
     assert len(tries) == 3 and db.get("tvm", "1", "k", "cpu").cost_ms == 1.5
+
+
+def test_cli_db_forget_deletes_what_it_is_told_and_refuses_no_filter(tmp_path, capsys):
+    from collage_tvm.cli import main
+
+    path = str(tmp_path / "c.db")
+    with CostDB(path) as db:
+        db.put("ort", "1", "a", "dev", math.inf, "timed out after 120 s", {"label": "matmul"})
+        db.put("ort", "1", "b", "dev", 1.0, extra={"label": "conv2d"})
+    assert main(["db", "forget", "--db", path]) == 2
+    assert "name a backend" in capsys.readouterr().err
+    assert main(["db", "forget", "--db", path, "--kind", "timeout"]) == 0
+    assert "forgot 1 records" in capsys.readouterr().out
+    with CostDB(path) as db:
+        assert [r["key"] for r in db.rows()] == ["b"]
