@@ -59,6 +59,11 @@ class SearchOptions:
     # f32), "bf16" (bf16 variants of the named libraries too, the build within 2e-2 of the
     # output scale) or a tolerance. In the key when not strict.
     accuracy: object = field(default="f32", metadata={"key": lambda v: v.key()})
+    # Measure only what the op-level DP can still choose on the floors of the rest
+    # (``placer.lean``: a skipped candidate's floor already lost to measured costs);
+    # False (the default): measure every candidate before the DP, as the paper does.
+    # Experimental: docs/BENCHMARKS.md ("Measuring less") has what it saves so far.
+    lean: bool = _flag("|lean", False)
     # Rounds of side-by-side re-timing of the op-level placement's close calls, each
     # followed by a DP re-run (``placer.alternatives.refine``); 0 turns it off.
     refine_rounds: int = _rounds("|refined", 2)

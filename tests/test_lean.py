@@ -1,0 +1,124 @@
+"""Measuring only what can win (issue #35, ``placer.lean``): on a fake cost table whose
+costs keep to a roofline, the DP on floors measures a fraction of the candidates and finds
+the placement the full-measure DP finds; a skipped candidate could not have won."""
+import math
+
+import numpy as np
+from tvm import relax
+
+from collage_tvm.graph import DataflowGraph
+from collage_tvm.measure.estimate import Roofline, node_flops, work
+from collage_tvm.patterns import generate_candidates
+from collage_tvm.placer.lean import lean_costs
+from collage_tvm.placer.op_level import place
+from collage_tvm.registry import get_backend
+
+_RNG = np.random.default_rng(0)
+
+
+def _const(*shape):
+    return relax.const(_RNG.normal(0, 0.1, shape).astype("float32"))
+
+
+def _graph(blocks: int = 4):
+    """Conv -> bias -> relu blocks and a matmul head: convolutions, elementwise, a GEMM."""
+    x = relax.Var("x", relax.TensorType((1, 8, 16, 16), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            h = x
+            for _ in range(blocks):
+                h = bb.emit(relax.op.nn.conv2d(h, _const(8, 8, 3, 3), padding=1))
+                h = bb.emit(relax.op.add(h, _const(1, 8, 1, 1)))
+                h = bb.emit(relax.op.nn.relu(h))
+            h = bb.emit(relax.op.reshape(h, (1, 2048)))
+            out = bb.emit_output(relax.op.matmul(h, _const(2048, 10)))
+        bb.emit_func_output(out)
+    return DataflowGraph(bb.get()["main"])
+
+
+class FakeMeasurer:
+    """Costs from a table; counts what was asked for."""
+
+    def __init__(self, table):
+        self.table, self.asked = table, []
+
+    def known(self, graph, candidates, backends):
+        return {}
+
+    def costs(self, graph, candidates, backends):
+        self.asked += candidates
+        return {c: self.table[c] for c in candidates}
+
+
+EPS = {"tvm": 0.002, "dnnl": 0.004, "onnxruntime": 0.01}
+RATE = {"tvm": (2e6, 4e6), "dnnl": (8e6, 6e6), "onnxruntime": (6e6, 8e6)}  # FLOP/ms, bytes/ms
+
+
+def _table(graph, candidates):
+    """Each candidate's cost: its roofline at its backend's rates, slowed by a factor in
+    [1, 2) (a kernel never beats its backend's best rate), plus the call's overhead."""
+    rng = np.random.default_rng(1)
+    table = {}
+    for c in candidates:
+        flops, moved = work(graph, c.nodes)
+        pf, pb = RATE[c.backend]
+        table[c] = EPS[c.backend] + max(flops / pf, moved / pb) * rng.uniform(1.0, 2.0)
+    return table
+
+
+def test_the_dp_on_floors_finds_the_full_measure_placement_measuring_a_fraction():
+    graph = _graph()
+    backends = {n: get_backend(n) for n in EPS}
+    candidates = generate_candidates(graph, backends.values())
+    table = _table(graph, candidates)
+    fake = FakeMeasurer(table)
+    raw, rep = lean_costs(fake, graph, candidates, backends, EPS, switch={})
+    full = place(graph.producers, candidates,
+                 {c: max(0.0, v - EPS[c.backend]) for c, v in table.items()}, EPS)
+    lean = place(graph.producers, candidates,
+                 {c: max(0.0, v - EPS[c.backend]) for c, v in raw.items()}, EPS)
+    assert math.isclose(lean.cost, full.cost, rel_tol=1e-9), (lean.groups, full.groups)
+    assert rep.skipped > 0 and rep.measured + rep.skipped == len(candidates)
+    assert len(set(fake.asked)) == rep.measured < len(candidates)
+    assert all(g in fake.asked for g in lean.groups)  # every chosen candidate measured
+    skipped = [c for c in candidates if c not in fake.asked]
+    assert skipped and all(raw[c] == math.inf for c in skipped)
+    assert rep.floors_broken == 0
+
+
+def test_a_skipped_candidate_could_not_have_won():
+    # Forcing any one skipped candidate into the cover (its true cost from the table) never
+    # beats the placement found: its floor had already lost to measured costs.
+    graph = _graph(blocks=2)
+    backends = {n: get_backend(n) for n in EPS}
+    candidates = generate_candidates(graph, backends.values())
+    table = _table(graph, candidates)
+    fake = FakeMeasurer(table)
+    raw, _ = lean_costs(fake, graph, candidates, backends, EPS, switch={})
+    found = place(graph.producers, candidates,
+                  {c: max(0.0, v - EPS[c.backend]) for c, v in raw.items()}, EPS).cost
+    skipped = [c for c in candidates if raw[c] == math.inf]
+    assert skipped
+    for c in skipped[:40]:
+        overlapping = {o for o in candidates if o != c and o.nodes & c.nodes}
+        costs = {o: (math.inf if o in overlapping else max(0.0, table[o] - EPS[o.backend]))
+                 for o in candidates}
+        try:
+            forced = place(graph.producers, candidates, costs, EPS).cost
+        except ValueError:  # no executable cover contains it
+            continue
+        assert forced >= found - 1e-12, c
+
+
+def test_the_work_of_a_convolution_and_the_floor_of_an_unseen_backend():
+    graph = _graph(blocks=1)
+    conv = next(n for n in graph.nodes if n.op_name == "relax.nn.conv2d")
+    assert node_flops(conv) == 2 * (8 * 16 * 16) * (8 * 3 * 3)
+    flops, moved = work(graph, [conv.index])
+    assert flops == node_flops(conv) and moved == 4 * (8 * 16 * 16 * 2 + 8 * 8 * 3 * 3)
+    roof = Roofline(slack=0.5)
+    assert roof.floor("dnnl", flops, moved) == 0.0  # never measured: the DP tries it
+    roof.observe("dnnl", flops, moved, 0.01)
+    assert roof.floor("dnnl", flops, moved) == 0.005  # half its own time: the slack
+    assert roof.floor("dnnl", 2 * flops, moved) == 0.01
