@@ -30,6 +30,7 @@ if _os.path.isfile(_os.path.join(_root, "backends", "cudnn.py")) and _root not i
         __path__.append(_root)
 
 from .build import CollageResult, build, optimize  # noqa: E402
+from .artifact import ArtifactError, LoadedModule, load, save  # noqa: E402
 from .options import SearchOptions  # noqa: E402
 from .pipeline import pipeline  # noqa: E402
 from .tune import TuneReport, tune  # noqa: E402
@@ -40,8 +41,9 @@ from .registry import (add_backend_pattern, add_backend_pattern_rule,  # noqa: E
                        add_backend_patterns_from_tvm, get_backend, list_backends,
                        load_pattern_file, register_backend)
 
-__version__ = "0.1.0"
-__all__ = ["build", "optimize", "pipeline", "tune", "TuneReport", "SearchOptions", "CollageResult", "Candidate",
+from ._version import __version__  # noqa: E402
+__all__ = ["build", "optimize", "save", "load", "LoadedModule", "ArtifactError", "pipeline",
+           "tune", "TuneReport", "SearchOptions", "CollageResult", "Candidate",
            "Placement", "Lowering", "register_backend", "add_backend_pattern",
            "add_backend_pattern_rule", "add_backend_patterns_from_tvm", "load_pattern_file",
            "get_backend", "list_backends", "capture_cuda_graph"]

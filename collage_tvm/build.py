@@ -36,6 +36,7 @@ from .placement_log import PlacementLog
 from .placer.alternatives import refine
 from .placer.calibrate import calibrate
 from .placer.graph_level import GraphLevelSearch
+from .placer.lean import lean_costs
 from .placer.op_level import ensure_cover, place
 from .precision import CHECK_SEEDS, cpu_precisions, parse_accuracy
 from .registry import get_backend, list_backends
@@ -61,6 +62,8 @@ class BuildReport:
     switch: dict = field(default_factory=dict)  # (a, b) -> ms per change of runtime
     close_calls: int = 0   # alternative covers within 75% of the chosen one (refine)
     carved: dict = field(default_factory=dict)  # regions cut around TVM kernels (_carve)
+    # measuring only what can win (placer.lean.LeanReport): measured, known, skipped, rounds
+    lean: dict = field(default_factory=dict)
     side_by_side: int = 0  # sets of candidates re-timed side by side in this build
     calibration: list = field(default_factory=list)  # in-context rounds (placer.calibrate)
     placement_from_log: bool = False
@@ -107,6 +110,14 @@ class CollageResult:
     placement: Placement
     graph: DataflowGraph | None  # None: the whole model stayed on TVM (report.kept_on_tvm)
     report: BuildReport
+    target: tvm.target.Target | None = None  # what TVM's kernels were compiled for
+
+    def save(self, path, **kwargs):
+        """``collage_tvm.save(self, path, ...)``: the build as a directory that
+        ``collage_tvm.load`` runs in another process without searching."""
+        from .artifact import save
+
+        return save(self, path, **kwargs)
 
 
 def resolve_backends(names, target, accuracy=None) -> tuple[dict, dict]:
@@ -590,7 +601,12 @@ def _op_level(graph, backends, target, cost_db, options: SearchOptions, report) 
         eps = measurer.epsilon(backends.values())
         switch = measurer.switch_costs(backends.values()) if options.switching else {}
         t1 = time.perf_counter()
-        raw, kept = ensure_cover(len(graph), candidates, measurer.costs(graph, candidates, backends))
+        if options.lean:
+            measured, lean = lean_costs(measurer, graph, candidates, backends, eps, switch)
+            report.lean = lean.as_dict()
+        else:
+            measured = measurer.costs(graph, candidates, backends)
+        raw, kept = ensure_cover(len(graph), candidates, measured)
         if kept:
             report.kept_on_tvm = [graph.nodes[i].op_name for i in kept]
             report.unrunnable = [_describe_node(graph.nodes[i]) for i in kept]
@@ -700,7 +716,8 @@ def optimize(model, target="llvm", backends=None, db=None, *, options: SearchOpt
                    tuning_db)
     with use_tuning_db(found.tuning):
         executable, lowered = _compile(found)
-    return CollageResult(executable, lowered, found.placement, found.graph, found.report)
+    return CollageResult(executable, lowered, found.placement, found.graph, found.report,
+                         found.target)
 
 
 def _compile(found: SearchResult) -> tuple:

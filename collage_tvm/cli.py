@@ -1,4 +1,4 @@
-"""``collage-tvm``: optimize a model, inspect the cost DB."""
+"""``collage-tvm``: optimize a model, run a saved build, inspect the cost DB."""
 from __future__ import annotations
 
 import argparse
@@ -12,8 +12,6 @@ import time
 def _optimize(args) -> int:
     from .build import optimize
     from .frontend.load import parse_input_shapes, read_example_inputs
-    from .measure.cuda_graph import note
-    from .placement import placement_record
     from .registry import load_pattern_file
 
     for path in args.patterns or []:
@@ -38,6 +36,34 @@ def _optimize(args) -> int:
     res = optimize(args.model, args.target, db=args.db, options=_options(args, backends),
                    input_shapes=parse_input_shapes(args.input_shape), example_inputs=example,
                    on_generation=on_generation, on_calibration=on_calibration)
+    code = _report(args, res, t0)
+    if args.export:
+        _export(res, args)
+    return code
+
+
+def _export(res, args) -> None:
+    """``optimize --export DIR``: the build saved with the ONNX file's input and output
+    names (``collage_tvm.save``)."""
+    import onnx
+
+    from .artifact import save
+
+    proto = onnx.load(args.model, load_external_data=False)
+    weights = {t.name for t in proto.graph.initializer}
+    path = save(res, args.export,
+                input_names=[i.name for i in proto.graph.input if i.name not in weights],
+                output_names=[o.name for o in proto.graph.output])
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    print(f"\nexported to {path} ({size / 2**20:.1f} MiB): run it with `collage-tvm run "
+          f"{path} --inputs X.npz`, or collage_tvm.load({str(path)!r}) in Python")
+
+
+def _report(args, res, t0) -> int:
+    """What ``optimize`` prints about its search and build; the exit code."""
+    from .measure.cuda_graph import note
+    from .placement import placement_record
+
     rep = res.report
     if rep.close_calls:
         print(f"close calls of the op-level DP: {rep.close_calls} alternative covers within 75% "
@@ -130,6 +156,74 @@ def _optimize(args) -> int:
     return 0
 
 
+def _run(args) -> int:
+    """``collage-tvm run DIR``: load a saved build, run it on --inputs (or random inputs of
+    its shapes), write --output, and with --bench N print latency percentiles."""
+    import numpy as np
+
+    from .artifact import ArtifactError, load
+
+    try:
+        module = load(args.artifact)
+    except ArtifactError as err:
+        print(f"collage-tvm: error: {err}", file=sys.stderr)
+        return 2
+    print(f"loaded {args.artifact} in {module.load_seconds * 1e3:.0f} ms: {module!r}")
+    try:
+        arrays = _run_inputs(args.inputs, module)
+        outputs = module(*arrays)
+    except (ValueError, TypeError, OSError) as err:
+        print(f"collage-tvm: error: {err}", file=sys.stderr)
+        return 2
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    for name, out in zip(module.output_names, outputs):
+        print(f"  output {name}: {out.dtype}{list(out.shape)}")
+    if args.output:
+        np.savez(args.output, **dict(zip(module.output_names, outputs)))
+        print(f"outputs written to {args.output}")
+    if args.bench:
+        tensors = [module.to_device(a, s) for a, s in zip(arrays, module.inputs)]
+        sync = module.device.sync if module.manifest.get("device") == "cuda" else None
+        warmup = args.warmup if args.warmup is not None else max(3, args.bench // 10)
+        for _ in range(warmup):
+            module.run_tvm(tensors)
+        if sync:
+            sync()
+        times = []
+        for _ in range(args.bench):
+            t = time.perf_counter()
+            module.run_tvm(tensors)
+            if sync:
+                sync()
+            times.append((time.perf_counter() - t) * 1e3)
+        p50, p90, p99 = np.percentile(times, [50, 90, 99])
+        print(f"latency over {args.bench} runs after {warmup} warm-up: p50 {p50:.3f} ms, "
+              f"p90 {p90:.3f} ms, p99 {p99:.3f} ms (mean {np.mean(times):.3f} ms)")
+    return 0
+
+
+def _run_inputs(path, module) -> list:
+    """The arrays of ``run --inputs FILE`` in the module's input order: an .npz keyed by input
+    name (or arr_0, arr_1, ... as numpy.savez names positional arrays), one .npy for a
+    one-input model; no file: random inputs of the saved shapes (seed 0)."""
+    import numpy as np
+
+    names = module.input_names
+    if path is None:
+        rng = np.random.default_rng(0)
+        print("no --inputs: random inputs of the saved shapes")
+        arrays = []
+        for spec in module.inputs:
+            shape = [d if isinstance(d, int) else 1 for d in spec.get("shape") or []]
+            dtype = np.dtype(spec.get("dtype", "float32"))
+            arrays.append(rng.standard_normal(shape).astype(dtype) if dtype.kind == "f"
+                          else np.zeros(shape, dtype))
+        return arrays
+    from .frontend.load import read_inputs
+
+    return read_inputs(path, names)
+
+
 def _options(args, backends):
     """The ``SearchOptions`` of the search flags ``optimize`` and ``bench`` share."""
     from .options import SearchOptions
@@ -139,7 +233,8 @@ def _options(args, backends):
                          budget=args.budget, switching=not args.no_switching,
                          calibrate_rounds=args.calibrate, refine_rounds=args.refine,
                          rewrite=args.rewrite, tuning=not args.no_tuning,
-                         accuracy=args.accuracy, build_jobs=args.build_jobs)
+                         accuracy=args.accuracy, build_jobs=args.build_jobs,
+                         lean=getattr(args, "lean", False))
 
 
 def _tune(args) -> int:
@@ -385,6 +480,10 @@ def main(argv=None) -> int:
                         "build is checked and timed on them first; for a model whose inputs "
                         "shape the computation (a slice's bounds, a range's limits)")
     o.add_argument("--output", "-o", help="write the placement JSON here")
+    o.add_argument("--export", metavar="DIR",
+                   help="save the build as a directory that `collage-tvm run DIR` or "
+                        "collage_tvm.load(DIR) runs in another process without searching "
+                        "(TVM's kernels, each library's region, a manifest)")
     o.add_argument("--no-compare", action="store_true",
                    help="skip the never-slower check (the placement timed end to end beside "
                         "every single-backend build and the model file run whole by each "
@@ -393,6 +492,10 @@ def main(argv=None) -> int:
                    help="after the op-level DP, run the evolutionary graph-level placer over the "
                         "graph libraries among --backends (onnxruntime, openvino); on by "
                         "default, --no-graph-level turns it off")
+    o.add_argument("--lean", action="store_true",
+                   help="experimental: measure only the candidates the op-level DP can still "
+                        "choose, the rest costed at a floor from their backend's best "
+                        "measured rates (placer.lean); default: measure every candidate")
     o.add_argument("--rewrite", action="store_true",
                    help="before placement, apply the z3-verified graph rewrites "
                         "(collage_tvm.rewrite): a convolution's per-channel affine tail (e.g. "
@@ -518,6 +621,19 @@ def main(argv=None) -> int:
                    help="folder for results.json / results.md / results.png (the plots need "
                         "matplotlib: pip install 'collage-tvm[plot]')")
     b.add_argument("-v", "--verbose", action="store_true")
+    r = sub.add_parser("run", help="load a build saved with optimize --export (or "
+                                   "collage_tvm.save) and run it, optionally timing it")
+    r.add_argument("artifact", metavar="DIR", help="the directory optimize --export wrote")
+    r.add_argument("--inputs", metavar="FILE.npz",
+                   help="the inputs: an .npz keyed by input name (or arr_0, arr_1, ...), or "
+                        "one .npy for a one-input model (default: random inputs of the saved "
+                        "shapes)")
+    r.add_argument("--output", "-o", metavar="FILE.npz",
+                   help="write the outputs here, keyed by output name")
+    r.add_argument("--bench", type=int, default=0, metavar="N",
+                   help="then time N runs after warm-up and print the p50/p90/p99 latency")
+    r.add_argument("--warmup", type=int, default=None, metavar="N",
+                   help="warm-up runs before --bench (default max(3, N/10))")
     d = sub.add_parser("db", help="inspect, export, import or forget records of the cost DB")
     d.add_argument("action", choices=["stats", "show", "export", "import", "forget"])
     d.add_argument("file", nargs="?")
@@ -549,13 +665,18 @@ def main(argv=None) -> int:
         return _bench(args, p)
     if args.cmd == "show":
         return _show(args)
+    if args.cmd == "run":
+        return _run(args)
+    from .artifact import ArtifactError
+
     try:
         return _tune(args) if args.cmd == "tune" else _optimize(args)
-    except (ValueError, KeyError, FileNotFoundError) as err:
+    except (ValueError, KeyError, FileNotFoundError, ArtifactError) as err:
         from .frontend.load import ModelError
         from .registry import PatternFileError
 
-        if isinstance(err, (ModelError, PatternFileError)) or args.verbose is False:
+        if (isinstance(err, (ModelError, PatternFileError, ArtifactError))
+                or args.verbose is False):
             print(f"collage-tvm: error: {err}", file=sys.stderr)
             return 2
         raise

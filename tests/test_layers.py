@@ -21,7 +21,7 @@ STAGES = [
     # foundation: file and memory helpers, targets, precisions, the backend registry and its lowering interface,
     # the search options, the Relax -> ONNX writer (graph libraries' patterns and lowerings),
     # torchvision's import against a CPU torch (the suites; onnx2torch in the inductor backend)
-    ["collage_tvm._files", "collage_tvm._errors", "collage_tvm._memory", "collage_tvm.target", "collage_tvm.precision",
+    ["collage_tvm._version", "collage_tvm._files", "collage_tvm._errors", "collage_tvm._memory", "collage_tvm.target", "collage_tvm.precision",
      "collage_tvm.registry", "collage_tvm.lowering", "collage_tvm._torchvision",
      "collage_tvm.options", "collage_tvm.export"],
     ["collage_tvm.frontend"],
@@ -36,7 +36,9 @@ STAGES = [
     ["collage_tvm.partition"],
     ["collage_tvm.lower"],
     ["collage_tvm.check"],
-    ["collage_tvm.build", "collage_tvm.pipeline", "collage_tvm.tune", "collage_tvm"],
+    ["collage_tvm.artifact"],  # a build saved, and loaded without the search
+    ["collage_tvm.build", "collage_tvm.pipeline", "collage_tvm.tune", "collage_tvm",
+     "collage_tvm.torch_backend"],
     # on top: never imported by the engine
     ["collage_tvm.cli", "collage_tvm.tools"],
 ]

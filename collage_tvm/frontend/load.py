@@ -75,9 +75,7 @@ def parse_input_shapes(specs) -> dict:
 
 def read_example_inputs(path: str, model_path: str) -> list:
     """The arrays of ``--inputs FILE`` for the ONNX model at ``model_path``, in its input
-    order: an ``.npz`` keyed by the model's input names (or ``arr_0``, ``arr_1``, ... as
-    ``numpy.savez`` names positional arrays), or one ``.npy`` for a one-input model."""
-    import numpy as np
+    order (``read_inputs``)."""
     import onnx
 
     try:
@@ -85,7 +83,15 @@ def read_example_inputs(path: str, model_path: str) -> list:
     except Exception as err:
         raise ModelError(f"{model_path}: not a readable ONNX model ({err})") from err
     weights = {t.name for t in proto.graph.initializer}
-    names = [i.name for i in proto.graph.input if i.name not in weights]
+    return read_inputs(path, [i.name for i in proto.graph.input if i.name not in weights])
+
+
+def read_inputs(path: str, names: list) -> list:
+    """The arrays of ``--inputs FILE`` in the order of the input ``names``: an ``.npz`` keyed
+    by input name (or ``arr_0``, ``arr_1``, ... as ``numpy.savez`` names positional arrays),
+    or one ``.npy`` for a one-input model; a ``ModelError`` naming what does not fit."""
+    import numpy as np
+
     try:
         data = np.load(path)
     except Exception as err:

@@ -24,6 +24,11 @@ from ..partition import CODEGEN_PREFIX
 # a registration must live as long as an executable that may still make a VM: see
 # ``release_with``; those nobody releases live for the life of the process.
 _LIVE: dict = {}
+# How each live symbol's callable was made, for ``collage_tvm.save`` (``artifact``) to make it
+# again in another process: ``("relax", backend name, the group's function)`` or, for a model
+# run whole by a library, ``("onnx", backend name, ModelProto, output specs)``. Dropped with
+# the registration.
+_RECIPES: dict = {}
 _COUNTER = itertools.count()
 # Lowered callables by (backend, whole-model flag, structural hash incl. weights): the
 # graph-level search rebuilds placements that share most groups, and a graph library's
@@ -88,6 +93,7 @@ def _release(symbols) -> None:
 
     for symbol in symbols:
         replays_its_own_graph(symbol, False)
+        _RECIPES.pop(symbol, None)
         if _LIVE.pop(symbol, None) is not None:
             try:
                 tvm_ffi.remove_global_func(symbol)
@@ -103,6 +109,12 @@ def registered_symbols(mod: tvm.IRModule) -> list:
     return [str(s) for s in attrs["collage.symbols"]]
 
 
+def recipe(symbol: str) -> tuple | None:
+    """How the callable registered as ``symbol`` was made (``_RECIPES``); None when unknown
+    or released."""
+    return _RECIPES.get(symbol)
+
+
 def release_with(executable, mod: tvm.IRModule) -> None:
     """Unregister ``mod``'s external callables (and free their weights) once ``executable`` is
     garbage: a VM made from it keeps the functions it resolved, so running VMs are unaffected.
@@ -112,12 +124,15 @@ def release_with(executable, mod: tvm.IRModule) -> None:
         weakref.finalize(executable, _release, symbols)
 
 
-def register(prefix: str, fn) -> str:
+def register(prefix: str, fn, how: tuple | None = None) -> str:
     """Register ``fn`` as a global packed function under a fresh symbol ``<prefix>.<n>``,
-    kept alive in ``_LIVE`` until ``release_with`` frees it; returns the symbol."""
+    kept alive in ``_LIVE`` until ``release_with`` frees it; returns the symbol.
+    ``how``: how ``fn`` was made (see ``_RECIPES``), what ``collage_tvm.save`` writes."""
     symbol = f"{prefix}.{next(_COUNTER)}"
     tvm.register_global_func(symbol, fn, override=True)
     _LIVE[symbol] = fn
+    if how is not None:
+        _RECIPES[symbol] = how
     if getattr(fn, "captures_itself", False):  # no capture of the executable around it
         replays_its_own_graph(symbol)
     return symbol
@@ -156,7 +171,7 @@ def lower_external(mod: tvm.IRModule, backends: dict, timings: dict | None = Non
         fn = _lower_cached(backends[name], func)
         if timings is not None:
             fn = _timed(fn, timings.setdefault(int(func.attrs["collage.group"]), []))
-        symbol = register(str(func.attrs["global_symbol"]), fn)
+        symbol = register(str(func.attrs["global_symbol"]), fn, ("relax", name, func))
         symbols[gv] = (symbol, func.ret_ty)
     if not symbols:
         return mod

@@ -114,7 +114,7 @@ def whole_model_module(proto, backend, input_shapes: dict | None = None,
         fn = compile_whole(proto, specs, True)
     except Exception as err:  # noqa: BLE001 - the library's refusal is the reason
         raise NotWhole(f"{backend.name} cannot load it: {first_line(err, 300)}") from err
-    symbol = register(f"collage.whole.{backend.name}", fn)
+    symbol = register(f"collage.whole.{backend.name}", fn, ("onnx", backend.name, proto, specs))
     params = [relax.Var(f"in{k}", t) for k, t in enumerate(in_types)]
     ret = out_types[0] if len(out_types) == 1 else relax.TupleType(out_types)
     bb = relax.BlockBuilder()

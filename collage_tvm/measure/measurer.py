@@ -27,6 +27,7 @@ logger = logging.getLogger("collage_tvm")
 
 EPSILON_KEY = "__epsilon__"
 COLD_KEY = "|cold"  # the suffix of a candidate's key when it is timed with cold caches
+WHOLE_KEY = "|whole"  # the suffix of a candidate's key when it is the whole model
 # The cost model's revision, part of the placement-log key (``build.placement_key``): a
 # placement searched on costs the measurer no longer gives is searched again (most of its
 # costs come back from the DB). "cold": large candidates timed with cold caches (2026-11-25).
@@ -305,20 +306,7 @@ class Measurer:
         per-core cache is timed one call after each flush (``time_main``'s
         ``flush_bytes``), under a DB key of its own (``COLD_KEY``).
         """
-        weights = [constant_bytes(n.value) for n in graph.nodes]
-        cold = (self.flush_bytes > 0 and sum(weights) > cache_bytes(3) // 2)
-        by_key: dict = {}
-        for cand in candidates:
-            func = extract_function(graph, cand.nodes)[0]
-            key = function_key(func)
-            if len(cand.nodes) < len(graph):  # timed as it runs among the other groups
-                func = func.with_attr(PART_ATTR, True)
-            if self.tuning is not None and not backends[cand.backend].is_external:
-                sig = self.tuning.signature(func, key)
-                key = f"{key}|tuned:{sig}" if sig else key
-            if cold and sum(weights[i] for i in cand.nodes) > cache_bytes(2):
-                key += COLD_KEY
-            by_key.setdefault((cand.backend, key), (func, []))[1].append(cand)
+        by_key = self._by_key(graph, candidates, backends)
         order = sorted(by_key, key=lambda bk: (
             (0, min(min(c.nodes) for c in by_key[bk][1]), min(len(c.nodes) for c in by_key[bk][1]))
             if backends[bk[0]].is_external else (1, min(len(c.nodes) for c in by_key[bk][1]), 0)))
@@ -357,6 +345,46 @@ class Measurer:
                 for c in by_key[bk][1]:
                     costs[c] = min(costs[c], cost)
         return costs
+
+    def _by_key(self, graph, candidates, backends: dict) -> dict:
+        """(backend, DB key) -> (the function timed, [candidates timed by it])."""
+        weights = [constant_bytes(n.value) for n in graph.nodes]
+        cold = (self.flush_bytes > 0 and sum(weights) > cache_bytes(3) // 2)
+        by_key: dict = {}
+        for cand in candidates:
+            func = extract_function(graph, cand.nodes)[0]
+            key = function_key(func)
+            if len(cand.nodes) < len(graph):  # timed as it runs among the other groups
+                func = func.with_attr(PART_ATTR, True)
+            else:  # the whole model: timed alone, a DB entry apart from the same piece's
+                key += WHOLE_KEY
+            if self.tuning is not None and not backends[cand.backend].is_external:
+                sig = self.tuning.signature(func, key)
+                key = f"{key}|tuned:{sig}" if sig else key
+            if cold and sum(weights[i] for i in cand.nodes) > cache_bytes(2):
+                key += COLD_KEY
+            by_key.setdefault((cand.backend, key), (func, []))[1].append(cand)
+        return by_key
+
+    def known(self, graph, candidates, backends: dict) -> dict:
+        """The cost of each of ``candidates`` the cost DB already holds (a failure of the
+        moment left out: it is measured again), or that runs no kernel (0): nothing is
+        measured. ``placer.lean`` measures the rest only as the DP asks for them."""
+        out = {}
+        for (name, key), (func, cands) in self._by_key(graph, candidates, backends).items():
+            backend = backends[name]
+            if not backend.is_external and not _has_call(func):
+                cost = 0.0
+            else:
+                rec = self.db.get(name, backend.version(), key, self.device)
+                if rec is None or rec.retry:
+                    continue
+                cost = rec.cost_ms
+                self.hits += 1
+            for c in cands:
+                out[c] = cost
+                self._func_of[c] = (key, func)
+        return out
 
     def prebuild(self, keys: list, by_key: dict, backends: dict) -> None:
         """Build the candidates of ``keys`` ((backend, DB key) pairs) the DB does not

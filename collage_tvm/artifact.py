@@ -1,0 +1,721 @@
+"""A build taken away: ``save`` writes a directory, ``load`` runs it in another process.
+
+``collage_tvm.save(result, DIR)`` (``collage-tvm optimize ... --export DIR``) writes::
+
+    DIR/manifest.json      format version, versions (collage-tvm, TVM, each library), the
+                           target and the CPU features it needs, inputs and outputs, the
+                           placement, the accuracy budget, the measured latencies, and the
+                           size of every file below
+    DIR/kernels.so         TVM's kernels and the Relax VM's code (``export_library``)
+    DIR/regions/rK.onnx    a graph library's region as the file the library loads (weights
+                           inside; past protobuf's 2 GiB beside it, rK.onnx.weights)
+    DIR/regions/rK.json    any other library's region: its Relax function with its
+                           weights (``tvm.ir.save_json``), lowered again by the library
+    DIR/placement.json     the placement record ``collage-tvm show`` draws (if any)
+
+``collage_tvm.load(DIR)`` checks the manifest against this machine (format version, TVM
+and library versions, CPU features, every file whole) and refuses with one
+``ArtifactError`` naming the cause and what to install or rebuild; then each region is
+handed to its library (an ONNX Runtime session, an OpenVINO compiled model, a oneDNN
+kernel), registered under the symbol the executable calls, and the Relax VM is made over
+``kernels.so``. Nothing is searched, measured or compiled by TVM.
+
+The VM binds the packed functions it calls when it is created, so the regions' callables
+are registered only for that moment: a build of the same model in this process, or a
+second load, keeps its own.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+logger = logging.getLogger("collage_tvm")
+
+FORMAT = "collage-tvm-artifact"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+KERNELS = "kernels.so"
+REGIONS = "regions"
+PLACEMENT = "placement.json"
+
+# LLVM features whose instructions TVM's kernels may hold: a CPU without one of them cannot
+# run kernels compiled with it (SIGILL). The others LLVM lists for a CPU model (movdiri,
+# wbnoinvd, ...) are not emitted for tensor code.
+_ISA_PREFIXES = ("sse", "ssse", "avx", "amx", "fma", "f16c", "bmi", "lzcnt", "popcnt", "neon",
+                 "sve", "fp16", "bf16", "dotprod", "i8mm")
+BF16_FEATURES = ("avx512bf16", "amx-bf16")  # precision.cpu_precisions: either one
+
+
+class ArtifactError(Exception):
+    """A saved build that cannot be written or loaded here; the message says why and what
+    to install or rebuild."""
+
+
+# ---------------------------------------------------------------------------- machine
+
+def host_cpu_features() -> set | None:
+    """The features of this machine's CPU as LLVM names them (``avx512f``, ``amx-bf16``);
+    None when they cannot be read."""
+    import tvm
+
+    get = tvm.get_global_func("tvm.codegen.llvm.GetHostCPUFeatures", allow_missing=True)
+    if get is None:
+        return None
+    try:
+        return {str(k) for k, v in get().items() if bool(v)}
+    except Exception:  # noqa: BLE001 - unknown: not checked
+        return None
+
+
+def _kernel_features(target) -> list:
+    """The instruction-set features TVM's kernels for ``target`` may use: those LLVM
+    enables for its CPU model that are vector or bit-manipulation extensions; for this
+    machine's own CPU model, only those this CPU has (LLVM lists a few for the model that
+    a given part lacks, and the kernels ran here)."""
+    import tvm
+
+    if target.kind.name != "llvm":
+        return []
+    try:
+        features = {str(f) for f in tvm.target.codegen.llvm_get_cpu_features(target)}
+    except Exception:  # noqa: BLE001 - an LLVM without the query: nothing to require
+        return []
+    mcpu = str(target.attrs.get("mcpu", "") or "")
+    if mcpu and mcpu == str(tvm.target.codegen.llvm_get_system_cpu()):
+        host = host_cpu_features()
+        if host:
+            features &= host
+    return sorted(f for f in features if f.startswith(_ISA_PREFIXES))
+
+
+# ---------------------------------------------------------------------------- save
+
+def _jsonable(value):
+    """``value`` with NaN/inf as None and tuples, numpy scalars and TVM strings plain."""
+    if isinstance(value, dict):
+        return {str(k) if not isinstance(k, tuple) else "<->".join(map(str, k)): _jsonable(v)
+                for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if isinstance(value, (float, np.floating)):
+        return None if not math.isfinite(float(value)) else float(value)
+    if value is None or isinstance(value, str):
+        return value
+    return str(value)
+
+
+def _tensor_specs(types, names) -> list:
+    """[{"name", "shape", "dtype"}] of Relax tensor types (a symbolic dimension: its name)."""
+    import tvm
+    from tvm import relax
+
+    out = []
+    for k, ty in enumerate(types):
+        name = names[k] if names and k < len(names) else f"output_{k}"
+        if not isinstance(ty, relax.TensorType):
+            out.append({"name": name, "type": str(ty)})
+            continue
+        shape = None
+        if ty.shape is not None and hasattr(ty.shape, "values"):
+            shape = [int(d.value) if isinstance(d, tvm.tirx.IntImm) else str(d)
+                     for d in ty.shape.values]
+        out.append({"name": name, "shape": shape, "dtype": str(ty.dtype)})
+    return out
+
+
+def _signature(main, input_names=None, output_names=None) -> tuple:
+    """(inputs, outputs, outputs form a tuple) of the executable's ``main``."""
+    from tvm import relax
+
+    params = [p.ty for p in main.params]
+    in_names = list(input_names) if input_names and len(input_names) == len(params) else [
+        p.name for p in main.params]
+    ret = main.ret_ty
+    is_tuple = isinstance(ret, relax.TupleType)
+    outs = list(ret.fields) if is_tuple else [ret]
+    out_names = list(output_names) if output_names and len(output_names) == len(outs) else None
+    return _tensor_specs(params, in_names), _tensor_specs(outs, out_names), is_tuple
+
+
+def _graph_library_exports(lowering) -> bool:
+    """Whether ``lowering`` lowers a function by exporting it to ONNX and compiling that
+    (``GraphLibraryLowering.lower`` as it is): then its region is saved as the ONNX file and
+    loaded by ``compile``, the step the library itself takes."""
+    try:
+        from collage_tvm.backends._graphlib import GraphLibraryLowering
+    except ImportError:  # pragma: no cover - the built-in lowerings are part of the package
+        return False
+    return (isinstance(lowering, GraphLibraryLowering)
+            and getattr(type(lowering), "lower", None) is GraphLibraryLowering.lower)
+
+
+def _write_onnx(model, path: Path) -> None:
+    """``model`` to ``path``; past protobuf's 2 GiB its weights go beside it (and come back
+    into ``model`` afterwards: it may be saved again)."""
+    import onnx
+
+    from .export.onnx import serialized
+
+    data = serialized(model)
+    if data is not None:
+        path.write_bytes(data)
+        return
+    onnx.save_model(model, str(path), save_as_external_data=True,
+                    all_tensors_to_one_file=True, location=f"{path.name}.weights")
+    onnx.load_external_data_for_model(model, str(path.parent))
+
+
+def _save_regions(module, folder: Path) -> tuple:
+    """Each external callable the executable calls, written to ``folder`` as its library
+    loads it. Returns (region entries, backend -> region count)."""
+    import tvm
+
+    from .backends._graphlib import output_specs
+    from .lower.external import recipe, registered_symbols
+    from .registry import get_backend
+
+    entries, count = [], {}
+    for k, symbol in enumerate(registered_symbols(module)):
+        made = recipe(symbol)
+        if made is None:
+            raise ArtifactError(f"the build's call {symbol} cannot be saved: its callable was "
+                                "released (save the result collage_tvm.optimize returned)")
+        kind, name = made[0], made[1]
+        backend = get_backend(name)
+        lowering = backend.get_lowering()
+        entry = {"symbol": symbol, "backend": name, "label": "the model file, whole"}
+        if kind == "relax" and made[2].attrs is not None:
+            entry["label"] = str(made[2].attrs.get("collage.label", ""))
+        if kind == "onnx":  # a model file run whole by a library
+            _, _, proto, specs = made
+            entry.update(format="onnx", file=f"{REGIONS}/r{k}.onnx", sole=True,
+                         outputs=[[list(s), d] for s, d in specs])
+            _write_onnx(proto, folder / f"r{k}.onnx")
+        elif _graph_library_exports(lowering):
+            func = made[2]
+            specs = output_specs(func)
+            sole = bool(func.attrs is not None and func.attrs.get("collage.sole_group", False))
+            entry.update(format="onnx", file=f"{REGIONS}/r{k}.onnx", sole=sole,
+                         outputs=[[list(s), d] for s, d in specs])
+            _write_onnx(lowering.export(func), folder / f"r{k}.onnx")
+        else:
+            func = made[2]
+            (folder / f"r{k}.json").write_text(tvm.ir.save_json(func))
+            entry.update(format="relax", file=f"{REGIONS}/r{k}.json")
+        entries.append(entry)
+        count[name] = count.get(name, 0) + 1
+    return entries, count
+
+
+def _whole_model_names(module) -> tuple:
+    """(input names, output names) of the ONNX model a whole-model build runs, else (None,
+    None)."""
+    from .lower.external import recipe, registered_symbols
+
+    for symbol in registered_symbols(module):
+        made = recipe(symbol)
+        if made is not None and made[0] == "onnx":
+            graph = made[2].graph
+            weights = {t.name for t in graph.initializer}
+            return ([i.name for i in graph.input if i.name not in weights],
+                    [o.name for o in graph.output])
+    return None, None
+
+
+def _placement_summary(result) -> dict:
+    report = result.report
+    out = {"shipped": report.shipped, "ops_per_backend": dict(report.ops_per_backend),
+           "estimated_ms": report.estimated_ms, "from_log": report.placement_from_log}
+    if report.whole_model:
+        out["whole_model"] = dict(report.whole_model)
+    if result.graph is not None:
+        out["groups"] = [{"backend": g.backend, "label": g.label, "ops": len(g.nodes)}
+                         for g in result.placement.groups]
+    return out
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    _fsync_dir(root)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - a platform without directory descriptors
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+def save(result, path, *, input_names=None, output_names=None) -> Path:
+    """Write ``result`` (``collage_tvm.optimize``'s ``CollageResult``) to the directory
+    ``path``, for ``load`` to run in another process without searching.
+
+    ``input_names`` / ``output_names``: the model's names for its inputs and outputs (the
+    CLI passes the ONNX file's); default: the Relax parameters' names and ``output_K``.
+    The directory is written beside ``path`` and renamed into place: a crash leaves the old
+    one or none, never half of one. An existing ``path`` is replaced only if it is an
+    artifact (or empty). Returns ``path``.
+    """
+    import tvm
+
+    from ._version import __version__
+    from ._errors import first_line
+    from .registry import get_backend
+    from .target import cpu_model, make_target
+
+    path = Path(path).expanduser()
+    if path.exists() and not (path.is_dir() and ((path / MANIFEST).is_file()
+                                                 or not any(path.iterdir()))):
+        raise ArtifactError(f"{path} exists and is not a collage-tvm artifact: not replaced "
+                            "(choose another directory or remove it)")
+    if result.executable is None:
+        raise ArtifactError("the result has no executable to save")
+    target = result.target if result.target is not None else make_target("llvm")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    old = None
+    try:
+        (tmp / REGIONS).mkdir()
+        regions, count = _save_regions(result.module, tmp / REGIONS)
+        try:
+            result.executable.export_library(str(tmp / KERNELS))
+        except Exception as err:
+            raise ArtifactError(f"TVM could not write its kernels as a shared library "
+                                f"({first_line(err, 300)}): export_library needs a C "
+                                "compiler (gcc or clang) on this machine") from err
+        if result.graph is not None:
+            from .placement import placement_record
+
+            (tmp / PLACEMENT).write_text(json.dumps(_jsonable(placement_record(
+                result.placement, result.graph, target, result.report.comparison,
+                result.report.shipped, result.report.graph_level)), indent=1))
+        whole_in, whole_out = _whole_model_names(result.module)
+        inputs, outputs, is_tuple = _signature(result.module["main"],
+                                                input_names or whole_in,
+                                                output_names or whole_out)
+        backends = {}
+        for name in sorted({e["backend"] for e in regions}):
+            b = get_backend(name)
+            backends[name] = {"version": b.version(), "precision": b.precision,
+                              "kind": b.kind, "device": b.device, "regions": count[name]}
+        needs = []
+        kernel_features = _kernel_features(target)
+        if kernel_features:
+            mcpu = target.attrs.get("mcpu", "") or "a generic CPU"
+            needs.append({"features": kernel_features,
+                          "for": f"TVM's kernels (compiled for {mcpu} on {cpu_model()})"})
+        bf16 = sorted(n for n, b in backends.items() if b["precision"] == "bf16"
+                      and b["device"] == "cpu")
+        if bf16:
+            needs.append({"any_of": list(BF16_FEATURES),
+                          "for": f"the bf16 regions on {', '.join(bf16)}"})
+        report = result.report
+        manifest = {
+            "format": FORMAT, "format_version": FORMAT_VERSION,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "versions": {"collage_tvm": __version__, "tvm": tvm.__version__,
+                         "python": platform.python_version()},
+            "target": str(target), "device": "cuda" if target.kind.name == "cuda" else "cpu",
+            "machine": {"arch": platform.machine(), "cpu": cpu_model(), "system": sys.platform},
+            "cuda_arch": str(target.attrs.get("arch", "")) if target.kind.name == "cuda" else "",
+            "cpu_needs": needs,
+            "backends": backends,
+            "inputs": inputs, "outputs": outputs, "outputs_tuple": is_tuple,
+            "accuracy": report.precision.get("accuracy", "f32") if report.precision else "f32",
+            "placement": _placement_summary(result),
+            "latency_ms": {n: r.get("ms") for n, r in report.comparison.items()},
+            "comparison": report.comparison,
+            "kernels": KERNELS,
+            "regions": regions,
+        }
+        manifest["files"] = {p.relative_to(tmp).as_posix(): p.stat().st_size
+                             for p in sorted(tmp.rglob("*")) if p.is_file()}
+        (tmp / MANIFEST).write_text(json.dumps(_jsonable(manifest), indent=1) + "\n")
+        _fsync_tree(tmp)
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o777 & ~mask)  # mkdtemp made it private; an artifact is a plain folder
+        if path.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+            os.rename(path, old / "a")
+        os.rename(tmp, path)
+        _fsync_dir(path.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not path.exists() and (old / "a").exists():
+            os.rename(old / "a", path)  # the old artifact back where it was
+        raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    return path
+
+
+# ---------------------------------------------------------------------------- load
+
+def _read_manifest(path: Path) -> dict:
+    file = path / MANIFEST
+    if not path.is_dir():
+        raise ArtifactError(f"{path}: no such directory (write one with collage_tvm.save or "
+                            "collage-tvm optimize MODEL --export DIR)")
+    if not file.is_file():
+        raise ArtifactError(f"{path} is not a collage-tvm artifact: it has no {MANIFEST} (a "
+                            "directory being written is renamed into place only when whole; "
+                            "export the model again)")
+    try:
+        manifest = json.loads(file.read_text())
+    except (OSError, ValueError) as err:
+        raise ArtifactError(f"{file} is damaged or truncated ({err}): copy the directory again "
+                            "or export the model again") from err
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise ArtifactError(f"{file} is not a collage-tvm artifact's manifest")
+    return manifest
+
+
+def _check_format(manifest: dict, path: Path) -> None:
+    from ._version import __version__
+
+    version = manifest.get("format_version")
+    writer = manifest.get("versions", {}).get("collage_tvm", "?")
+    if version == FORMAT_VERSION:
+        return
+    if isinstance(version, int) and version > FORMAT_VERSION:
+        raise ArtifactError(f"{path}: artifact format version {version} is newer than this "
+                            f"collage-tvm ({__version__}) reads (version {FORMAT_VERSION}): "
+                            f"install the collage-tvm that wrote it ({writer}) or newer")
+    raise ArtifactError(f"{path}: artifact format version {version!r} is not one this "
+                        f"collage-tvm ({__version__}) reads (version {FORMAT_VERSION}): export "
+                        f"the model again with this collage-tvm")
+
+
+def _check_files(manifest: dict, path: Path) -> None:
+    files = manifest.get("files")
+    if not isinstance(files, dict) or KERNELS not in files:
+        raise ArtifactError(f"{path / MANIFEST} lists no files: the manifest is damaged; "
+                            "export the model again")
+    for rel, size in files.items():
+        file = path / rel
+        if not file.is_file():
+            raise ArtifactError(f"{path} is incomplete: {rel} is missing (copy the whole "
+                                "directory again, or export the model again)")
+        have = file.stat().st_size
+        if have != size:
+            raise ArtifactError(f"{path} is damaged: {rel} has {have} bytes, the manifest says "
+                                f"{size} (truncated? copy the whole directory again, or export "
+                                "the model again)")
+
+
+def _check_machine(manifest: dict, path: Path, device) -> None:
+    import tvm
+
+    built = manifest["versions"].get("tvm")
+    if built != tvm.__version__:
+        raise ArtifactError(f"{path} was built with TVM {built}; this is TVM {tvm.__version__}: "
+                            f"its kernels ({KERNELS}) load only into the TVM that compiled them "
+                            f"(install TVM {built}, or export the model again with this one)")
+    arch = manifest.get("machine", {}).get("arch")
+    if arch and arch != platform.machine():
+        raise ArtifactError(f"{path} was built for {arch} CPUs; this machine is "
+                            f"{platform.machine()}: export the model again on (or for) it")
+    if manifest.get("device") == "cuda":
+        dev = tvm.cuda(0)
+        if not dev.exist:
+            raise ArtifactError(f"{path} runs on a CUDA GPU ({manifest.get('cuda_arch')}); "
+                                "none is visible here")
+        here = "sm_" + str(dev.compute_version).replace(".", "")
+        if manifest.get("cuda_arch") and manifest["cuda_arch"] != here:
+            raise ArtifactError(f"{path} was compiled for {manifest['cuda_arch']}; this GPU is "
+                                f"{here}: export the model again for it")
+    needs = manifest.get("cpu_needs") or []
+    if not needs:
+        return
+    host = host_cpu_features()
+    if host is None:
+        logger.warning("%s: this CPU's features cannot be read; not checked", path)
+        return
+    built_on = manifest.get("machine", {}).get("cpu", "another CPU")
+    for need in needs:
+        what = need.get("for", "the build")
+        missing = [f for f in need.get("features", []) if f not in host]
+        if missing:
+            raise ArtifactError(
+                f"{path}: this CPU lacks {', '.join(missing)}, which {what} use (built on "
+                f"{built_on}): load it on a CPU that has them, or export the model again on "
+                "this machine")
+        any_of = need.get("any_of") or []
+        if any_of and not any(f in host for f in any_of):
+            raise ArtifactError(
+                f"{path}: this CPU has none of {' / '.join(any_of)}, which {what} need (built "
+                f"on {built_on}): load it on a CPU with bf16 instructions, or export the model "
+                "again here with the f32 accuracy budget")
+
+
+def _check_backends(manifest: dict, path: Path) -> dict:
+    """name -> Backend of every library the regions run on, each present, loadable here
+    and of the version the artifact was built with."""
+    from .registry import get_backend, list_backends
+
+    out = {}
+    for name, info in (manifest.get("backends") or {}).items():
+        built = info.get("version", "?")
+        n = info.get("regions", "?")
+        try:
+            backend = get_backend(name)
+        except KeyError:
+            raise ArtifactError(
+                f"{path} runs {n} region(s) on the backend {name!r} ({built}), which this "
+                f"collage-tvm does not know (known: {', '.join(list_backends())}): load the "
+                "pattern file that registers it before loading, or export the model without "
+                "it") from None
+        ok, why = backend.available()
+        if not ok:
+            raise ArtifactError(f"{path} runs {n} region(s) on {name}, which cannot run here "
+                                f"({why}): install {built}, the library it was built with")
+        here = backend.version()
+        if here != built:
+            raise ArtifactError(f"{path} was built with {built} for its {name} region(s); this "
+                                f"machine has {here}: install {built}, or export the model "
+                                "again with this one")
+        out[name] = backend
+    return out
+
+
+def _lower_regions(manifest: dict, path: Path, backends: dict) -> dict:
+    """symbol -> the callable of each region, made by its library from the saved file."""
+    import tvm
+
+    from ._errors import first_line
+
+    fns = {}
+    for entry in manifest.get("regions", []):
+        name, file = entry["backend"], path / entry["file"]
+        lowering = backends[name].get_lowering()
+        try:
+            if entry["format"] == "onnx":
+                import onnx
+
+                model = onnx.load(str(file))
+                specs = [(tuple(int(d) for d in shape), dtype) for shape, dtype in entry["outputs"]]
+                fn = lowering.compile(model, specs, bool(entry.get("sole", False)))
+            elif entry["format"] == "relax":
+                fn = lowering.lower(tvm.ir.load_json(file.read_text()))
+            else:
+                raise ArtifactError(f"{path}: region {entry['file']} has the unknown format "
+                                    f"{entry['format']!r}: export the model again")
+        except ArtifactError:
+            raise
+        except Exception as err:  # noqa: BLE001 - the library's refusal names the cause
+            raise ArtifactError(f"{path}: {name} could not load its region {entry['file']} "
+                                f"({first_line(err, 300)}); export the model again") from err
+        fns[entry["symbol"]] = fn
+    return fns
+
+
+def _load_library(file: str):
+    """``tvm.runtime.load_module(file)`` without the line TVM 0.27's runtime writes to
+    stderr for every constant it loads (``executable.cc:340: Warning: Scope Loaded:``);
+    anything else it writes is passed on."""
+    import tvm
+
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no stderr to keep clean
+        return tvm.runtime.load_module(file)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            return tvm.runtime.load_module(file)
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            rest = [line for line in sink.read().decode(errors="replace").splitlines(True)
+                    if "Warning: Scope Loaded:" not in line]
+            if rest:
+                sys.stderr.write("".join(rest))
+
+
+def _make_vm(lib, dev, fns: dict):
+    """The Relax VM over ``lib`` with ``fns`` registered under their symbols while it is
+    made (it binds them then); what those symbols named before is put back."""
+    import tvm
+    import tvm_ffi
+    from tvm import relax
+
+    before = {s: tvm.get_global_func(s, allow_missing=True) for s in fns}
+    try:
+        for symbol, fn in fns.items():
+            tvm.register_global_func(symbol, fn, override=True)
+        return relax.VirtualMachine(lib, dev)
+    finally:
+        for symbol, prev in before.items():
+            if prev is not None:
+                tvm.register_global_func(symbol, prev, override=True)
+            else:
+                try:
+                    tvm_ffi.remove_global_func(symbol)
+                except Exception:  # noqa: BLE001 - not there: nothing to remove
+                    pass
+
+
+def load(path) -> "LoadedModule":
+    """The build saved in directory ``path`` (``save``), ready to run: a ``LoadedModule``.
+
+    Refuses with an ``ArtifactError`` naming the cause and the fix: not an artifact, an
+    unknown format version, a missing or truncated file, another TVM, another machine
+    architecture, a CPU without the features its kernels or bf16 regions use, a library
+    that is missing, cannot load, or has another version."""
+    import tvm
+
+    t0 = time.perf_counter()
+    path = Path(path).expanduser()
+    manifest = _read_manifest(path)
+    _check_format(manifest, path)
+    _check_files(manifest, path)
+    dev = tvm.cuda(0) if manifest.get("device") == "cuda" else tvm.cpu(0)
+    _check_machine(manifest, path, dev)
+    backends = _check_backends(manifest, path)
+    fns = _lower_regions(manifest, path, backends)
+    try:
+        lib = _load_library(str(path / manifest.get("kernels", KERNELS)))
+    except Exception as err:  # noqa: BLE001 - a damaged library: say which file
+        raise ArtifactError(f"{path}: {KERNELS} does not load ({type(err).__name__}: "
+                            f"{str(err).strip()[:300]}); export the model again") from err
+    try:
+        vm = _make_vm(lib, dev, fns)
+    except Exception as err:  # noqa: BLE001
+        raise ArtifactError(f"{path}: the Relax VM could not be made over {KERNELS} "
+                            f"({type(err).__name__}: {str(err).strip()[:300]}); export the "
+                            "model again") from err
+    return LoadedModule(path, manifest, vm, lib, dev, fns, time.perf_counter() - t0)
+
+
+class LoadedModule:
+    """A saved build, loaded: call it with numpy arrays or DLPack tensors (torch) in the
+    model's input order (or by input name); it returns the same kind, one output or a
+    tuple. ``vm``: the Relax VM (``vm["main"](*tvm_tensors)``); ``manifest``: what the
+    artifact says about itself; ``load_seconds``: how long ``load`` took."""
+
+    def __init__(self, path, manifest, vm, executable, device, callables, load_seconds):
+        self.path = Path(path)
+        self.manifest = manifest
+        self.vm = vm
+        self.executable = executable  # the runtime module of kernels.so
+        self.device = device
+        self.load_seconds = load_seconds
+        self._callables = callables   # the regions' callables (the VM holds them too)
+        self._main = vm["main"]
+        self.inputs = manifest["inputs"]
+        self.outputs = manifest["outputs"]
+
+    @property
+    def input_names(self) -> list:
+        return [i["name"] for i in self.inputs]
+
+    @property
+    def output_names(self) -> list:
+        return [o["name"] for o in self.outputs]
+
+    def __repr__(self) -> str:
+        ops = ", ".join(f"{b} {n}" for b, n in sorted(
+            self.manifest.get("placement", {}).get("ops_per_backend", {}).items()))
+        return (f"LoadedModule({str(self.path)!r}, inputs={self.input_names}, "
+                f"outputs={self.output_names}, ops: {ops or 'tvm'})")
+
+    def _arguments(self, args, kwargs) -> list:
+        if kwargs:
+            unknown = sorted(set(kwargs) - set(self.input_names))
+            if unknown:
+                raise TypeError(f"unknown input(s) {', '.join(unknown)}; the model's inputs "
+                                f"are {', '.join(self.input_names)}")
+            args = list(args) + [kwargs[n] for n in self.input_names[len(args):] if n in kwargs]
+        if len(args) != len(self.inputs):
+            raise TypeError(f"the model takes {len(self.inputs)} input(s) "
+                            f"({', '.join(self.input_names)}), got {len(args)}")
+        return list(args)
+
+    def to_device(self, value, spec: dict):
+        """``value`` (numpy, DLPack tensor or TVM tensor) as a TVM tensor on the device,
+        checked against the input's shape and dtype."""
+        import tvm
+
+        if isinstance(value, tvm.runtime.Tensor):
+            tensor = value
+        elif isinstance(value, np.ndarray) or not hasattr(value, "__dlpack__"):
+            tensor = tvm.runtime.tensor(np.ascontiguousarray(value), self.device)
+        else:
+            if hasattr(value, "detach"):  # torch
+                value = value.detach().contiguous()
+            try:
+                tensor = tvm.runtime.from_dlpack(value)
+            except Exception:  # noqa: BLE001 - e.g. not aligned as TVM needs: copy it
+                tensor = tvm.runtime.tensor(np.from_dlpack(value).copy(), self.device)
+        shape, dtype = spec.get("shape"), spec.get("dtype")
+        got = tuple(int(d) for d in tensor.shape)
+        if (dtype and str(tensor.dtype) != dtype) or (shape is not None and (
+                len(got) != len(shape)
+                or any(isinstance(d, int) and d != g for d, g in zip(shape, got)))):
+            raise ValueError(f"input {spec['name']}: expected {dtype}{list(shape or [])}, got "
+                             f"{tensor.dtype}{list(got)}")
+        return tensor
+
+    def run_tvm(self, tensors: list):
+        """The VM's ``main`` on TVM tensors (no checks): TVM tensors out, as a list."""
+        import tvm
+
+        out = self._main(*tensors)
+        return [out] if isinstance(out, tvm.runtime.Tensor) else list(out)
+
+    def __call__(self, *args, **kwargs):
+        args = self._arguments(args, kwargs)
+        tensors = [self.to_device(a, s) for a, s in zip(args, self.inputs)]
+        outs = [_like(o, args[0] if args else None) for o in self.run_tvm(tensors)]
+        if len(outs) == 1 and not self.manifest.get("outputs_tuple"):
+            return outs[0]
+        return tuple(outs)
+
+
+def _like(tensor, example):
+    """TVM tensor ``tensor`` as the kind of ``example``: numpy (a copy), a torch tensor or
+    another DLPack framework's (zero-copy), or the TVM tensor itself."""
+    import tvm
+
+    if example is None or isinstance(example, np.ndarray) or not hasattr(example, "__dlpack__"):
+        return tensor.numpy()
+    if isinstance(example, tvm.runtime.Tensor):
+        return tensor
+    root = type(example).__module__.split(".", 1)[0]
+    from_dlpack = getattr(sys.modules.get(root), "from_dlpack", None)
+    if from_dlpack is None:
+        return tensor.numpy()
+    return from_dlpack(tensor)
+
+
+__all__ = ["ArtifactError", "LoadedModule", "load", "save"]
