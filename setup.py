@@ -45,5 +45,10 @@ setup(
         # translates the subgraph's ONNX into torch ops; it imports torchvision.
         "gpu": ["onnx2torch==1.5.15"],
     },
-    entry_points={"console_scripts": ["collage-tvm=collage_tvm.cli:main"]},
+    entry_points={
+        "console_scripts": ["collage-tvm=collage_tvm.cli:main"],
+        # torch.compile(model, backend="collage"): torch._dynamo's backend registry loads
+        # this group's entry points by name (docs/deploy_torch_compile.md).
+        "torch_dynamo_backends": ["collage = collage_tvm.torch_backend:collage"],
+    },
 )
