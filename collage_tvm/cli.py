@@ -355,7 +355,7 @@ def _bench(args, parser) -> int:
                          "are CPU only for now")
     results = bench.run(models, args.out, db=args.db, options=options, size=args.size,
                         ablation=args.ablation, rewrite=args.rewrite, tune=args.tune,
-                        target=args.target)
+                        target=args.target, deploy=args.deploy)
     print("\n" + bench.markdown(results))
     print(f"\nwritten: {', '.join(f'{args.out}/{w}' for w in results['files'])}")
     return 0
@@ -610,6 +610,11 @@ def main(argv=None) -> int:
                    "against OpenVINO at its default precision and go to suite_<name>_<budget>"
                    ".json")
     b.add_argument("--build-jobs", type=_jobs, default=None, metavar="N", help=BUILD_JOBS_HELP)
+    b.add_argument("--deploy", action="store_true",
+                   help="also save each shipped build (collage_tvm.save), load it in a fresh "
+                        "process beside creating an ONNX Runtime session for the same file, "
+                        "check its outputs against the in-process build's, and time both "
+                        "interleaved (results.json: \"deploy\")")
     b.add_argument("--tune", type=float, default=0.0, metavar="SECONDS",
                    help="first tune each model's TVM kernels for SECONDS (collage-tvm tune; "
                         "a warm tuning DB makes it quick), then also time the search with "

@@ -418,3 +418,25 @@ def test_torch_tensors_in_torch_tensors_out(saved):
     assert isinstance(module.vm, relax.VirtualMachine)
     got = module.vm["main"](tvm.runtime.tensor(X)).numpy()
     assert np.array_equal(got, ref)
+
+
+def test_bench_deploy_row_loads_in_a_fresh_process_beside_an_onnxruntime_session(tmp_path):
+    """``bench --deploy``'s row (issue #36's figures): saved, loaded in a fresh process, the
+    outputs bit-identical to the in-process build's, both timed; the docs render it."""
+    if not _available("onnxruntime"):
+        pytest.skip("needs onnxruntime")
+    from collage_tvm.tools import docs
+    from collage_tvm.tools.deploy import deploy_row
+
+    path = _block_onnx(str(tmp_path / "block.onnx"))
+    res = collage_tvm.optimize(path, "llvm", ["tvm", "onnxruntime"], db=str(tmp_path / "c.db"),
+                               graph_level=False, compare=False, progress=False)
+    row = deploy_row(path, res, str(tmp_path), "block", rounds=2)
+    assert row["identical"], row
+    for key in ("save_s", "load_s", "ort_session_s", "first_run_s", "in_process_ms",
+                "loaded_ms"):
+        assert row[key] > 0, (key, row)
+    assert row["bytes"] > 0 and row["load_vs_ort"] == row["load_s"] / row["ort_session_s"]
+    table = docs.deploy_table([{"machine": {"cpu": "X", "cores": 2},
+                                "models": [{"model": "block", "size": "small", "deploy": row}]}])
+    assert "| block | small |" in table and "| yes |" in table

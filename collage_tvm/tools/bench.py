@@ -504,13 +504,14 @@ def _with_progress(options: SearchOptions, **changes) -> SearchOptions:
 
 def bench_model(name: str, out_dir: str, options: SearchOptions, db, glue: bool = True,
                 size: str = "paper", ablation: bool = False, rewrite: bool = False,
-                tune: float = 0.0, target="llvm") -> dict:
+                tune: float = 0.0, target="llvm", deploy: bool = False) -> dict:
     """One model: the Collage search with ``options`` (and the never-slower comparison),
     the frameworks, the glue check; with ``ablation``, the ablation steps; with
     ``rewrite``, placed-only beside rewritten+placed (``rewrite_steps``); with ``tune``
     seconds, first ``collage_tvm.tune`` (the search then uses tuned TVM), and at the end
     the search untuned beside tuned (``tuning_steps``). ``target`` "cuda": the search on
-    the GPU and the frameworks there (``gpu_frameworks``); the steps above are CPU only."""
+    the GPU and the frameworks there (``gpu_frameworks``); the steps above are CPU only.
+    ``deploy``: the shipped build saved and loaded in a fresh process (``deploy.deploy_row``)."""
     from collage_tvm.build import optimize
     from collage_tvm.target import make_target
 
@@ -561,6 +562,15 @@ def bench_model(name: str, out_dir: str, options: SearchOptions, db, glue: bool 
             print(f"  {fw:<24} {r['ms']:>10.3f} ms  match={r['match']}"
                   + (f"  ({r['error']})" if r.get("error") else
                      f"  error {r['rel_err']:.1e} of the scale"), flush=True)
+        if deploy:
+            from .deploy import deploy_row
+
+            print(f"\n== {name}: saved, loaded in a fresh process", flush=True)
+            entry["deploy"] = d = deploy_row(path, res, out_dir, name)
+            print(f"  load {d['load_s']:.3f} s (an ONNX Runtime session: "
+                  f"{d['ort_session_s']:.3f} s), outputs identical: {d['identical']}, "
+                  f"loaded {d['loaded_ms']:.3f} ms vs in-process {d['in_process_ms']:.3f} ms",
+                  flush=True)
     for lib in [b for b in GLUE_LIBRARIES if b in backends] if glue and not on_gpu else []:
         print(f"\n== {name}: glue overhead, wholly on {lib} through collage-tvm vs plain {lib}",
               flush=True)
@@ -843,7 +853,7 @@ def plot_ablation(results: dict, path: str) -> str:
 
 def run(models, out_dir: str, backends=None, db=None, *, options: SearchOptions | None = None,
         size: str = "paper", ablation: bool = False, rewrite: bool = False,
-        tune: float = 0.0, target="llvm", **option_fields) -> dict:
+        tune: float = 0.0, target="llvm", deploy: bool = False, **option_fields) -> dict:
     """Bench ``models``; writes results.json (after each model), results.md, results.png
     and, with ``ablation``, results_ablation.png into ``out_dir``; ``rewrite``: also
     placed-only beside rewritten+placed (``rewrite_steps``); ``tune``: seconds of
@@ -861,7 +871,7 @@ def run(models, out_dir: str, backends=None, db=None, *, options: SearchOptions 
     for name in models:
         try:
             entry = bench_model(name, out_dir, options, db, size=size, ablation=ablation,
-                                rewrite=rewrite, tune=tune, target=target)
+                                rewrite=rewrite, tune=tune, target=target, deploy=deploy)
         except Exception as err:  # noqa: BLE001 - one model's failure must not lose the others
             logger.exception("bench: %s failed", name)
             entry = {"model": name, "size": size, "error": _why(err)}

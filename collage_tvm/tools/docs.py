@@ -16,6 +16,8 @@ named files (paths relative to the page's folder). Kinds:
   the mixed wins.
 - ``optimize-report``: an ``optimize`` report's final check (``BuildReport.comparison``):
   every build it timed, its latency, correctness and operators per backend.
+- ``deploy``: each ``bench --deploy`` model of ``results.json`` files: saved, loaded in a
+  fresh process beside an ONNX Runtime session, timed beside the in-process build.
 
 ``python -m collage_tvm.tools.docs`` renders every page; ``--check`` exits 1, naming the
 pages, when rendering would change one (the test suite runs it: the pages never drift from
@@ -103,7 +105,34 @@ def optimize_report(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-KINDS = {"suite-table": lambda docs: suite_table(docs[0]), "suite-summary": suite_summary,
+def deploy_table(docs: list) -> str:
+    """Each ``bench --deploy`` model of the results files: the build saved, loaded in a fresh
+    process beside an ONNX Runtime session, and timed beside the in-process build."""
+    lines, machines = [], []
+    head = ["model", "size", "saved MB", "load s (fresh process)", "ONNX Runtime session s",
+            "load / session", "first run s", "outputs bit-identical", "in-process ms",
+            "loaded ms"]
+    rows = []
+    for doc in docs:
+        line = suites.machine_line(doc.get("machine") or {})
+        if line not in machines:
+            machines.append(line)
+        for m in doc.get("models", []):
+            d = m.get("deploy")
+            if not d:
+                continue
+            rows.append([m["model"], m.get("size", ""), f"{d['bytes'] / 2**20:.1f}",
+                         f"{d['load_s']:.3f}", f"{d['ort_session_s']:.3f}",
+                         f"{d['load_vs_ort']:.2f}x", f"{d['first_run_s']:.3f}",
+                         "yes" if d["identical"] else "**NO**", f"{d['in_process_ms']:.3f}",
+                         f"{d['loaded_ms']:.3f}"])
+    lines += machines + ["", "| " + " | ".join(head) + " |", "|---|---|" + "---:|" * 5
+                         + "---|---:|---:|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+KINDS = {"deploy": deploy_table, "suite-table": lambda docs: suite_table(docs[0]), "suite-summary": suite_summary,
          "optimize-report": lambda docs: optimize_report(docs[0])}
 
 
