@@ -71,7 +71,7 @@ REWRITES = (
 
 
 @dataclass
-class SearchResult:
+class RewriteResult:
     module: object
     cost: float
     start_cost: float
@@ -86,7 +86,7 @@ class SearchResult:
 
 def search(mod, cost, rewrites=REWRITES, alpha: float = 1.05, budget_s: float = 60.0,
            max_graphs: int = 500, min_gain: float = 0.0, allowed=None,
-           start_cost: float | None = None, min_gain_ms: float = 0.0) -> SearchResult:
+           start_cost: float | None = None, min_gain_ms: float = 0.0) -> RewriteResult:
     """The best module found from ``mod`` (see the module doc); ``mod`` itself unless the
     best costs at least ``min_gain`` (a fraction) and ``min_gain_ms`` less: measured costs
     carry noise, and a rewrite that gains less than it is no gain. ``allowed(rewrite, mod,
@@ -106,7 +106,7 @@ def search(mod, cost, rewrites=REWRITES, alpha: float = 1.05, budget_s: float = 
 
     queue = [(start, next(tie), mod, [], None)]
     seen = {structural_hash(mod)}
-    result = SearchResult(mod, start, start, graphs=1)
+    result = RewriteResult(mod, start, start, graphs=1)
     costing = []  # seconds each costing took: the next is not started unless one fits
 
     def out_of_time() -> bool:
@@ -162,7 +162,7 @@ def search(mod, cost, rewrites=REWRITES, alpha: float = 1.05, budget_s: float = 
 
 def split_search(mod, cost, rewrites=REWRITES, max_ops: int = 30, alpha: float = 1.05,
                  budget_s: float = 60.0, max_graphs: int = 500,
-                 min_gain: float = 0.0) -> SearchResult:
+                 min_gain: float = 0.0) -> RewriteResult:
     """``search`` over ``mod`` split into pieces of at most ``max_ops`` bindings (module
     doc). A piece with no site inside is not searched; the others share three quarters of
     ``budget_s`` and of ``max_graphs`` by their number of sites (time a piece leaves unused
@@ -178,7 +178,7 @@ def split_search(mod, cost, rewrites=REWRITES, max_ops: int = 30, alpha: float =
     start = cost(mod)
     owner = {v: k for k, piece in enumerate(pieces) for v in piece}
     total = sum(len(p) for p in pieces)
-    out = SearchResult(mod, start, start, graphs=1, pieces=[len(p) for p in pieces])
+    out = RewriteResult(mod, start, start, graphs=1, pieces=[len(p) for p in pieces])
     cur, cur_cost = mod, start
 
     def owners(rw, g, site) -> set | None:
