@@ -106,7 +106,7 @@ def test_the_suite_table_sums_up_collage_against_the_best_f32_framework():
     assert "**0.95x (onnxruntime)**" in text  # below the goal: bold
     summary = text.strip().splitlines()[-1]
     assert "5 rows counted" in summary and "median 1.00x" in summary, summary
-    assert "worst 0.80x (c)" in summary and "2 below 0.97x (b, c)" in summary, summary
+    assert "worst 0.800x (c)" in summary and "2 below 0.97x (b, c)" in summary, summary
     assert "by 3% or more on 2: a, d." in summary, summary
 
 
@@ -133,7 +133,7 @@ def test_a_bf16_table_sums_up_collage_against_openvino_default_and_counts_mixed_
     versus_f32, versus_default = [line for line in text.splitlines() if "rows counted" in line]
     assert "Collage vs best f32" in versus_f32
     assert "Collage vs OpenVINO at its default precision" in versus_default
-    assert "worst 0.50x (b)" in versus_default and "3 below 0.97x" in versus_default
+    assert "worst 0.500x (b)" in versus_default and "3 below 0.97x" in versus_default
     assert "mixed placement (operators on two or more backends) shipped on 2 (a, b)" in versus_f32
     assert "1 of them winning by 3% or more: a." in versus_f32
     assert not suites.is_mixed(rows[2]["build"]) and suites.is_mixed(rows[0]["build"])

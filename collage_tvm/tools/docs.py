@@ -70,7 +70,7 @@ def suite_summary(docs: list) -> str:
         default = suites.suite_stats(rows, "vs_openvino_default") if accuracy != "f32" else None
         cells = [doc["suite"], accuracy, doc.get("input_size", ""), str(len(rows))]
         for st in (f32, default):
-            cells += ([_x(st["median"]), f"{_x(st['worst'][1])} ({st['worst'][0]})",
+            cells += ([_x(st["median"]), f"{st['worst'][1]:.3f}x ({st['worst'][0]})",
                        str(len(st["below"]))] if st else ["", "", ""])
         main = default or f32
         cells += [str(len(main["wins"])) if main else "", str(len(main["mixed"])) if main else "",

@@ -994,7 +994,7 @@ def _summary(rows: list, key: str, what: str, other: str) -> str:
     (worst_model, worst), below, wins = st["worst"], st["below"], st["wins"]
     mixed, mixed_wins = st["mixed"], st["mixed_wins"]
     return (f"{what}: {st['rows']} rows counted; median {st['median']:.2f}x, worst "
-            f"{worst:.2f}x ({worst_model}); {len(below)} below {GOAL}x"
+            f"{worst:.3f}x ({worst_model}); {len(below)} below {GOAL}x"
             + (f" ({', '.join(below)})" if below else "")
             + f"; Collage beats {'every ' if other.endswith('framework') else ''}{other} by 3% "
             f"or more on {len(wins)}"
