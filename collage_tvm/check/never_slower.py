@@ -65,24 +65,61 @@ def never_slower(graph, placement: Placement, backends: dict, target,
     build within the budget, its error against f32 reported ("rel_err": of the scale).
     """
     accuracy = parse_accuracy(accuracy)
-    seeds = CHECK_SEEDS[1:] if not accuracy.strict else ()
     t0 = time.perf_counter()
+    floors = floors or {}
+    builds, graph_of = _builds(graph, placement, backends, op_level, others or {}, floors)
+    results, outputs, runs = _time_builds(builds, graph_of, floors, backends, target, accuracy,
+                                          weight_bytes(graph))
+    ref = _reference(results, builds)
+    for name, out in outputs.items():
+        results[name].update(_budget_of(name, floors, accuracy).check_seeds(out, outputs[ref]))
+    outside = {n for n, f in floors.items() if f.budget is not None}
+    _retime(results, runs, outside, target)
+    results = {n: (dict(results[results[n]["same_as"]], same_as=results[n]["same_as"])
+                   if "same_as" in results[n] else results[n])
+               for n in ["tvm-only", *builds] if n in results}
+    verdict = Verdict(placement, "collage", results, time.perf_counter() - t0, graph)
+    for name in outside & set(results):
+        results[name]["outside_budget"] = str(parse_accuracy(floors[name].budget))
+    ok = {n: r for n, r in results.items()
+          if r["match"] and "lost_to" not in r and n not in outside}
+    if not ok:  # nothing agrees with the reference, not even itself: nothing to choose
+        logger.warning("end to end: no build's outputs match %s's; keeping the placement", ref)
+        return verdict
+    best = min(ok, key=lambda n: ok[n]["ms"])
+    _advise(results, outside, ok[best]["ms"])
+    if best == "collage" or ok[best]["ms"] >= ok.get("collage", {"ms": math.inf})["ms"]:
+        return verdict
+    logger.warning("%s (%.3f ms) beat the collage placement (%.3f ms): shipping %s", best,
+                   ok[best]["ms"], results["collage"]["ms"], best)
+    _ship(verdict, best, builds, op_level, others or {}, floors)
+    return verdict
+
+
+def _builds(graph, placement, backends, op_level, others, floors) -> tuple[dict, dict]:
+    """The contenders: name -> groups (None: a floor, run whole from the user's file), and
+    name -> the graph each is on."""
     builds = {"collage": placement.groups}
     if op_level is not None:
         builds["collage-op-level"] = op_level.groups
     builds.update(single_backend_builds(graph, backends))
     graph_of = {name: graph for name in builds}
-    for name, (other_graph, other) in (others or {}).items():
+    for name, (other_graph, other) in others.items():
         builds[name], graph_of[name] = other.groups, other_graph
-    floors = floors or {}
     for name in floors:
         builds[name], graph_of[name] = None, graph
-    # Collage first: its time sets the cutoff beyond which a build is timed once only (an
-    # untuned TVM build of a big model can take minutes per run). Outputs are compared with
-    # tvm-only's at the end.
+    return builds, graph_of
+
+
+def _time_builds(builds, graph_of, floors, backends, target, accuracy, weights):
+    """Build and time each contender once, keep its outputs (on the check's seeds too) and
+    its run. Collage first: its time sets the cutoff beyond which a build is timed once
+    only (an untuned TVM build of a big model can take minutes per run). A build that is
+    the same placement as an earlier one is recorded as ``same_as`` it. Returns (results,
+    outputs, runs)."""
+    seeds = CHECK_SEEDS[1:] if not accuracy.strict else ()
     results, outputs, runs, seen = {}, {}, {}, {}
     cutoff = None
-    weights = weight_bytes(graph)
     for name in ["collage", "tvm-only"] + [n for n in builds if n not in ("collage", "tvm-only")]:
         same = seen.setdefault(name if name in floors else (
             id(graph_of[name]), frozenset((g.backend, g.nodes) for g in builds[name])), name)
@@ -108,26 +145,31 @@ def never_slower(graph, placement: Placement, backends: dict, target,
         if cutoff is None:
             cutoff = SLOW_BUILD_FACTOR * r["ms"]
         outputs[name] = [r["outputs"]] + outputs_on(executable, graph_of[name], target, seeds)
-        results[name] = {"ms": r["ms"]}
-        if builds[name] is not None:
-            results[name]["ops"] = ops_per_backend(builds[name])
-        if r["cuda_graph"] is not None:  # on a GPU: True, or why it runs launch by launch
-            results[name]["cuda_graph"] = r["cuda_graph"]
-        if r["timed_once"]:
-            results[name]["timed_once"] = True
+        results[name] = _timing(r, builds[name])
         runs[name] = r["run"]
         logger.info("end to end: %s %.3f ms%s", name, r["ms"],
                     " (timed once: hopeless)" if r["timed_once"] else "")
         del executable, r  # held by its run alone: ``_narrow`` can free it
-    ref = _reference(results, builds)
-    reference = outputs[ref]
-    for name, out in outputs.items():
-        results[name].update(_budget_of(name, floors, accuracy).check_seeds(out, reference))
-    # The contenders (correct, within 2x of the fastest) are timed again in alternating
-    # rounds, so the machine's drifting load hits them alike: on a shared 2-core machine
-    # one build timed after another differed by up to 40% from the same build re-timed.
-    # (Builds that are the same placement as another have no run of their own.)
-    outside = {n for n, f in floors.items() if f.budget is not None}
+    return results, outputs, runs
+
+
+def _timing(r: dict, groups) -> dict:
+    """One build's entry in the results: its time, its ops per backend, how it ran."""
+    out = {"ms": r["ms"]}
+    if groups is not None:
+        out["ops"] = ops_per_backend(groups)
+    if r["cuda_graph"] is not None:  # on a GPU: True, or why it runs launch by launch
+        out["cuda_graph"] = r["cuda_graph"]
+    if r["timed_once"]:
+        out["timed_once"] = True
+    return out
+
+
+def _retime(results, runs, outside, target) -> None:
+    """The contenders (correct, within 2x of the fastest) are timed again in alternating
+    rounds, so the machine's drifting load hits them alike: on a shared 2-core machine one
+    build timed after another differed by up to 40% from the same build re-timed. (Builds
+    that are the same placement as another have no run of their own.)"""
     fastest = min((results[n]["ms"] for n in runs if results[n]["match"] and n not in outside),
                   default=math.inf)
     contenders = {n: runs[n] for n in runs
@@ -136,35 +178,21 @@ def never_slower(graph, placement: Placement, backends: dict, target,
         for name, ms in interleaved(contenders, sync=device_sync(target)).items():
             results[name].setdefault("first_ms", results[name]["ms"])
             results[name]["ms"] = ms
-    results = {n: (dict(results[results[n]["same_as"]], same_as=results[n]["same_as"])
-                   if "same_as" in results[n] else results[n])
-               for n in ["tvm-only", *builds] if n in results}
-    verdict = Verdict(placement, "collage", results, time.perf_counter() - t0, graph)
-    for name in outside & set(results):
-        results[name]["outside_budget"] = str(parse_accuracy(floors[name].budget))
-    ok = {n: r for n, r in results.items()
-          if r["match"] and "lost_to" not in r and n not in outside}
-    if not ok:  # nothing agrees with the reference, not even itself: nothing to choose
-        logger.warning("end to end: no build's outputs match %s's; keeping the placement", ref)
-        return verdict
-    best = min(ok, key=lambda n: ok[n]["ms"])
-    _advise(results, outside, ok[best]["ms"])
-    if best == "collage" or ok[best]["ms"] >= ok.get("collage", {"ms": math.inf})["ms"]:
-        return verdict
+
+
+def _ship(verdict, best, builds, op_level, others, floors) -> None:
+    """``best`` beat the placement: the verdict ships it."""
     verdict.shipped = best
-    logger.warning("%s (%.3f ms) beat the collage placement (%.3f ms): shipping %s", best,
-                   ok[best]["ms"], results["collage"]["ms"], best)
     if best in floors:
         verdict.floor = floors[best].backend
         verdict.placement = Placement([], math.nan)
     elif best == "collage-op-level":
         verdict.placement = op_level
-    elif best in (others or {}):
+    elif best in others:
         verdict.graph, verdict.placement = others[best]
     else:
         groups = builds[best]
         verdict.placement = Placement(groups, math.nan, {g: f"baseline:{best}" for g in groups})
-    return verdict
 
 
 def ops_per_backend(groups) -> dict:

@@ -143,44 +143,37 @@ class GraphLevelSearch:
             cxpb: float = 0.6, mutpb: float = 0.4, immigrants: int = 2,
             max_generations: int = 1000,
             on_generation: Callable | None = None) -> GraphLevelResult:
-        from deap import base, creator, tools
-
+        """The (mu + lambda) search: DEAP's ``varAnd`` variation, survival over distinct
+        placements, a ``HallOfFame`` holding the best, stopped by the budget, by
+        ``patience`` generations without a 0.1% gain, or when every placement was
+        measured. DEAP's operators draw from the global ``random``: it is seeded from
+        ``seed`` for the search and given back as it was."""
         t_start = time.perf_counter()
-        if not hasattr(creator, "CollageFitnessMin"):
-            creator.create("CollageFitnessMin", base.Fitness, weights=(-1.0,))
-            creator.create("CollageIndividual", list, fitness=creator.CollageFitnessMin)
-        Individual = creator.CollageIndividual
-        toolbox = base.Toolbox()
-        toolbox.register("mate", tools.cxTwoPoint)
-        toolbox.register("mutate", tools.mutFlipBit, indpb=max(2.0 / max(self.n_genes, 1), 0.02))
-        toolbox.register("select", tools.selTournament, tournsize=3)
-
         seed_groups, _ = self.decode([0] * self.n_genes)
         result = GraphLevelResult(self.placement, math.inf, math.inf)
         if self.n_genes == 0:
-            result.stopped = "exhausted"
-            if len(self.on_lib) < 2:
-                logger.info("graph-level: no op-level group can run on a graph library; "
-                            "nothing to search")
-                return result
-            # Every group a library can run is on it already: the one choice left is
-            # whether its touching calls run merged (fewer, larger library calls).
-            merged = merge_offloaded(self.graph, list(self.placement.groups), set(self.on_lib))
-            result.seed_ms = self.fitness_of(seed_groups)
-            merged_ms = self.fitness_of(self.order(self.graph, merged))
-            result.evaluated = len(self.memo)
-            result.invalid = dict(self.invalid)
-            if merged_ms < result.seed_ms:
-                chosen = {g: ("graph-level" if g.label.endswith(".graph") else
-                              self.placement.chosen_by.get(g, "op-level")) for g in merged}
-                result.placement = Placement(self.order(self.graph, merged), merged_ms, chosen)
-            result.best_ms = min(merged_ms, result.seed_ms)
-            result.history.append({"gen": 0, "best_ms": result.best_ms,
-                                   "evaluated": result.evaluated,
-                                   "elapsed_s": time.perf_counter() - t_start})
-            logger.info("graph-level: every eligible group is on its library already; its "
-                        "calls merged: %.3f ms, as placed: %.3f ms", merged_ms, result.seed_ms)
-            return result
+            return self._merge_only(result, seed_groups, t_start)
+        state = random.getstate()
+        random.seed(self.rng.random())
+        try:
+            best = self._evolve(result, t_start, budget_s, population, patience, cxpb, mutpb,
+                                immigrants, max_generations, on_generation)
+        finally:
+            random.setstate(state)
+        result.seed_ms = self.memo[self.key(seed_groups)]
+        groups, chosen = self.decode(best)
+        result.best_ms = best.fitness.values[0]
+        result.placement = Placement(groups, result.best_ms, chosen)
+        result.evaluated = len(self.memo)
+        result.invalid = dict(self.invalid)
+        return result
+
+    def _evolve(self, result, t_start, budget_s, population, patience, cxpb, mutpb,
+                immigrants, max_generations, on_generation):
+        """The generations; returns the best individual. Sets ``result.stopped``."""
+        from deap import algorithms, tools
+
+        toolbox, Individual = self._toolbox()
 
         def out_of_time() -> bool:
             return time.perf_counter() - t_start > budget_s
@@ -193,58 +186,88 @@ class GraphLevelSearch:
 
         pop = [Individual(s) for s in self.seeds()]
         while len(pop) < population:
-            pop.append(Individual(self.rng.randint(0, 1) for _ in range(self.n_genes)))
-        random.seed(self.rng.random())  # DEAP's operators draw from the global generator
+            pop.append(self._random(Individual))
         assess(pop)
-        result.seed_ms = self.memo[self.key(seed_groups)]
-        best = tools.selBest(pop, 1)[0]
+        fame = tools.HallOfFame(1)
+        fame.update(pop)
+        stats = tools.Statistics(lambda ind: ind.fitness.values[0])
+        stats.register("best_ms", min)
         stale, gen = 0, 0
-        self._record(result, gen, best, t_start, on_generation)
-        while True:
-            if out_of_time():
-                result.stopped = "budget"
-                break
-            if stale >= patience:
-                result.stopped = "saturation"
-                break
-            if gen >= max_generations or len(self.memo) >= 2 ** min(self.n_genes, 60):
-                result.stopped = "exhausted"
-                break
+        self._record(result, gen, stats.compile(pop), t_start, on_generation)
+        while not self._stop(result, out_of_time(), stale >= patience, gen >= max_generations):
             gen += 1
-            offspring = [toolbox.clone(ind) for ind in toolbox.select(pop, population)]
-            for a, b in zip(offspring[::2], offspring[1::2]):
-                if random.random() < cxpb:
-                    toolbox.mate(a, b)
+            offspring = algorithms.varAnd(toolbox.select(pop, population), toolbox, cxpb, mutpb)
             for ind in offspring:
-                if random.random() < mutpb:
-                    toolbox.mutate(ind)
                 # Every evaluation costs a build and a timing run: an offspring that decodes
                 # to a placement already measured is mutated again (a few tries).
                 for _ in range(3):
                     if self.key(self.decode(ind)[0]) not in self.memo:
                         break
                     toolbox.mutate(ind)
-                del ind.fitness.values
+                    del ind.fitness.values
             # Fresh random individuals keep the population from collapsing onto one
             # placement (on a dozen individuals a GA converges fast).
             for k in range(1, min(immigrants, len(offspring)) + 1):
-                offspring[-k] = Individual(self.rng.randint(0, 1) for _ in range(self.n_genes))
+                offspring[-k] = self._random(Individual)
             assess(offspring)
             # (mu + lambda) survival over distinct placements: parents compete with their
             # offspring, so a good runner-up (e.g. the other library's seed) is not lost.
             pop = self._distinct_best(pop + offspring, population)
-            new_best = tools.selBest(pop, 1)[0]
-            if new_best.fitness.values[0] < best.fitness.values[0] * (1 - 1e-3):
-                stale = 0
-            else:
-                stale += 1
-            best = new_best
-            self._record(result, gen, best, t_start, on_generation)
-        groups, chosen = self.decode(best)
-        result.best_ms = best.fitness.values[0]
-        result.placement = Placement(groups, result.best_ms, chosen)
+            before = fame[0].fitness.values[0]
+            fame.update(pop)
+            stale = 0 if fame[0].fitness.values[0] < before * (1 - 1e-3) else stale + 1
+            self._record(result, gen, stats.compile(pop), t_start, on_generation)
+        return fame[0]
+
+    def _toolbox(self):
+        """DEAP's toolbox as the paper uses it: two-point crossover, bit-flip mutation,
+        tournament selection; minimising latency."""
+        from deap import base, creator, tools
+
+        if not hasattr(creator, "CollageFitnessMin"):
+            creator.create("CollageFitnessMin", base.Fitness, weights=(-1.0,))
+            creator.create("CollageIndividual", list, fitness=creator.CollageFitnessMin)
+        toolbox = base.Toolbox()
+        toolbox.register("mate", tools.cxTwoPoint)
+        toolbox.register("mutate", tools.mutFlipBit, indpb=max(2.0 / max(self.n_genes, 1), 0.02))
+        toolbox.register("select", tools.selTournament, tournsize=3)
+        return toolbox, creator.CollageIndividual
+
+    def _random(self, Individual):
+        return Individual(self.rng.randint(0, 1) for _ in range(self.n_genes))
+
+    def _stop(self, result, out_of_time: bool, saturated: bool, last_gen: bool) -> bool:
+        if out_of_time:
+            result.stopped = "budget"
+        elif saturated:
+            result.stopped = "saturation"
+        elif last_gen or len(self.memo) >= 2 ** min(self.n_genes, 60):
+            result.stopped = "exhausted"
+        return bool(result.stopped)
+
+    def _merge_only(self, result, seed_groups, t_start) -> GraphLevelResult:
+        """No gene to search. With groups on graph libraries already, the one choice left
+        is whether their touching calls run merged (fewer, larger library calls)."""
+        result.stopped = "exhausted"
+        if len(self.on_lib) < 2:
+            logger.info("graph-level: no op-level group can run on a graph library; "
+                        "nothing to search")
+            return result
+        merged = merge_offloaded(self.graph, list(self.placement.groups), set(self.on_lib))
+        result.seed_ms = self.fitness_of(seed_groups)
+        merged_ms = self.fitness_of(self.order(self.graph, merged))
         result.evaluated = len(self.memo)
         result.invalid = dict(self.invalid)
+        if merged_ms < result.seed_ms:
+            chosen = {g: ("graph-level" if g.label.endswith(".graph") else
+                          self.placement.chosen_by.get(g, "op-level")) for g in merged}
+            result.placement = Placement(self.order(self.graph, merged), merged_ms, chosen)
+        result.best_ms = min(merged_ms, result.seed_ms)
+        result.history.append({"gen": 0, "best_ms": result.best_ms,
+                               "evaluated": result.evaluated,
+                               "elapsed_s": time.perf_counter() - t_start})
+        logger.info("graph-level: every eligible group is on its library already; its "
+                    "calls merged: %.3f ms, as placed: %.3f ms", merged_ms, result.seed_ms)
         return result
 
     def _distinct_best(self, individuals, n) -> list:
@@ -258,8 +281,8 @@ class GraphLevelSearch:
                 break
         return out
 
-    def _record(self, result, gen, best, t_start, on_generation) -> None:
-        entry = {"gen": gen, "best_ms": best.fitness.values[0], "evaluated": len(self.memo),
+    def _record(self, result, gen, stats: dict, t_start, on_generation) -> None:
+        entry = {"gen": gen, "best_ms": stats["best_ms"], "evaluated": len(self.memo),
                  "elapsed_s": time.perf_counter() - t_start}
         result.history.append(entry)
         logger.info("graph-level gen %d: best %.3f ms (%d placements measured, %.0f s)",
