@@ -325,12 +325,12 @@ def search(model, target="llvm", options: SearchOptions | None = None, db=None,
     module is traced with them, and every build is checked and timed on them first
     (``given_inputs``; the later check seeds stay random).
     """
-    with given_inputs(_example_arrays(example_inputs)):
+    with given_inputs(example_arrays(example_inputs)):
         return _search_model(model, target, options, db, placement_log, example_inputs,
                              input_shapes, tuning_db)
 
 
-def _example_arrays(example_inputs) -> list | None:
+def example_arrays(example_inputs) -> list | None:
     """The user's example inputs as numpy arrays (None when there are none)."""
     if example_inputs is None:
         return None
@@ -345,114 +345,203 @@ def _example_arrays(example_inputs) -> list | None:
     return out
 
 
+@dataclass
+class SearchState:
+    """One search's state. The stages (``STAGES``) take it in order, each filling in what
+    it found; one that finishes the search early (the model runs whole on a library, the
+    placement log answers, ...) sets ``done``."""
+
+    model: object                 # as the user gave it: ONNX path/proto, torch module, IRModule
+    target: tvm.target.Target
+    options: SearchOptions
+    backends: dict                # name -> Backend, the ones that load here
+    report: BuildReport
+    user_file: ModelFile          # the user's model as a file a graph library runs whole
+    example_inputs: object = None
+    input_shapes: dict | None = None
+    db: object = None             # the cost DB as given (path or CostDB)
+    placement_log: object = None
+    tuning_db: object = None
+    t_start: float = field(default_factory=time.perf_counter)
+    mod: tvm.IRModule | None = None          # the imported (and rewritten) model
+    graph: DataflowGraph | None = None       # its dataflow graph
+    original: tvm.IRModule | None = None     # before the rewrites, when they changed it
+    unrewritten: DataflowGraph | None = None  # its graph
+    cost_db: CostDB | None = None
+    log: PlacementLog | None = None
+    tuning: TuningDB | None = None
+    key: str = ""                 # the placement log's key
+    logged: dict | None = None    # the placement log's record for ``key``
+    placement: Placement | None = None
+    done: SearchResult | None = None
+
+    def result(self, graph=None, placement=None, module=None, tuning=None) -> SearchResult:
+        return SearchResult(graph, Placement([], math.nan) if placement is None else placement,
+                            self.backends, self.report, self.target,
+                            self.mod if module is None else module, tuning)
+
+    def imported(self) -> None:
+        self.report.times["import"] = time.perf_counter() - self.t_start
+
+
 def _search_model(model, target, options, db, placement_log, example_inputs, input_shapes,
                   tuning_db) -> SearchResult:
+    state = start(model, target, options, example_inputs, input_shapes, db=db,
+                  placement_log=placement_log, tuning_db=tuning_db)
+    try:
+        for stage in STAGES:
+            stage(state)
+            if state.done is not None:
+                return state.done
+        raise AssertionError("the last stage always finishes the search")
+    finally:
+        state.user_file.close()
+
+
+def start(model, target, options, example_inputs=None, input_shapes=None, **stores) -> SearchState:
+    """The state a search starts from: the target, the backends that load, the report."""
     options = options or SearchOptions()
     t_start = time.perf_counter()
     target = make_target(target)
     backends, skipped = resolve_backends(options.backends, target, options.accuracy)
-    report = BuildReport(backends=list(backends), skipped=skipped)
-    user_file = model_file(model, example_inputs)
-    try:
-        return _search_imported(model, target, options, db, placement_log, example_inputs,
-                                input_shapes, tuning_db, backends, report, t_start, user_file)
-    finally:
-        user_file.close()
+    return SearchState(model, target, options, backends,
+                       BuildReport(backends=list(backends), skipped=skipped),
+                       model_file(model, example_inputs), example_inputs, input_shapes,
+                       t_start=t_start, **stores)
 
 
-def _search_imported(model, target, options, db, placement_log, example_inputs, input_shapes,
-                     tuning_db, backends, report, t_start, user_file) -> SearchResult:
+def import_model(state: SearchState) -> None:
+    """The model as a normalized Relax module. One TVM cannot import runs whole on a
+    graph library that can (``done``)."""
     try:
-        mod = normalize_for_collage(load_model(model, example_inputs, input_shapes))
+        state.mod = normalize_for_collage(load_model(state.model, state.example_inputs,
+                                                     state.input_shapes))
         release_memory()  # the importer's copies of the weights are garbage now
     except ModelError as err:
         if err.proto is None:
             raise
-        mod = _whole_on_a_library(err, backends, input_shapes, report)
-        report.times["import"] = time.perf_counter() - t_start
-        return SearchResult(None, Placement([], math.nan), backends, report, target, mod)
-    if not options.accuracy.strict:
-        report.precision = {"accuracy": str(options.accuracy), **{
+        state.mod = _whole_on_a_library(err, state.backends, state.input_shapes, state.report)
+        state.imported()
+        state.done = state.result()
+        return
+    if not state.options.accuracy.strict:
+        state.report.precision = {"accuracy": str(state.options.accuracy), **{
             p: (why or "available") if ok else f"not used: {why}"
             for p, (ok, why) in cpu_precisions().items() if p != "f32"}}
+
+
+def rewrite_graph(state: SearchState) -> None:
+    """The verified rewrites (``options.rewrite``), then the dataflow graph. A model that
+    is not one dataflow block stays on TVM whole (``done``)."""
     try:
-        why = dynamic_input(mod["main"])
+        why = dynamic_input(state.mod["main"])
         if why:
             raise NotDataflow(why)
-        unrewritten = original = None
-        if options.rewrite:
-            rewritten = _rewrite(mod, backends, target, db, options, report)
-            if rewritten is not mod:  # the fold or a searched rewrite changed it
-                original, unrewritten, mod = mod, DataflowGraph.from_module(mod), rewritten
-        graph = DataflowGraph.from_module(mod)
+        if state.options.rewrite:
+            rewritten = _rewrite(state.mod, state.backends, state.target, state.db,
+                                 state.options, state.report)
+            if rewritten is not state.mod:  # the fold or a searched rewrite changed it
+                state.original, state.unrewritten = state.mod, DataflowGraph.from_module(state.mod)
+                state.mod = rewritten
+        state.graph = DataflowGraph.from_module(state.mod)
     except NotDataflow as err:  # compiled as TVM alone would: nothing to place
         logger.warning("the whole model stays on TVM: %s", err)
-        report.kept_on_tvm = [f"the whole model: {err}"]
-        report.times["import"] = time.perf_counter() - t_start
-        return SearchResult(None, Placement([], math.nan), backends, report, target, mod)
-    cost_db = open_db(db)
-    log = open_placement_log(placement_log, cost_db)
-    tuning = open_tuning(options, cost_db, target, tuning_db)
-    if tuning is not None:
-        report.tuning = {"path": tuning.path, "records": len(tuning)}
-    key = placement_key(graph.func, target, backends, options,
-                        tuning.digest() if tuning is not None else "")
-    report.times["import"] = time.perf_counter() - t_start
+        state.report.kept_on_tvm = [f"the whole model: {err}"]
+        state.imported()
+        state.done = state.result()
 
-    logged = log.get(key)
-    if logged and logged.get("unrewritten") and unrewritten is not None:
-        graph, mod = unrewritten, original  # it beat the rewritten graph
+
+def open_stores(state: SearchState) -> None:
+    """The cost DB, the placement log, the tuning records; the placement log's key."""
+    state.cost_db = open_db(state.db)
+    state.log = open_placement_log(state.placement_log, state.cost_db)
+    state.tuning = open_tuning(state.options, state.cost_db, state.target, state.tuning_db)
+    if state.tuning is not None:
+        state.report.tuning = {"path": state.tuning.path, "records": len(state.tuning)}
+    state.key = placement_key(state.graph.func, state.target, state.backends, state.options,
+                              state.tuning.digest() if state.tuning is not None else "")
+    state.imported()
+
+
+def from_log(state: SearchState) -> None:
+    """The placement log's answer, when it has one: a placement (nothing is measured), or
+    the user's file whole on a library (``done``)."""
+    logged, report = state.log.get(state.key), state.report
+    if logged and logged.get("unrewritten") and state.unrewritten is not None:
+        state.graph, state.mod = state.unrewritten, state.original  # it beat the rewritten graph
     if logged and logged.get("whole_model"):
-        whole = _floor_module(logged["whole_model"], user_file, input_shapes, graph)
+        whole = _floor_module(logged["whole_model"], state.user_file, state.input_shapes,
+                              state.graph)
         if whole is not None:
             report.placement_from_log = True
             report.comparison = logged.get("comparison", {})
             report.shipped = logged.get("shipped", "")
             report.whole_model = {"backend": logged["whole_model"], "floor": True,
                                   "why": "the placement log's verdict"}
-            report.ops_per_backend = {logged["whole_model"]: len(graph)}
-            return SearchResult(None, Placement([], math.nan), backends, report, target, whole)
+            report.ops_per_backend = {logged["whole_model"]: len(state.graph)}
+            state.done = state.result(module=whole)
+            return
         logged = None
-    placement = placement_from_record(logged, graph, backends)
-    if placement is not None:
+    state.placement = placement_from_record(logged, state.graph, state.backends)
+    if state.placement is not None:
         report.placement_from_log = True
-        report.estimated_ms = placement.cost
+        report.estimated_ms = state.placement.cost
         report.comparison = logged.get("comparison", {})
         report.shipped = logged.get("shipped", "collage")
         report.graph_level = logged.get("graph_level", {})
+
+
+def search_placement(state: SearchState) -> None:
+    """Both levels and the final check (``_search``) when the log had no placement; the
+    verdict goes to the placement log. The user's file whole on a library that won ships
+    as it is (``done``)."""
+    if state.placement is not None:
+        return
+    report, graph = state.report, state.graph
+    floors = {}
+    if state.options.compare:
+        floors = _floors(state.user_file, state.backends, state.target, state.options.accuracy,
+                         state.input_shapes, graph.func, report)
     else:
-        floors = {}
-        if options.compare:
-            floors = _floors(user_file, backends, target, options.accuracy, input_shapes,
-                             graph.func, report)
-        else:
-            report.floor = "the final check is off (--no-compare)"
-        with use_tuning_db(tuning):
-            try:
-                placement, shipped_graph = _search(graph, backends, target, cost_db, options,
-                                                   report, unrewritten, floors)
-            except Exception as err:
-                raise _unsupported(report, err) or err
-        record = placement_record(placement, shipped_graph, target, report.comparison,
-                                  report.shipped, report.graph_level)
-        if report.whole_model:  # the user's model file, whole on a library, won
-            lib = report.whole_model["backend"]
-            whole = _floor_module(lib, user_file, input_shapes, graph)
-            if whole is not None:
-                log.put(key, {**record, "whole_model": lib})
-                report.ops_per_backend = {lib: len(graph)}
-                logger.info("collage: %s", report.summary())
-                return SearchResult(None, placement, backends, report, target, whole)
-            # (it ran in the final check a moment ago; nothing is lost if it no longer loads)
-            report.whole_model, report.shipped = {}, "tvm-only"
-            placement = Placement(single_ops(graph), math.nan)
-        if shipped_graph is not graph:  # the unrewritten graph was faster
-            graph, mod = shipped_graph, original
-            record["unrewritten"] = True
-        log.put(key, record)
-    report.ops_per_backend = ops_per_backend(placement.groups)
-    logger.info("collage: %s", report.summary())
-    return SearchResult(graph, placement, backends, report, target, mod, tuning)
+        report.floor = "the final check is off (--no-compare)"
+    with use_tuning_db(state.tuning):
+        try:
+            placement, shipped_graph = _search(graph, state.backends, state.target,
+                                               state.cost_db, state.options, report,
+                                               state.unrewritten, floors)
+        except Exception as err:
+            raise _unsupported(report, err) or err
+    record = placement_record(placement, shipped_graph, state.target, report.comparison,
+                              report.shipped, report.graph_level)
+    if report.whole_model:  # the user's model file, whole on a library, won
+        lib = report.whole_model["backend"]
+        whole = _floor_module(lib, state.user_file, state.input_shapes, graph)
+        if whole is not None:
+            state.log.put(state.key, {**record, "whole_model": lib})
+            report.ops_per_backend = {lib: len(graph)}
+            logger.info("collage: %s", report.summary())
+            state.done = state.result(placement=placement, module=whole)
+            return
+        # (it ran in the final check a moment ago; nothing is lost if it no longer loads)
+        report.whole_model, report.shipped = {}, "tvm-only"
+        placement = Placement(single_ops(graph), math.nan)
+    if shipped_graph is not graph:  # the unrewritten graph was faster
+        state.graph, state.mod = shipped_graph, state.original
+        record["unrewritten"] = True
+    state.log.put(state.key, record)
+    state.placement = placement
+
+
+def finish(state: SearchState) -> None:
+    """The search's result: the placement on its graph."""
+    state.report.ops_per_backend = ops_per_backend(state.placement.groups)
+    logger.info("collage: %s", state.report.summary())
+    state.done = state.result(state.graph, state.placement, tuning=state.tuning)
+
+
+#: The search, stage by stage (``_search`` holds the stages of a new placement: candidates,
+#: costs, op level, carve/refine/calibrate, graph level, final check).
+STAGES = (import_model, rewrite_graph, open_stores, from_log, search_placement, finish)
 
 
 def _rewrite(mod, backends, target, db, options: SearchOptions, report) -> tvm.IRModule:

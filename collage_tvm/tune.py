@@ -24,14 +24,13 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from .build import open_db, resolve_backends
-from .frontend import load_model, normalize_for_collage
-from .graph import DataflowGraph
-from .graph.subgraph import extract_function, function_key
+from .build import example_arrays, import_model, open_db, rewrite_graph, start
+from .frontend import ModelError
+from .options import SearchOptions
+from .graph.subgraph import extract_function, function_key, given_inputs
 from .lower import candidate_vm, candidate_vm_for
 from .measure.measurer import Measurer
 from .patterns import generate_candidates
-from .target import make_target
 from .tuning import (KernelResult, KernelToTune, TuningDB, default_dir, kernel_key, kernels,
                      tune_kernels, use_tuning_db)
 from .tuning.tuner import MIN_TRIALS
@@ -127,24 +126,43 @@ def _budget_spent(tdb: TuningDB, item: KernelToTune, trials: int) -> KernelResul
                         reason="" if done else "budget spent by earlier tunes")
 
 
+def _imported(model, target, options, db, example_inputs, input_shapes) -> tuple:
+    """(graph, target, backends, cost DB): the search's import and rewrite stages."""
+    state = start(model, target, options, example_inputs, input_shapes, db=db)
+    try:
+        with given_inputs(example_arrays(example_inputs)):
+            for stage in (import_model, rewrite_graph):
+                stage(state)
+                if state.done is not None:
+                    raise ModelError("nothing to tune: "
+                                     + "; ".join(state.report.kept_on_tvm or
+                                                 [f"the model runs whole on "
+                                                  f"{state.report.whole_model.get('backend')}"]))
+    finally:
+        state.user_file.close()
+    return state.graph, state.target, state.backends, open_db(db)
+
+
 def tune(model, target="llvm", backends=None, db=None, tuning_db=None, budget: float = 600.0,
          trials: int = 64, example_inputs=None, input_shapes=None, progress: bool = True,
-         isolate: bool = True, on_kernel=None) -> TuneReport:
+         isolate: bool = True, on_kernel=None, rewrite: bool = False) -> TuneReport:
     """Tune the TVM kernels ``model``'s placement could use until the model has had about
     ``budget`` seconds of tuning, earlier tunes of it included (the same call twice tunes
     once; a larger budget tunes more; measuring the candidates is not counted), at most
     ``trials`` schedules per kernel. ``db``: the cost DB (path or ``CostDB``; default as ``optimize``).
     ``tuning_db``: where the records go (default: next to the cost DB, one directory per
     target). ``backends``: as ``optimize`` (default ``tvm,dnnl``): the libraries whose
-    costs decide what is worth tuning. Returns a ``TuneReport``."""
+    costs decide what is worth tuning. ``rewrite``: tune the graph the verified rewrites
+    give, as ``optimize(..., rewrite=True)`` places it. The model is imported (and
+    rewritten) by the search's own first stages (``build.STAGES``), with the user's
+    ``example_inputs``. Returns a ``TuneReport``."""
     t_start = time.perf_counter()
-    target = make_target(target)
     if budget <= 0:
         raise ValueError(f"budget must be > 0 seconds, got {budget}")
-    mod = normalize_for_collage(load_model(model, example_inputs, input_shapes))
-    backends, _ = resolve_backends(list(backends or ("tvm", "dnnl")), target)
-    graph = DataflowGraph.from_module(mod)
-    cost_db = open_db(db)
+    options = SearchOptions(backends=list(backends or ("tvm", "dnnl")), rewrite=rewrite,
+                            isolate=isolate, progress=progress)
+    graph, target, backends, cost_db = _imported(model, target, options, db, example_inputs,
+                                                 input_shapes)
     path = tuning_db or default_dir(getattr(cost_db, "path", None), target)
     if path is None:
         raise ValueError("an in-memory cost DB has no place for a tuning database: "
