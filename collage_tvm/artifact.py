@@ -282,12 +282,7 @@ def save(result, path, *, input_names=None, output_names=None) -> Path:
     one or none, never half of one. An existing ``path`` is replaced only if it is an
     artifact (or empty). Returns ``path``.
     """
-    import tvm
-
-    from ._version import __version__
-    from ._errors import first_line
-    from .registry import get_backend
-    from .target import cpu_model, make_target
+    from .target import make_target
 
     path = Path(path).expanduser()
     if path.exists() and not (path.is_dir() and ((path / MANIFEST).is_file()
@@ -299,61 +294,11 @@ def save(result, path, *, input_names=None, output_names=None) -> Path:
     target = result.target if result.target is not None else make_target("llvm")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    old = None
     try:
-        (tmp / REGIONS).mkdir()
-        regions, count = _save_regions(result.module, tmp / REGIONS)
-        try:
-            result.executable.export_library(str(tmp / KERNELS))
-        except Exception as err:
-            raise ArtifactError(f"TVM could not write its kernels as a shared library "
-                                f"({first_line(err, 300)}): export_library needs a C "
-                                "compiler (gcc or clang) on this machine") from err
-        if result.graph is not None:
-            from .placement import placement_record
-
-            (tmp / PLACEMENT).write_text(json.dumps(_jsonable(placement_record(
-                result.placement, result.graph, target, result.report.comparison,
-                result.report.shipped, result.report.graph_level)), indent=1))
+        manifest = _write_contents(result, tmp, target)
         whole_in, whole_out = _whole_model_names(result.module)
-        inputs, outputs, is_tuple = _signature(result.module["main"],
-                                                input_names or whole_in,
-                                                output_names or whole_out)
-        backends = {}
-        for name in sorted({e["backend"] for e in regions}):
-            b = get_backend(name)
-            backends[name] = {"version": b.version(), "precision": b.precision,
-                              "kind": b.kind, "device": b.device, "regions": count[name]}
-        needs = []
-        kernel_features = _kernel_features(target)
-        if kernel_features:
-            mcpu = target.attrs.get("mcpu", "") or "a generic CPU"
-            needs.append({"features": kernel_features,
-                          "for": f"TVM's kernels (compiled for {mcpu} on {cpu_model()})"})
-        bf16 = sorted(n for n, b in backends.items() if b["precision"] == "bf16"
-                      and b["device"] == "cpu")
-        if bf16:
-            needs.append({"any_of": list(BF16_FEATURES),
-                          "for": f"the bf16 regions on {', '.join(bf16)}"})
-        report = result.report
-        manifest = {
-            "format": FORMAT, "format_version": FORMAT_VERSION,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "versions": {"collage_tvm": __version__, "tvm": tvm.__version__,
-                         "python": platform.python_version()},
-            "target": str(target), "device": "cuda" if target.kind.name == "cuda" else "cpu",
-            "machine": {"arch": platform.machine(), "cpu": cpu_model(), "system": sys.platform},
-            "cuda_arch": str(target.attrs.get("arch", "")) if target.kind.name == "cuda" else "",
-            "cpu_needs": needs,
-            "backends": backends,
-            "inputs": inputs, "outputs": outputs, "outputs_tuple": is_tuple,
-            "accuracy": report.precision.get("accuracy", "f32") if report.precision else "f32",
-            "placement": _placement_summary(result),
-            "latency_ms": {n: r.get("ms") for n, r in report.comparison.items()},
-            "comparison": report.comparison,
-            "kernels": KERNELS,
-            "regions": regions,
-        }
+        manifest.update(zip(("inputs", "outputs", "outputs_tuple"), _signature(
+            result.module["main"], input_names or whole_in, output_names or whole_out)))
         manifest["files"] = {p.relative_to(tmp).as_posix(): p.stat().st_size
                              for p in sorted(tmp.rglob("*")) if p.is_file()}
         (tmp / MANIFEST).write_text(json.dumps(_jsonable(manifest), indent=1) + "\n")
@@ -361,6 +306,91 @@ def save(result, path, *, input_names=None, output_names=None) -> Path:
         mask = os.umask(0)
         os.umask(mask)
         os.chmod(tmp, 0o777 & ~mask)  # mkdtemp made it private; an artifact is a plain folder
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _move_into_place(tmp, path)
+    return path
+
+
+def _write_contents(result, tmp: Path, target) -> dict:
+    """The regions' files, TVM's kernels and the placement, written into ``tmp``; returns
+    the manifest describing them (its input/output signature and file list still to add)."""
+    from ._errors import first_line
+
+    (tmp / REGIONS).mkdir()
+    regions, count = _save_regions(result.module, tmp / REGIONS)
+    try:
+        result.executable.export_library(str(tmp / KERNELS))
+    except Exception as err:
+        raise ArtifactError(f"TVM could not write its kernels as a shared library "
+                            f"({first_line(err, 300)}): export_library needs a C "
+                            "compiler (gcc or clang) on this machine") from err
+    if result.graph is not None:
+        from .placement import placement_record
+
+        (tmp / PLACEMENT).write_text(json.dumps(_jsonable(placement_record(
+            result.placement, result.graph, target, result.report.comparison,
+            result.report.shipped, result.report.graph_level)), indent=1))
+    return _manifest(result, target, regions, count)
+
+
+def _manifest(result, target, regions: list, count: dict) -> dict:
+    """What built the artifact, what it needs to run, and what it holds."""
+    import tvm
+
+    from ._version import __version__
+    from .registry import get_backend
+    from .target import cpu_model
+
+    backends = {}
+    for name in sorted({e["backend"] for e in regions}):
+        b = get_backend(name)
+        backends[name] = {"version": b.version(), "precision": b.precision,
+                          "kind": b.kind, "device": b.device, "regions": count[name]}
+    report = result.report
+    return {
+        "format": FORMAT, "format_version": FORMAT_VERSION,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "versions": {"collage_tvm": __version__, "tvm": tvm.__version__,
+                     "python": platform.python_version()},
+        "target": str(target), "device": "cuda" if target.kind.name == "cuda" else "cpu",
+        "machine": {"arch": platform.machine(), "cpu": cpu_model(), "system": sys.platform},
+        "cuda_arch": str(target.attrs.get("arch", "")) if target.kind.name == "cuda" else "",
+        "cpu_needs": _cpu_needs(target, backends),
+        "backends": backends,
+        "accuracy": report.precision.get("accuracy", "f32") if report.precision else "f32",
+        "placement": _placement_summary(result),
+        "latency_ms": {n: r.get("ms") for n, r in report.comparison.items()},
+        "comparison": report.comparison,
+        "kernels": KERNELS,
+        "regions": regions,
+    }
+
+
+def _cpu_needs(target, backends: dict) -> list:
+    """The CPU features the kernels were compiled for and the bf16 regions need."""
+    from .target import cpu_model
+
+    needs = []
+    kernel_features = _kernel_features(target)
+    if kernel_features:
+        mcpu = target.attrs.get("mcpu", "") or "a generic CPU"
+        needs.append({"features": kernel_features,
+                      "for": f"TVM's kernels (compiled for {mcpu} on {cpu_model()})"})
+    bf16 = sorted(n for n, b in backends.items() if b["precision"] == "bf16"
+                  and b["device"] == "cpu")
+    if bf16:
+        needs.append({"any_of": list(BF16_FEATURES),
+                      "for": f"the bf16 regions on {', '.join(bf16)}"})
+    return needs
+
+
+def _move_into_place(tmp: Path, path: Path) -> None:
+    """Rename the finished ``tmp`` to ``path``; an artifact already there is moved aside
+    first and put back if the rename fails."""
+    old = None
+    try:
         if path.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
             os.rename(path, old / "a")
@@ -374,7 +404,6 @@ def save(result, path, *, input_names=None, output_names=None) -> Path:
     finally:
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-    return path
 
 
 # ---------------------------------------------------------------------------- load
