@@ -70,6 +70,9 @@ class GraphLibraryLowering(Lowering):
     """Base class: export to ONNX, compile with the library, return a zero-copy callable."""
 
     name = "graph"
+    #: ``compile`` also takes an ``OnnxFile`` (collage_tvm.export.onnx): the library reads
+    #: the file itself (a saved build loads without parsing its regions first)
+    reads_files = False
 
     def export(self, func):
         from collage_tvm.export.onnx import ExportError, export_function

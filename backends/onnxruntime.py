@@ -61,6 +61,7 @@ def _disable_global_pool(err: BaseException) -> None:
 
 class OnnxRuntimeLowering(GraphLibraryLowering):
     name = "onnxruntime"
+    reads_files = True
 
     def available(self) -> tuple[bool, str]:
         try:

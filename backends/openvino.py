@@ -17,6 +17,7 @@ from collage_tvm.backends._graphlib import (GraphLibraryLowering, as_numpy, mode
 class OpenVinoLowering(GraphLibraryLowering):
     name = "openvino"
     precision = "f32"
+    reads_files = True
 
     def available(self) -> tuple[bool, str]:
         try:
@@ -53,6 +54,8 @@ class OpenVinoLowering(GraphLibraryLowering):
     def compile(self, model, specs, sole: bool = False):
         import openvino as ov
 
+        from collage_tvm.export.onnx import graph_input_names
+
         with model_source(model) as source:  # a path when over protobuf's 2 GiB
             compiled = self.compile_source(source)
         if len(compiled.outputs) != len(specs):
@@ -60,8 +63,8 @@ class OpenVinoLowering(GraphLibraryLowering):
                                f"the subgraph {len(specs)}")
         # OpenVINO drops graph inputs the model never reads: bind by name, not position.
         position = {name: i for i, port in enumerate(compiled.inputs) for name in port.names}
-        slots = [(k, position[i.name]) for k, i in enumerate(model.graph.input)
-                 if i.name in position]
+        slots = [(k, position[n]) for k, n in enumerate(graph_input_names(model))
+                 if n in position]
         request = compiled.create_infer_request()
         set_in, set_out, infer = request.set_input_tensor, request.set_output_tensor, request.infer
         Tensor = ov.Tensor

@@ -203,15 +203,18 @@ def _save_regions(module, folder: Path) -> tuple:
         if kind == "onnx":  # a model file run whole by a library
             _, _, proto, specs = made
             entry.update(format="onnx", file=f"{REGIONS}/r{k}.onnx", sole=True,
-                         outputs=[[list(s), d] for s, d in specs])
+                         outputs=[[list(s), d] for s, d in specs],
+                         inputs=[i.name for i in proto.graph.input])
             _write_onnx(proto, folder / f"r{k}.onnx")
         elif _graph_library_exports(lowering):
             func = made[2]
             specs = output_specs(func)
             sole = bool(func.attrs is not None and func.attrs.get("collage.sole_group", False))
+            model = lowering.export(func)
             entry.update(format="onnx", file=f"{REGIONS}/r{k}.onnx", sole=sole,
-                         outputs=[[list(s), d] for s, d in specs])
-            _write_onnx(lowering.export(func), folder / f"r{k}.onnx")
+                         outputs=[[list(s), d] for s, d in specs],
+                         inputs=[i.name for i in model.graph.input])
+            _write_onnx(model, folder / f"r{k}.onnx")
         else:
             func = made[2]
             (folder / f"r{k}.json").write_text(tvm.ir.save_json(func))
@@ -547,9 +550,14 @@ def _lower_regions(manifest: dict, path: Path, backends: dict) -> dict:
         lowering = backends[name].get_lowering()
         try:
             if entry["format"] == "onnx":
-                import onnx
+                if getattr(lowering, "reads_files", False) and "inputs" in entry:
+                    from .export.onnx import OnnxFile
 
-                model = onnx.load(str(file))
+                    model = OnnxFile(str(file), tuple(entry["inputs"]))  # the library reads it
+                else:
+                    import onnx
+
+                    model = onnx.load(str(file))
                 specs = [(tuple(int(d) for d in shape), dtype) for shape, dtype in entry["outputs"]]
                 fn = lowering.compile(model, specs, bool(entry.get("sole", False)))
             elif entry["format"] == "relax":

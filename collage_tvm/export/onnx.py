@@ -1041,13 +1041,33 @@ def serialized(model) -> bytes | None:
         return None
 
 
+@dataclass(frozen=True)
+class OnnxFile:
+    """An ONNX model left on disk (a saved build's region): a library reads it from
+    ``path`` itself, without the model being parsed here first; ``inputs``: the names of
+    its graph inputs, in order (what a caller's arguments bind to by position)."""
+
+    path: str
+    inputs: tuple
+
+
+def graph_input_names(model) -> list:
+    """The names of every graph input of ``model`` (a ``ModelProto`` or an ``OnnxFile``)."""
+    if isinstance(model, OnnxFile):
+        return list(model.inputs)
+    return [i.name for i in model.graph.input]
+
+
 @contextlib.contextmanager
 def model_source(model):
-    """What a library reads ``model`` from: its bytes, or, when they are over protobuf's
+    """What a library reads ``model`` from: an ``OnnxFile``'s path; its bytes, or, when they are over protobuf's
     2 GiB, the path of a temporary copy whose weights are in an external data file beside
     it (both libraries read those), removed after the block: read the model inside it.
     The weights then move out of ``model`` into the file (its initializers keep their
     names, shapes and types; their data is in the file)."""
+    if isinstance(model, OnnxFile):
+        yield model.path
+        return
     data = serialized(model)
     if data is not None:
         yield data
