@@ -30,7 +30,8 @@ from .lower import (candidate_vm, candidate_vm_for, compile_module, compile_plac
 from .measure.db import CostDB
 from .measure.measurer import COST_MODEL, Measurer, default_build_jobs
 from .options import SearchOptions
-from .patterns import carved_regions, generate_candidates, kernel_cost
+from .candidates import generate_candidates
+from .placer.carve import carved_regions, kernel_cost
 from .placement import Placement, placement_from_record, placement_record, single_ops
 from .placement_log import PlacementLog
 from .placer.alternatives import refine
@@ -738,7 +739,7 @@ def _op_level(graph, backends, target, cost_db, options: SearchOptions, report) 
 
 def _carve(graph, placement, candidates, raw, costs, eps, switch, backends, measurer, report):
     """Regions cut around the TVM kernels that beat the library inside a chosen region
-    (``patterns.carved_regions``): measured, added to ``candidates`` (in place) and placed
+    (``placer.carve.carved_regions``): measured, added to ``candidates`` (in place) and placed
     again. Returns (placement, raw costs, DP costs)."""
     cuts: list = []
     new = carved_regions(graph, placement.groups, candidates, costs, eps, backends, cuts=cuts)

@@ -30,7 +30,7 @@ from .options import SearchOptions
 from .graph.subgraph import extract_function, function_key, given_inputs
 from .lower import candidate_vm, candidate_vm_for
 from .measure.measurer import Measurer
-from .patterns import generate_candidates
+from .candidates import generate_candidates
 from .tuning import (KernelResult, KernelToTune, TuningDB, default_dir, kernel_key, kernels,
                      tune_kernels, use_tuning_db)
 from .tuning.tuner import MIN_TRIALS

@@ -363,7 +363,7 @@ def test_shape_vars_a_match_cast_defines_order_and_pin_the_nodes_that_read_them(
     from collage_tvm.build import resolve_backends
     from collage_tvm.frontend import load_model, normalize_for_collage
     from collage_tvm.graph import DataflowGraph
-    from collage_tvm.patterns import generate_candidates
+    from collage_tvm.candidates import generate_candidates
 
     case, shapes = _node_case("test_squeeze")
     graph = DataflowGraph.from_module(normalize_for_collage(load_model(case.model, None, shapes)))

@@ -65,7 +65,7 @@ def model_path(tmp_path_factory):
 def _favour(mp, backend: str) -> None:
     """The op-level search answers with ``backend`` wherever it has a candidate (cost 1e-3
     against 1 for TVM's, no per-call overhead), measuring nothing."""
-    from collage_tvm.patterns import generate_candidates
+    from collage_tvm.candidates import generate_candidates
     from collage_tvm.placer.op_level import place
 
     def op_level(graph, backends, target, cost_db, options, report):

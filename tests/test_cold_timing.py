@@ -13,7 +13,7 @@ from collage_tvm.measure import measurer as measurer_mod
 from collage_tvm.measure.db import CostDB
 from collage_tvm.measure.measurer import COLD_KEY, Measurer
 from collage_tvm.measure.timing import time_main, time_side_by_side
-from collage_tvm.patterns import generate_candidates
+from collage_tvm.candidates import generate_candidates
 from collage_tvm.registry import get_backend
 from collage_tvm.target import cache_bytes, make_target
 

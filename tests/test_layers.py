@@ -29,7 +29,8 @@ STAGES = [
     ["collage_tvm.graph"],
     ["collage_tvm.tuning"],  # TVM's kernels, the tuning database, MetaSchedule in process
     ["collage_tvm.placement"],
-    ["collage_tvm.patterns"],
+    ["collage_tvm.patterns"],  # the kit pattern files are written with
+    ["collage_tvm.candidates"],  # the generator: pattern files -> candidates over a graph
     ["collage_tvm.backends", "collage_tvm._patterns"],  # the built-in lowerings and pattern files
     ["collage_tvm.measure", "collage_tvm.placement_log"],
     ["collage_tvm.placer"],

@@ -8,7 +8,7 @@ from tvm import relax
 
 from collage_tvm.graph import DataflowGraph
 from collage_tvm.measure.estimate import Roofline, node_flops, work
-from collage_tvm.patterns import generate_candidates
+from collage_tvm.candidates import generate_candidates
 from collage_tvm.placer.lean import lean_costs
 from collage_tvm.placer.op_level import place
 from collage_tvm.registry import get_backend

@@ -15,7 +15,7 @@ except ImportError:
 
 from collage_tvm.graph import DataflowGraph
 from collage_tvm.graph.subgraph import extract_function
-from collage_tvm.patterns import generate_candidates
+from collage_tvm.candidates import generate_candidates
 from collage_tvm.registry import get_backend, load_pattern_file
 
 if not MklLowering().available()[0]:

@@ -5,7 +5,7 @@ from tvm import relax
 
 from collage_tvm.graph import DataflowGraph
 from collage_tvm.graph.subgraph import extract_function, function_key
-from collage_tvm.patterns import generate_candidates
+from collage_tvm.candidates import generate_candidates
 from collage_tvm.registry import PatternFileError, get_backend, load_pattern_file
 
 
@@ -103,7 +103,7 @@ def test_a_graph_library_offers_regions_up_to_the_whole_model():
     # each range's runs of valid nodes are candidates, the whole model among them. A node
     # the library cannot run ends a run.
     from collage_tvm.graph import DataflowGraph
-    from collage_tvm.patterns import generate_candidates
+    from collage_tvm.candidates import generate_candidates
     from collage_tvm.registry import Backend, PatternRule
 
     xv = relax.Var("x", relax.TensorType((1, 16), "float32"))
@@ -144,7 +144,8 @@ def test_a_region_holding_too_many_weights_is_not_offered(monkeypatch):
     import numpy as np
 
     from collage_tvm.graph import DataflowGraph
-    from collage_tvm.patterns import generate, generate_candidates
+    from collage_tvm import candidates as generate
+    from collage_tvm.candidates import generate_candidates
     from collage_tvm.registry import Backend, PatternRule
 
     xv = relax.Var("x", relax.TensorType((1, 16), "float32"))
@@ -171,7 +172,7 @@ def test_regions_are_cut_around_a_tvm_kernel_that_beats_the_library_inside_them(
     # as one library region, a TVM kernel that wins a node inside it (a tuned convolution)
     # can take that node only if someone offers the region's pieces around it. Fake costs:
     # a test of the search, not of the libraries.
-    from collage_tvm.patterns import carved_regions
+    from collage_tvm.placer.carve import carved_regions
     from collage_tvm.placer.op_level import place
     from collage_tvm.registry import Backend, PatternRule
 

@@ -11,7 +11,7 @@ from tvm import relax
 from collage_tvm.graph import DataflowGraph
 from collage_tvm.measure.db import CostDB
 from collage_tvm.measure.measurer import Measurer, default_build_jobs
-from collage_tvm.patterns import generate_candidates
+from collage_tvm.candidates import generate_candidates
 from collage_tvm.registry import get_backend
 from collage_tvm.target import make_target
 

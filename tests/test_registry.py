@@ -12,7 +12,7 @@ from tvm import relax
 import collage_tvm
 from collage_tvm.graph import DataflowGraph
 from collage_tvm.lowering import Lowering
-from collage_tvm.patterns import CheckContext, generate_candidates
+from collage_tvm.candidates import CheckContext, generate_candidates
 from collage_tvm.registry import (Backend, add_backend_pattern, add_backend_patterns_from_tvm,
                                   get_backend, register_backend)
 

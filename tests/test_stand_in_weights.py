@@ -13,7 +13,7 @@ from collage_tvm.lower import candidate_vm
 from collage_tvm.measure.db import CostDB
 from collage_tvm.measure.measurer import Measurer
 from collage_tvm.measure.worker import Worker
-from collage_tvm.patterns import generate_candidates
+from collage_tvm.candidates import generate_candidates
 from collage_tvm.registry import get_backend
 from collage_tvm.target import make_target
 

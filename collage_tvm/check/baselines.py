@@ -7,7 +7,7 @@ as one call when it runs every operator; "<lib>+tvm" when some stay on TVM).
 """
 from __future__ import annotations
 
-from ..patterns import generate_candidates
+from ..candidates import generate_candidates
 from ..placement import Candidate, merge_offloaded, order_groups, single_ops, valid_nodes
 
 

@@ -17,7 +17,7 @@ from tvm import relax
 from ..graph import DataflowGraph
 from ..graph.subgraph import (PART_ATTR, constant_bytes, extract_function, function_key,
                               one_op_function, without_weights)
-from ..patterns import generate_candidates
+from ..candidates import generate_candidates
 from ..target import cache_bytes, device_fingerprint, host_cores
 from . import runner
 from .db import CostDB

@@ -1,4 +1,3 @@
-"""Candidate generation: explicit patterns and the pattern-rule generator (paper §3, Fig. 4)."""
-from .generate import CheckContext, carved_regions, generate_candidates, kernel_cost
-
-__all__ = ["CheckContext", "carved_regions", "generate_candidates", "kernel_cost"]
+"""The kit pattern files are written with: epilogue groups for operator libraries
+(``epilogue``) and the rule graph libraries share (``graph_rule``). The candidate generator
+that expands the pattern files over a graph is ``collage_tvm.candidates``."""

@@ -120,7 +120,7 @@ def tvm_only_check(case: Case, target) -> dict:
     from ..frontend import load_model, normalize_for_collage
     from ..graph import DataflowGraph, NotDataflow
     from ..lower import compile_placement
-    from ..patterns import generate_candidates
+    from ..candidates import generate_candidates
     from ..placement import single_ops
     from ..registry import get_backend
 
