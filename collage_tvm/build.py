@@ -28,7 +28,7 @@ from .graph.subgraph import function_key, given_inputs
 from .lower import (candidate_vm, candidate_vm_for, compile_module, compile_placement,
                     lower_placement, placement_runner)
 from .measure.db import CostDB
-from .measure.measurer import COST_MODEL, Measurer, default_build_jobs
+from .measure.measurer import COST_MODEL, Measurer
 from .options import SearchOptions
 from .candidates import generate_candidates
 from .placer.carve import carved_regions, kernel_cost
@@ -558,8 +558,7 @@ def _rewrite(mod, backends, target, db, options: SearchOptions, report) -> tvm.I
 
     t0 = time.perf_counter()
     folded = fold_conv_affine(mod)
-    measurer = Measurer(target, open_db(db), candidate_vm, isolate=options.isolate,
-                        progress=False)
+    measurer = Measurer.from_options(target, open_db(db), candidate_vm, options, progress=False)
     try:
         eps = measurer.epsilon(backends.values())
         t_search = time.perf_counter()
@@ -683,9 +682,8 @@ def _op_level(graph, backends, target, cost_db, options: SearchOptions, report) 
     candidates = generate_candidates(graph, backends.values())
     report.candidates = len(candidates)
     tuning = active_database()
-    jobs = default_build_jobs(target) if options.build_jobs is None else options.build_jobs
-    measurer = Measurer(target, cost_db, candidate_vm_for(tuning), isolate=options.isolate,
-                        progress=options.progress, tuning=tuning, build_jobs=jobs)
+    measurer = Measurer.from_options(target, cost_db, candidate_vm_for(tuning), options,
+                                     tuning=tuning)
     t_search = 0.0
     try:
         eps = measurer.epsilon(backends.values())

@@ -234,7 +234,9 @@ def _options(args, backends):
                          calibrate_rounds=args.calibrate, refine_rounds=args.refine,
                          rewrite=args.rewrite, tuning=not args.no_tuning,
                          accuracy=args.accuracy, build_jobs=args.build_jobs,
-                         lean=getattr(args, "lean", False))
+                         lean=getattr(args, "lean", False),
+                         rpc_tracker=getattr(args, "rpc_tracker", "") or "",
+                         rpc_key=getattr(args, "rpc_key", "") or "")
 
 
 def _tune(args) -> int:
@@ -521,6 +523,13 @@ def main(argv=None) -> int:
                    help="measure in this process (faster start, no crash isolation)")
     o.add_argument("--accuracy", default="f32", metavar="BUDGET", help=ACCURACY_HELP)
     o.add_argument("--build-jobs", type=_jobs, default=None, metavar="N", help=BUILD_JOBS_HELP)
+    o.add_argument("--rpc-tracker", default="", metavar="HOST:PORT",
+                   help="measure the candidates on the TVM RPC servers registered at this "
+                        "tracker under --rpc-key (each started with python -m "
+                        "collage_tvm.measure.remote --tracker HOST:PORT --key KEY; "
+                        "docs/GUIDE.md, \"Measuring on other machines\")")
+    o.add_argument("--rpc-key", default="", metavar="KEY",
+                   help="the servers' key at --rpc-tracker")
     o.add_argument("--no-tuning", action="store_true",
                    help="build TVM's kernels untuned, even where `collage-tvm tune` has "
                         "records for them")

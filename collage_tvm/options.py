@@ -81,6 +81,12 @@ class SearchOptions:
     # Processes that build the TVM candidates before they are timed (``Measurer.prebuild``);
     # None: ``default_build_jobs`` (a GPU target, or 8 cores and more: one per core).
     build_jobs: int | None = _not_key(None, "where candidates are built, not what they cost")
+    # Measure on the TVM RPC servers registered under ``rpc_key`` at the tracker
+    # ``rpc_tracker`` ("HOST:PORT"; ``collage_tvm.measure.remote`` starts a server): the
+    # candidates spread over them, their costs keyed by the servers' device. The graph
+    # level, the calibration and the final check still time on this machine.
+    rpc_tracker: str = _not_key("", "where measuring runs; the servers' kind is rpc_key")
+    rpc_key: str = field(default="", metadata={"key": lambda v: f"|rpc={v}" if v else ""})
     progress: bool = _not_key(True, "display only")
     on_generation: Callable | None = _not_key(None, "a callback: sees the graph-level search")
     on_calibration: Callable | None = _not_key(None, "a callback: sees each calibration round")
@@ -99,6 +105,10 @@ class SearchOptions:
                              f"{self.build_jobs}")
         if self.budget <= 0:
             raise ValueError(f"budget must be > 0 seconds, got {self.budget}")
+        if bool(self.rpc_tracker) != bool(self.rpc_key):
+            raise ValueError("measuring through an RPC tracker needs both rpc_tracker "
+                             f"(HOST:PORT) and rpc_key, got {self.rpc_tracker!r} and "
+                             f"{self.rpc_key!r}")
 
     @classmethod
     def of(cls, options: "SearchOptions | None" = None, **changes) -> "SearchOptions":

@@ -21,7 +21,7 @@ from ..candidates import generate_candidates
 from ..target import cache_bytes, device_fingerprint, host_cores
 from . import runner
 from .db import CostDB
-from .worker import Worker, WorkerPool
+from .worker import Worker, WorkerPool, _message
 
 logger = logging.getLogger("collage_tvm")
 
@@ -129,7 +129,7 @@ class Measurer:
 
     def __init__(self, target, db: CostDB, build_vm, isolate: bool = True,
                  progress: bool = True, cutoff_factor: float = 4.0, second_pass: bool = True,
-                 tuning=None, build_jobs: int = 0):
+                 tuning=None, build_jobs: int = 0, remote=None):
         """``build_vm(func, backend, target) -> VirtualMachine`` builds a candidate exactly
         as the final build runs it (``collage_tvm.lower.candidate_vm``); a top-level
         function (or a partial of one), so the measurement worker receives it by pickle.
@@ -137,21 +137,26 @@ class Measurer:
         the tuning records its kernels use (``TuningDB.signature``), so a kernel tuned
         since is measured again and an untouched one is not.
         ``build_jobs``: processes that build the candidates ``costs`` will time before it
-        times them (``prebuild``); 0: each is built where it is timed."""
+        times them (``prebuild``); 0: each is built where it is timed.
+        ``remote``: a ``remote.RemoteDevices``: everything is measured on its RPC servers
+        (``costs`` spreads the candidates over them) and keyed by their device."""
         self.target = target
         self.build_vm = build_vm
         self.db = db
         self.isolate = isolate
         self.progress = progress
         self.cutoff_factor = cutoff_factor
-        self.device = device_fingerprint(target)
+        self.remote = remote
+        self.device = remote.device if remote is not None else device_fingerprint(target)
         self.target_json = json.dumps(dict(target.export()), default=list)
-        self.build_jobs = max(0, int(build_jobs))
+        self.build_jobs = max(0, int(build_jobs)) if remote is None else 0
+        self._remote_done: dict = {}  # (backend, key) -> reply measured by ``_measure_remote``
         # Written through the caches before a cold timing (``costs``): twice the last level.
         self.flush_bytes = 2 * cache_bytes(3) if target.kind.name != "cuda" else 0
         self._prebuilt = os.path.join(tempfile.gettempdir(),
                                       f"collage-builds-{os.getpid()}-{id(self):x}")
-        self._worker = Worker(env={runner.PREBUILT_ENV: self._prebuilt}) if isolate else None
+        self._worker = (Worker(env={runner.PREBUILT_ENV: self._prebuilt})
+                        if isolate and remote is None else None)
         if not isolate:
             runner.clear_cache()  # builds of an earlier search may apply other tuning
         self.measured = 0
@@ -168,7 +173,26 @@ class Measurer:
                         "re-time": 0.0}  # where measuring time went
         self.prebuilt = 0  # candidates built by build processes (``prebuild``)
 
+    @classmethod
+    def from_options(cls, target, db: CostDB, build_vm, options, tuning=None,
+                     progress: bool | None = None) -> "Measurer":
+        """A measurer as ``options`` (``SearchOptions``) asks: in a child process or not,
+        with a progress bar or not (``progress`` overrides), its build processes, and on
+        the RPC servers of ``options.rpc_tracker`` / ``rpc_key`` when given."""
+        remote = None
+        if options.rpc_tracker:
+            from .remote import RemoteDevices
+
+            remote = RemoteDevices(options.rpc_tracker, options.rpc_key,
+                                   json.dumps(dict(target.export()), default=list))
+        jobs = default_build_jobs(target) if options.build_jobs is None else options.build_jobs
+        return cls(target, db, build_vm, isolate=options.isolate,
+                   progress=options.progress if progress is None else progress,
+                   tuning=tuning, build_jobs=jobs, remote=remote)
+
     def close(self) -> None:
+        if self.remote is not None:
+            self.remote.close()
         if self._worker is not None:
             self._worker.close()
         else:
@@ -195,6 +219,14 @@ class Measurer:
         process that measures keeps the built candidate for the next time (the second pass,
         side-by-side re-timing); functions under one key differ at most in their weights'
         values, which do not change their time."""
+        if self.remote is not None:
+            unsent = sorted({b.name for b, _, _ in items if not self._picklable(b)})
+            if unsent:
+                return math.inf, (f"{', '.join(unsent)}: its lowering does not pickle, so it "
+                                  "cannot be sent to an RPC server"), {}
+            entries = [(b, _function_json(f), k) for b, f, k in items]
+            return self.remote.call(_message(what, entries, self.target_json, self.build_vm,
+                                             extra))
         if self._worker is not None and all(self._picklable(b) for b, _, _ in items):
             # The weights stay here: the worker times the kernel on random ones of the same
             # shapes and scales (``without_weights``); a model's gigabytes are not copied.
@@ -216,8 +248,10 @@ class Measurer:
                          self._flush_for([key]))
 
     def _lookup_or_measure(self, backend, key, func, label, cutoff_ms=None) -> float:
+        done = self._remote_done.pop((backend.name, key), None)
         return self._cached(backend.name, backend.version(), key, label,
-                            lambda: self._measure(backend, func, cutoff_ms, key))
+                            (lambda: done) if done is not None else
+                            (lambda: self._measure(backend, func, cutoff_ms, key)))
 
     def _cached(self, name: str, version: str, key: str, label: str, measure) -> float:
         """The DB's cost for (name, version, key, device), else ``measure()`` -> (cost,
@@ -313,6 +347,8 @@ class Measurer:
         if self.build_jobs:
             self.prebuild([bk for bk in order if _has_call(by_key[bk][0])
                            and _prebuilds(backends[bk[0]])], by_key, backends)
+        if self.remote is not None:
+            self._measure_remote(order, by_key, backends)
         best_for_nodes: dict = {}
         costs: dict = {}
         fresh: list = []  # (bk, cutoff) of library candidates measured (not from the DB) now
@@ -424,6 +460,43 @@ class Measurer:
         logger.info("built %d candidates in %d processes in %.1f s (%d failed: built "
                     "again where they are timed)", len(keys), jobs, time.perf_counter() - t0,
                     failed)
+
+    def _measure_remote(self, order: list, by_key: dict, backends: dict) -> None:
+        """The DB's misses among ``order`` measured on every RPC server at once: the
+        libraries' first, then TVM's with the cutoffs their times give (as ``costs`` sets
+        them). The replies wait in ``_remote_done`` for ``costs``, which stores them as it
+        would its own measurements."""
+        best: dict = {}
+        for external in (True, False):
+            todo, messages = [], []
+            for bk in order:
+                backend = backends[bk[0]]
+                func, cands = by_key[bk]
+                if backend.is_external != external or not _has_call(func) \
+                        or not self._picklable(backend):
+                    continue
+                rec = self.db.get(backend.name, backend.version(), bk[1], self.device)
+                if rec is not None and not rec.retry:
+                    for c in cands:
+                        best[c.nodes] = min(rec.cost_ms, best.get(c.nodes, math.inf))
+                    continue
+                known = [best[c.nodes] for c in cands if c.nodes in best]
+                cutoff = self.cutoff_factor * min(known) if known else None
+                todo.append(bk)
+                messages.append(_message("measure_function", [(backend, _function_json(func),
+                                                              bk[1])], self.target_json,
+                                         self.build_vm, (cutoff, self._flush_for([bk[1]]))))
+            if not todo:
+                continue
+            bar = _progress(len(todo), self.progress, f"measuring on {len(self.remote.sessions)} "
+                            f"RPC server(s)")
+            for i, reply in self.remote.map(messages):
+                self._remote_done[todo[i]] = reply
+                if math.isfinite(reply[0]):
+                    for c in by_key[todo[i]][1]:
+                        best[c.nodes] = min(reply[0], best.get(c.nodes, math.inf))
+                bar.update(1)
+            bar.close()
 
     def _second_pass(self, keys: list, by_key: dict, backends: dict) -> dict:
         """Re-time ``keys`` (in the order given) and keep each one's lower time in the DB;

@@ -1,0 +1,173 @@
+"""Measuring on many devices through TVM's RPC tracker (#35): a tracker and two Collage
+RPC servers on loopback (``collage_tvm.measure.remote``), real measurements.
+
+- A search through the tracker spreads its candidates over both servers; every cost lands
+  in the one cost DB; a search on this machine with the same DB (loopback: the same
+  device) measures nothing and places the same.
+- A server killed in the middle of a batch loses no candidate: its request goes to the
+  other server.
+- Clear errors: no server under the key, a tracker nobody answers, half the options.
+"""
+import socket
+
+import numpy as np
+import onnx
+import psutil
+import pytest
+from onnx import TensorProto, helper
+
+import collage_tvm
+from collage_tvm.measure.db import CostDB
+from collage_tvm.options import SearchOptions
+
+pytest.importorskip("tornado")  # TVM's tracker needs it
+
+remote = pytest.importorskip("collage_tvm.measure.remote")
+
+KEY = "collage-test"
+SEARCH = dict(backends=["tvm", "onnxruntime"], graph_level=False, compare=False,
+              progress=False, calibrate_rounds=0, refine_rounds=0, switching=False)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tracker():
+    from tvm.rpc.tracker import Tracker
+
+    port = _free_port()
+    tr = Tracker("127.0.0.1", port=port, port_end=port + 50, silent=True)
+    yield tr
+    tr.terminate()
+
+
+def _servers(tracker, n: int) -> list:
+    import time
+
+    servers = [remote.start_server(f"127.0.0.1:{tracker.port}", KEY, host="127.0.0.1",
+                                   port=_free_port(), port_end=65000) for _ in range(n)]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # registered with the tracker
+        from tvm import rpc
+
+        info = rpc.connect_tracker("127.0.0.1", tracker.port).summary()
+        if sum(1 for s in info["server_info"] if s["key"].endswith(KEY)) >= n:
+            break
+        time.sleep(0.2)
+    return servers
+
+
+def _kill(server) -> None:
+    """The server's process and every session process it forked, as if its machine died."""
+    pid = server.proc._proc.pid
+    procs = psutil.Process(pid).children(recursive=True) + [psutil.Process(pid)]
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def _model(path) -> str:
+    """conv -> relu -> conv -> add -> relu: a handful of candidates on each backend."""
+    rng = np.random.default_rng(0)
+    w1 = helper.make_tensor("w1", TensorProto.FLOAT, [8, 4, 3, 3],
+                            rng.standard_normal(8 * 36).astype("float32") * 0.3)
+    w2 = helper.make_tensor("w2", TensorProto.FLOAT, [8, 8, 1, 1],
+                            rng.standard_normal(64).astype("float32") * 0.3)
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("Conv", ["r1", "w2"], ["c2"]),
+             helper.make_node("Add", ["c2", "r1"], ["s"]),
+             helper.make_node("Relu", ["s"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "m", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 16, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 16, 16])],
+        initializer=[w1, w2])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    onnx.save(model, str(path))
+    return str(path)
+
+
+def test_a_search_through_the_tracker_spreads_candidates_and_places_as_locally(
+        tracker, tmp_path):
+    servers = _servers(tracker, 2)
+    try:
+        model = _model(tmp_path / "m.onnx")
+        db = str(tmp_path / "c.db")
+        res = collage_tvm.optimize(model, "llvm", db=db, rpc_tracker=f"127.0.0.1:{tracker.port}",
+                                   rpc_key=KEY, placement_log=str(tmp_path / "p1.json"), **SEARCH)
+        assert res.report.distinct_measured > 4
+        with CostDB(db) as cdb:
+            rows = cdb.rows()
+        served = [r["extra"].get("server") for r in rows if r["extra"].get("label")]
+        by_server = {s: served.count(s) for s in set(served)}
+        assert None not in by_server, "a cost was measured here, not on a server"
+        assert len(by_server) == 2, by_server  # both servers measured
+        # This machine, same DB (loopback: the same device): nothing to measure, same answer.
+        local = collage_tvm.optimize(model, "llvm", db=db, placement_log=str(tmp_path / "p2.json"),
+                                     **SEARCH)
+        assert local.report.distinct_measured == 0
+        assert [(g.backend, g.nodes) for g in local.placement.groups] == \
+            [(g.backend, g.nodes) for g in res.placement.groups]
+    finally:
+        for s in servers:
+            s.terminate()
+
+
+def test_a_server_killed_mid_batch_loses_no_candidate(tracker, tmp_path):
+    import json
+
+    from collage_tvm.candidates import generate_candidates
+    from collage_tvm.frontend import load_model, normalize_for_collage
+    from collage_tvm.graph import DataflowGraph
+    from collage_tvm.graph.subgraph import extract_function
+    from collage_tvm.lower import candidate_vm
+    from collage_tvm.measure.measurer import _function_json
+    from collage_tvm.measure.worker import _message
+    from collage_tvm.registry import get_backend
+    from collage_tvm.target import make_target
+
+    servers = _servers(tracker, 2)
+    try:
+        target = make_target("llvm")
+        devices = remote.RemoteDevices(f"127.0.0.1:{tracker.port}", KEY,
+                                       json.dumps(dict(target.export()), default=list))
+        assert len(devices.sessions) == 2
+        graph = DataflowGraph.from_module(normalize_for_collage(load_model(
+            _model(tmp_path / "m.onnx"))))
+        backends = {n: get_backend(n) for n in ("tvm", "onnxruntime")}
+        cands = generate_candidates(graph, backends.values())
+        messages = [_message("measure_function", [(backends[c.backend], _function_json(
+            extract_function(graph, c.nodes)[0]), None)], devices.target_json, candidate_vm,
+            (None, 0)) for c in cands]
+        got = {}
+        for i, reply in devices.map(messages):
+            got[i] = reply
+            if len(got) == 2:
+                _kill(servers[0])
+        assert sorted(got) == list(range(len(messages)))  # every candidate answered
+        assert all(np.isfinite(r[0]) for r in got.values()), [r[1] for r in got.values()]
+        assert len(devices.dropped) == 1 and len(devices.sessions) == 1
+        assert devices.requeued >= 1  # what the dead server held went to the other
+        assert {r[2]["server"] for r in got.values()} <= \
+            {s.address for s in devices.sessions} | {devices.dropped[0][0]}
+    finally:
+        for s in servers:
+            s.terminate()
+
+
+def test_clear_errors(tracker):
+    with pytest.raises(remote.RemoteError, match="no server is registered under the key"):
+        remote.RemoteDevices(f"127.0.0.1:{tracker.port}", "nobody-here", "{}")
+    with pytest.raises(remote.RemoteError, match="cannot reach the RPC tracker"):
+        remote.RemoteDevices(f"127.0.0.1:{_free_port()}", KEY, "{}")
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        remote.parse_address("localhost")
+    with pytest.raises(ValueError, match="needs both rpc_tracker"):
+        SearchOptions(rpc_tracker="127.0.0.1:9190")
