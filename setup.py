@@ -30,6 +30,7 @@ setup(
         "xgboost-cpu==3.2.0",
         "cloudpickle==3.1.2",
         "psutil==7.2.2",
+        "tornado==6.6.1",  # TVM's RPC tracker (measuring on other machines: measure.remote)
     ],
     extras_require={
         "plot": ["matplotlib==3.11.2"],  # bench plots, `collage-tvm show` PNG (collage_tvm.tools)
