@@ -29,6 +29,7 @@ from .lower import (candidate_vm, candidate_vm_for, compile_module, compile_plac
                     lower_placement, placement_runner)
 from .measure.db import CostDB
 from .measure.measurer import COST_MODEL, Measurer
+from .measure.timing import BUSY_SHARE
 from .options import SearchOptions
 from .candidates import generate_candidates
 from .placer.carve import carved_regions, kernel_cost
@@ -81,6 +82,10 @@ class BuildReport:
     # file run whole by it ("floor": True) was the fastest correct build of the final check.
     whole_model: dict = field(default_factory=dict)
     floor: str = ""  # why the user's model file was not among the contenders ("" if it was)
+    # The share of the machine's CPU other processes took during the final check: above
+    # ``measure.timing.BUSY_SHARE`` its verdict is logged as unsure and checked again.
+    other_load: float = math.nan
+    rechecked: bool = False  # the placement log's unsure verdict was checked again
 
     def summary(self) -> str:
         if self.placement_from_log:
@@ -374,6 +379,7 @@ class SearchState:
     key: str = ""                 # the placement log's key
     logged: dict | None = None    # the placement log's record for ``key``
     placement: Placement | None = None
+    recheck: bool = False         # the log's verdict is unsure: the final check runs again
     done: SearchResult | None = None
 
     def result(self, graph=None, placement=None, module=None, tuning=None) -> SearchResult:
@@ -470,7 +476,8 @@ def from_log(state: SearchState) -> None:
     logged, report = state.log.get(state.key), state.report
     if logged and logged.get("unrewritten") and state.unrewritten is not None:
         state.graph, state.mod = state.unrewritten, state.original  # it beat the rewritten graph
-    if logged and logged.get("whole_model"):
+    state.recheck = bool(logged and logged.get("unsure") and state.options.compare)
+    if logged and logged.get("whole_model") and not state.recheck:
         whole = _floor_module(logged["whole_model"], state.user_file, state.input_shapes,
                               state.graph)
         if whole is not None:
@@ -512,8 +519,36 @@ def search_placement(state: SearchState) -> None:
                                                state.unrewritten, floors)
         except Exception as err:
             raise _unsupported(report, err) or err
+    _log_verdict(state, placement, shipped_graph)
+
+
+def recheck(state: SearchState) -> None:
+    """A placement the log holds with an unsure verdict (the final check ran beside other
+    work): the final check runs again on it, and the log keeps the new verdict."""
+    if not state.recheck or state.placement is None:
+        return
+    report = state.report
+    logger.warning("the placement log's verdict on this model was timed beside other work: "
+                   "checking it again")
+    floors = _floors(state.user_file, state.backends, state.target, state.options.accuracy,
+                     state.input_shapes, state.graph.func, report)
+    with use_tuning_db(state.tuning):
+        placement, shipped_graph = _final_check(state.graph, state.placement, state.backends,
+                                                state.target, state.options, report, floors)
+    report.rechecked = True
+    _log_verdict(state, placement, shipped_graph)
+
+
+def _log_verdict(state: SearchState, placement, shipped_graph) -> None:
+    """The final check's verdict into the placement log (unsure when the machine was busy)
+    and into the state: the user's file whole on a library that won ships as it is
+    (``done``)."""
+    report, graph = state.report, state.graph
     record = placement_record(placement, shipped_graph, state.target, report.comparison,
                               report.shipped, report.graph_level)
+    record["other_load"] = report.other_load
+    if report.other_load > BUSY_SHARE:
+        record["unsure"] = True
     if report.whole_model:  # the user's model file, whole on a library, won
         lib = report.whole_model["backend"]
         whole = _floor_module(lib, state.user_file, state.input_shapes, graph)
@@ -542,7 +577,7 @@ def finish(state: SearchState) -> None:
 
 #: The search, stage by stage (``_search`` holds the stages of a new placement: candidates,
 #: costs, op level, carve/refine/calibrate, graph level, final check).
-STAGES = (import_model, rewrite_graph, open_stores, from_log, search_placement, finish)
+STAGES = (import_model, rewrite_graph, open_stores, from_log, recheck, search_placement, finish)
 
 
 def _rewrite(mod, backends, target, db, options: SearchOptions, report) -> tvm.IRModule:
@@ -625,21 +660,31 @@ def _search(graph, backends, target, cost_db, options: SearchOptions, report,
             others["collage-unrewritten"] = (unrewritten, _op_level(
                 unrewritten, backends, target, cost_db, options, BuildReport(backends=[]))[0])
             report.times["unrewritten"] = time.perf_counter() - t0
-        verdict = never_slower(graph, placement, backends, target,
-                               op_level if placement is not op_level else None,
-                               accuracy=options.accuracy, others=others, floors=floors)
-        placement, report.shipped, report.comparison = (verdict.placement, verdict.shipped,
-                                                        verdict.comparison)
-        if verdict.floor:
-            report.whole_model = {"backend": verdict.floor, "floor": True,
-                                  "why": "the model file run whole by it was the fastest "
-                                         "correct build"}
-        report.times["compare"] = verdict.seconds
-        return placement, verdict.graph
+        return _final_check(graph, placement, backends, target, options, report, floors,
+                            op_level if placement is not op_level else None, others)
     if _reduced(placement, backends):
         return _within_budget(graph, placement, backends, target, cost_db, options, report,
                               floors)
     return placement, graph
+
+
+def _final_check(graph, placement, backends, target, options: SearchOptions, report,
+                 floors: dict, op_level=None, others=None) -> tuple:
+    """``never_slower``'s verdict on ``placement``, written into ``report``. Returns
+    (the placement to ship, the graph its groups refer to)."""
+    verdict = never_slower(graph, placement, backends, target, op_level,
+                           accuracy=options.accuracy, others=others, floors=floors)
+    report.shipped, report.comparison = verdict.shipped, verdict.comparison
+    report.whole_model = {}
+    if verdict.floor:
+        report.whole_model = {"backend": verdict.floor, "floor": True,
+                              "why": "the model file run whole by it was the fastest "
+                                     "correct build"}
+    report.times["compare"] = verdict.seconds
+    report.other_load = verdict.other_load
+    # A model file that won ships whole; the log keeps the placement it beat (checked
+    # against it again when the verdict is unsure).
+    return (placement if verdict.floor else verdict.placement), verdict.graph
 
 
 OUTSIDE_BUDGET = "collage, reduced precision (outside the accuracy budget)"

@@ -62,6 +62,7 @@ def _export(res, args) -> None:
 def _report(args, res, t0) -> int:
     """What ``optimize`` prints about its search and build; the exit code."""
     from .measure.cuda_graph import note
+    from .measure.timing import BUSY_SHARE
     from .placement import placement_record
 
     rep = res.report
@@ -148,6 +149,12 @@ def _report(args, res, t0) -> int:
                   f"{'yes' if r['match'] else 'NO'} (max err {r['max_err']:.2e}{rel}){same}")
         if rep.shipped != "collage":
             print(f"shipped: {rep.shipped} (faster than the collage placement in this run)")
+        if rep.other_load > BUSY_SHARE:
+            print(f"unsure: other processes took {100 * rep.other_load:.0f}% of the CPU while "
+                  "these were timed; the next build of this model times them again")
+        elif rep.rechecked:
+            print("the placement log's earlier verdict (timed beside other work) was checked "
+                  "again here")
         for name, r in rep.comparison.items():
             if r.get("advice"):
                 print(f"faster at a looser precision: {name}, {r['advice']}")

@@ -79,3 +79,26 @@ def test_timing_loops_flush_the_caches_when_asked():
     both = time_side_by_side([(vm["main"], args), (vm["main"], args)], rounds=3,
                              flush_bytes=1 << 20)
     assert len(both) == 2 and all(t > 0 for t in both)
+
+
+def test_other_load_counts_other_processes_busy_beside_a_timing():
+    """The final check's verdict is unsure when other processes kept the CPU busy
+    (``OtherLoad``): a spinning process on every core is seen as most of the machine."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from collage_tvm.measure.timing import OtherLoad
+
+    spin = "import time\nt = time.time()\nwhile time.time() - t < 20: pass\n"
+    procs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(os.cpu_count() or 1)]
+    try:
+        time.sleep(0.5)  # started and spinning
+        with OtherLoad() as load:
+            time.sleep(1.5)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert load.share > 0.5 and load.busy, load.share

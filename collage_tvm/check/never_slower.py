@@ -11,7 +11,7 @@ from typing import Callable
 from .._memory import release_memory
 from ..graph.subgraph import constant_bytes
 from ..lower import compile_placement
-from ..measure.timing import interleaved
+from ..measure.timing import BUSY_SHARE, OtherLoad, interleaved
 from ..placement import Placement
 from .baselines import single_backend_builds
 from ..precision import CHECK_SEEDS, parse_accuracy
@@ -45,6 +45,13 @@ class Verdict:
     seconds: float = 0.0
     graph: object = None   # the dataflow graph the shipped placement's groups refer to
     floor: str | None = None  # a Floor won: its backend runs the user's model file whole
+    # The share of the machine's CPU other processes took while the builds were timed
+    # (``measure.timing.OtherLoad``); above ``BUSY_SHARE`` the verdict is unsure.
+    other_load: float = math.nan
+
+    @property
+    def unsure(self) -> bool:
+        return self.other_load > BUSY_SHARE
 
 
 def never_slower(graph, placement: Placement, backends: dict, target,
@@ -68,17 +75,25 @@ def never_slower(graph, placement: Placement, backends: dict, target,
     t0 = time.perf_counter()
     floors = floors or {}
     builds, graph_of = _builds(graph, placement, backends, op_level, others or {}, floors)
-    results, outputs, runs = _time_builds(builds, graph_of, floors, backends, target, accuracy,
-                                          weight_bytes(graph))
-    ref = _reference(results, builds)
-    for name, out in outputs.items():
-        results[name].update(_budget_of(name, floors, accuracy).check_seeds(out, outputs[ref]))
-    outside = {n for n, f in floors.items() if f.budget is not None}
-    _retime(results, runs, outside, target)
+    load = OtherLoad()
+    with load:
+        results, outputs, runs = _time_builds(builds, graph_of, floors, backends, target,
+                                              accuracy, weight_bytes(graph))
+        ref = _reference(results, builds)
+        for name, out in outputs.items():
+            results[name].update(_budget_of(name, floors, accuracy).check_seeds(
+                out, outputs[ref]))
+        outside = {n for n, f in floors.items() if f.budget is not None}
+        _retime(results, runs, outside, target)
     results = {n: (dict(results[results[n]["same_as"]], same_as=results[n]["same_as"])
                    if "same_as" in results[n] else results[n])
                for n in ["tvm-only", *builds] if n in results}
-    verdict = Verdict(placement, "collage", results, time.perf_counter() - t0, graph)
+    verdict = Verdict(placement, "collage", results, time.perf_counter() - t0, graph,
+                      other_load=load.share)
+    if verdict.unsure:
+        logger.warning("end to end: other processes took %.0f%% of this machine's CPU while "
+                       "the builds were timed: the verdict is unsure (the next build checks "
+                       "it again)", 100 * load.share)
     for name in outside & set(results):
         results[name]["outside_budget"] = str(parse_accuracy(floors[name].budget))
     ok = {n: r for n, r in results.items()
