@@ -341,6 +341,19 @@ def _bench(args, parser) -> int:
 
     if args.suite:
         return _bench_suite(args)
+    if args.torch_compile:
+        from .tools import torch_compile
+
+        names = args.models or list(torch_compile.MODELS)
+        unknown = [m for m in names if m not in torch_compile.MODELS]
+        if unknown:
+            parser.error(f"--torch-compile: unknown model(s) {', '.join(unknown)}; known: "
+                         f"{', '.join(torch_compile.MODELS)}")
+        path = torch_compile.run(names, args.out, db=args.db, options={
+            "backends": [b for b in args.backends.split(",") if b],
+            "graph_level": args.graph_level, "budget": args.budget})
+        print(f"\nwritten: {path}")
+        return 0
     models = zoo.names() if args.all else args.models
     if not models:
         parser.error("name the models to run, --all, or --suite")
@@ -631,6 +644,13 @@ def main(argv=None) -> int:
                         "process beside creating an ONNX Runtime session for the same file, "
                         "check its outputs against the in-process build's, and time both "
                         "interleaved (results.json: \"deploy\")")
+    b.add_argument("--torch-compile", action="store_true",
+                   help="instead of the zoo: torch.compile(model, backend=\"collage\") in a "
+                        "fresh process (searching; a fresh cost DB unless --db), then again in "
+                        "a second one (placement from the log), each checked against eager "
+                        "and timed beside it; models: resnet18 (torchvision, 224x224), "
+                        "bert_break (a 4-layer BERT-base-wide encoder, a graph break); "
+                        "writes torch_compile.json")
     b.add_argument("--tune", type=float, default=0.0, metavar="SECONDS",
                    help="first tune each model's TVM kernels for SECONDS (collage-tvm tune; "
                         "a warm tuning DB makes it quick), then also time the search with "

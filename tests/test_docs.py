@@ -43,3 +43,15 @@ def test_a_block_naming_a_missing_file_or_an_unknown_kind_is_a_clear_error(tmp_p
                          "<!-- end rendered -->", tmp_path)
     with pytest.raises(ValueError, match="expected one of .*suite-table"):
         docs.render_page("<!-- rendered: pie-chart x.json -->\n<!-- end rendered -->", tmp_path)
+
+
+def test_the_torch_compile_table_says_whether_the_second_process_used_the_log(tmp_path):
+    graph = {"built": True, "seconds": 2.0, "from_log": False, "shipped": "collage",
+             "fallback": ""}
+    run = {"first_call_s": 9.0, "rel_err": 2e-7, "eager_ms": 5.0, "compiled_ms": 4.0}
+    doc = {"machine": {"cpu": "X", "cores": 2}, "rows": [{
+        "model": "m", "first": {**run, "graphs": [graph, graph]},
+        "second": {**run, "graphs": [{**graph, "seconds": 0.5, "from_log": True},
+                                     {**graph, "seconds": 0.25, "from_log": False}]}}]}
+    text = docs.torch_compile_table([doc])
+    assert "| m | 2 | 4.0 | 0.8 | **no** | yes | 2.0e-07 | 5.00 | 4.00 |" in text

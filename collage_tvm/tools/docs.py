@@ -132,7 +132,33 @@ def deploy_table(docs: list) -> str:
     return "\n".join(lines) + "\n"
 
 
-KINDS = {"deploy": deploy_table, "suite-table": lambda docs: suite_table(docs[0]), "suite-summary": suite_summary,
+def torch_compile_table(docs: list) -> str:
+    """``bench --torch-compile``: each model compiled in a fresh process (searching), then in
+    a second one (the placement log answers), checked against eager, timed beside it."""
+    lines, machines, rows = [], [], []
+    for doc in docs:
+        line = suites.machine_line(doc.get("machine") or {})
+        if line not in machines:
+            machines.append(line)
+        for r in doc.get("rows", []):
+            f, s = r["first"], r["second"]
+            built = all(g["built"] for g in f["graphs"] + s["graphs"])
+            rows.append([r["model"], str(len(f["graphs"])),
+                         f"{sum(g['seconds'] for g in f['graphs']):.1f}",
+                         f"{sum(g['seconds'] for g in s['graphs']):.1f}",
+                         "yes" if all(g["from_log"] for g in s["graphs"]) else "**no**",
+                         "yes" if built else "**no** (eager)", f"{s['rel_err']:.1e}",
+                         f"{s['eager_ms']:.2f}", f"{s['compiled_ms']:.2f}"])
+    head = ["model", "graphs", "first process: build s", "second process: build s",
+            "placement from the log", "built", "error vs eager (of the scale)", "eager ms",
+            "compiled ms"]
+    lines += machines + ["", "| " + " | ".join(head) + " |", "|---|---:|---:|---:|---|---|"
+                         + "---:|" * 3]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+KINDS = {"deploy": deploy_table, "torch-compile": torch_compile_table, "suite-table": lambda docs: suite_table(docs[0]), "suite-summary": suite_summary,
          "optimize-report": lambda docs: optimize_report(docs[0])}
 
 
