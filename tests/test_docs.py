@@ -50,8 +50,10 @@ def test_the_torch_compile_table_says_whether_the_second_process_used_the_log(tm
              "fallback": ""}
     run = {"first_call_s": 9.0, "rel_err": 2e-7, "eager_ms": 5.0, "compiled_ms": 4.0}
     doc = {"machine": {"cpu": "X", "cores": 2}, "rows": [{
-        "model": "m", "first": {**run, "graphs": [graph, graph]},
+        "model": "m", "options": {"backends": ["tvm", "onnxruntime"], "graph_level": False},
+        "first": {**run, "graphs": [graph, graph]},
         "second": {**run, "graphs": [{**graph, "seconds": 0.5, "from_log": True},
                                      {**graph, "seconds": 0.25, "from_log": False}]}}]}
     text = docs.torch_compile_table([doc])
-    assert "| m | 2 | 4.0 | 0.8 | **no** | yes | 2.0e-07 | 5.00 | 4.00 |" in text
+    assert ("| m | tvm, onnxruntime; op level | 2 | 4.0 | 0.8 | **no** | yes | 2.0e-07 | 5.00 "
+            "| 4.00 |") in text

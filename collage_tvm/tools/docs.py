@@ -143,16 +143,19 @@ def torch_compile_table(docs: list) -> str:
         for r in doc.get("rows", []):
             f, s = r["first"], r["second"]
             built = all(g["built"] for g in f["graphs"] + s["graphs"])
-            rows.append([r["model"], str(len(f["graphs"])),
+            o = r.get("options", {})
+            opts = (", ".join(o.get("backends") or ["every backend"])
+                    + ("; both levels" if o.get("graph_level", True) else "; op level"))
+            rows.append([r["model"], opts, str(len(f["graphs"])),
                          f"{sum(g['seconds'] for g in f['graphs']):.1f}",
                          f"{sum(g['seconds'] for g in s['graphs']):.1f}",
                          "yes" if all(g["from_log"] for g in s["graphs"]) else "**no**",
                          "yes" if built else "**no** (eager)", f"{s['rel_err']:.1e}",
                          f"{s['eager_ms']:.2f}", f"{s['compiled_ms']:.2f}"])
-    head = ["model", "graphs", "first process: build s", "second process: build s",
+    head = ["model", "search", "graphs", "first process: build s", "second process: build s",
             "placement from the log", "built", "error vs eager (of the scale)", "eager ms",
             "compiled ms"]
-    lines += machines + ["", "| " + " | ".join(head) + " |", "|---|---:|---:|---:|---|---|"
+    lines += machines + ["", "| " + " | ".join(head) + " |", "|---|---|---:|---:|---:|---|---|"
                          + "---:|" * 3]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines) + "\n"
