@@ -264,7 +264,7 @@ def _tune(args) -> int:
     rep = tune(args.model, args.target, backends, db=args.db, tuning_db=args.tuning_db,
                budget=args.budget, trials=args.trials,
                input_shapes=parse_input_shapes(args.input_shape), progress=True,
-               isolate=not args.in_process, on_kernel=on_kernel)
+               isolate=not args.in_process, on_kernel=on_kernel, rewrite=args.rewrite)
     print("\n" + rep.markdown())
     print(f"collage tune: {rep.summary()}; took {rep.times.get('total', 0):.0f} s ("
           + ", ".join(f"{k} {v:.0f} s" for k, v in rep.times.items() if k != "total") + ")")
@@ -573,6 +573,9 @@ def main(argv=None) -> int:
                         "target: <db>.tuning/<cpu>-<id>)")
     t.add_argument("--input-shape", action="append", metavar="NAME=D1xD2x...")
     t.add_argument("--in-process", action="store_true")
+    t.add_argument("--rewrite", action="store_true",
+                   help="tune the graph the verified rewrites give (as optimize --rewrite "
+                        "places it)")
     t.add_argument("-v", "--verbose", action="store_true")
     b = sub.add_parser("bench", help="Collage beside the frameworks a user would run instead "
                        "(ONNX Runtime, OpenVINO f32 and default precision, PyTorch) and its "
