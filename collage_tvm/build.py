@@ -377,7 +377,6 @@ class SearchState:
     log: PlacementLog | None = None
     tuning: TuningDB | None = None
     key: str = ""                 # the placement log's key
-    logged: dict | None = None    # the placement log's record for ``key``
     placement: Placement | None = None
     recheck: bool = False         # the log's verdict is unsure: the final check runs again
     done: SearchResult | None = None

@@ -121,14 +121,12 @@ def test_a_search_through_the_tracker_spreads_candidates_and_places_as_locally(
 
 
 def test_a_server_killed_mid_batch_loses_no_candidate(tracker, tmp_path):
-    import json
-
     from collage_tvm.candidates import generate_candidates
     from collage_tvm.frontend import load_model, normalize_for_collage
     from collage_tvm.graph import DataflowGraph
     from collage_tvm.graph.subgraph import extract_function
     from collage_tvm.lower import candidate_vm
-    from collage_tvm.measure.measurer import _function_json
+    from collage_tvm.measure.measurer import _function_json, target_json
     from collage_tvm.measure.worker import _message
     from collage_tvm.registry import get_backend
     from collage_tvm.target import make_target
@@ -136,8 +134,7 @@ def test_a_server_killed_mid_batch_loses_no_candidate(tracker, tmp_path):
     servers = _servers(tracker, 2)
     try:
         target = make_target("llvm")
-        devices = remote.RemoteDevices(f"127.0.0.1:{tracker.port}", KEY,
-                                       json.dumps(dict(target.export()), default=list))
+        devices = remote.RemoteDevices(f"127.0.0.1:{tracker.port}", KEY, target_json(target))
         assert len(devices.sessions) == 2
         graph = DataflowGraph.from_module(normalize_for_collage(load_model(
             _model(tmp_path / "m.onnx"))))
@@ -171,3 +168,40 @@ def test_clear_errors(tracker):
         remote.parse_address("localhost")
     with pytest.raises(ValueError, match="needs both rpc_tracker"):
         SearchOptions(rpc_tracker="127.0.0.1:9190")
+
+
+class _FakeSession:
+    """A session answering at once, or one whose server dies on its first request after
+    ``dies_after`` seconds (a stand-in for the network: the spreading logic alone)."""
+
+    def __init__(self, address, dies_after=None):
+        import pickle
+
+        self.address, self.device, self.dies_after = address, "dev", dies_after
+
+        def measure(payload):
+            import time
+
+            if self.dies_after is not None:
+                time.sleep(self.dies_after)
+                raise RuntimeError("Socket SockChannel::Recv Error: connection reset")
+            return pickle.dumps((1.0, None, {}))
+
+        self.measure = measure
+
+
+def _devices(sessions):
+    devices = remote.RemoteDevices.__new__(remote.RemoteDevices)
+    devices.tracker, devices.key, devices.timeout_s = "fake:1", KEY, 30.0
+    devices.sessions, devices.requeued, devices.dropped = list(sessions), 0, []
+    return devices
+
+
+def test_a_request_left_by_a_server_dying_on_the_last_one_goes_to_a_live_server():
+    # The healthy session runs out of work while the other still holds the last request;
+    # then that server dies: its request must reach the healthy one, not be stranded.
+    devices = _devices([_FakeSession("ok"), _FakeSession("dying", dies_after=0.5)])
+    got = dict(devices.map(["a", "b", "c"]))
+    assert sorted(got) == [0, 1, 2] and all(r[0] == 1.0 for r in got.values())
+    assert {r[2]["server"] for r in got.values()} == {"ok"}
+    assert devices.requeued == 1 and [a for a, _ in devices.dropped] == ["dying"]

@@ -75,8 +75,7 @@ def never_slower(graph, placement: Placement, backends: dict, target,
     t0 = time.perf_counter()
     floors = floors or {}
     builds, graph_of = _builds(graph, placement, backends, op_level, others or {}, floors)
-    load = OtherLoad()
-    with load:
+    with OtherLoad() as load:
         results, outputs, runs = _time_builds(builds, graph_of, floors, backends, target,
                                               accuracy, weight_bytes(graph))
         ref = _reference(results, builds)

@@ -95,6 +95,11 @@ def _function_json(func) -> str:
     return tvm.ir.save_json(tvm.IRModule({"main": without_weights(func)}))
 
 
+def target_json(target) -> str:
+    """``target`` as a measuring process (a child, an RPC server) receives it."""
+    return json.dumps(dict(target.export()), default=list)
+
+
 def _prebuilds(backend) -> bool:
     """Whether build processes build ``backend``'s candidates: TVM's (exported), and a
     library's whose builds leave a cache on disk (``Lowering.build_cache``)."""
@@ -148,7 +153,7 @@ class Measurer:
         self.cutoff_factor = cutoff_factor
         self.remote = remote
         self.device = remote.device if remote is not None else device_fingerprint(target)
-        self.target_json = json.dumps(dict(target.export()), default=list)
+        self.target_json = target_json(target)
         self.build_jobs = max(0, int(build_jobs)) if remote is None else 0
         self._remote_done: dict = {}  # (backend, key) -> reply measured by ``_measure_remote``
         # Written through the caches before a cold timing (``costs``): twice the last level.
@@ -183,8 +188,7 @@ class Measurer:
         if options.rpc_tracker:
             from .remote import RemoteDevices
 
-            remote = RemoteDevices(options.rpc_tracker, options.rpc_key,
-                                   json.dumps(dict(target.export()), default=list))
+            remote = RemoteDevices(options.rpc_tracker, options.rpc_key, target_json(target))
         jobs = default_build_jobs(target) if options.build_jobs is None else options.build_jobs
         return cls(target, db, build_vm, isolate=options.isolate,
                    progress=options.progress if progress is None else progress,
