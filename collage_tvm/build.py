@@ -719,6 +719,11 @@ def _within_budget(graph, placement, backends, target, cost_db, options: SearchO
                    floors={n: f for n, f in (floors or {}).items() if f.backend in f32})
 
 
+# The share of the search's budget (``SearchOptions.budget``) the side-by-side re-timing of
+# close calls may take, its rounds together.
+REFINE_SHARE = 0.25
+
+
 def _op_level(graph, backends, target, cost_db, options: SearchOptions, report) -> tuple:
     """Candidates, their measured costs, the op-level DP and its refinement rounds.
     Returns (placement, candidates, DP costs, epsilon, switching costs)."""
@@ -744,10 +749,11 @@ def _op_level(graph, backends, target, cost_db, options: SearchOptions, report) 
             report.unrunnable = [_describe_node(graph.nodes[i]) for i in kept]
             logger.warning("%d node(s) could not be measured alone on any backend and stay on "
                            "TVM: %s", len(kept), ", ".join(sorted(set(report.kept_on_tvm))))
-        # Re-timing close calls may take half as long again as measuring did, each round;
-        # when the DB answered every candidate it times nothing new either.
-        refine_budget = (max(30.0, 0.5 * (time.perf_counter() - t1))
-                         if measurer.measured else 0.0)
+        # Re-timing close calls may take half as long again as measuring did, and at most
+        # REFINE_SHARE of the search's budget, all rounds together; when the DB answered
+        # every candidate it times nothing new either.
+        refine_left = (min(max(30.0, 0.5 * (time.perf_counter() - t1)),
+                           REFINE_SHARE * options.budget) if measurer.measured else 0.0)
         for rnd in range(options.refine_rounds + 1):
             # Measured times include one call's overhead; the DP adds it back as epsilon (Eq. 2).
             costs = {c: max(0.0, v - eps[c.backend]) for c, v in raw.items()}
@@ -760,8 +766,10 @@ def _op_level(graph, backends, target, cost_db, options: SearchOptions, report) 
                                                switch, backends, measurer, report)
             if rnd == options.refine_rounds:
                 break
+            t1 = time.perf_counter()
             refined = refine(measurer, placement, candidates, raw, eps, backends,
-                             budget_s=refine_budget)
+                             budget_s=refine_left)
+            refine_left = max(0.0, refine_left - (time.perf_counter() - t1))
             report.close_calls = refined.close_calls
             if refined.raw == raw:
                 break  # no cost changed: the DP would answer the same

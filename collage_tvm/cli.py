@@ -231,6 +231,13 @@ def _run_inputs(path, module) -> list:
     return read_inputs(path, names)
 
 
+LEAN_HELP = ("experimental: measure only the candidates the op-level DP can still choose "
+             "(the single heavy operators on each library first, then what the DP picks on "
+             "floors from those and from each backend's best measured rates, until the "
+             "measured cover is within 20%% of the floors' bound; placer.lean); default: "
+             "measure every candidate")
+
+
 def _options(args, backends):
     """The ``SearchOptions`` of the search flags ``optimize`` and ``bench`` share."""
     from .options import SearchOptions
@@ -363,7 +370,7 @@ def _bench(args, parser) -> int:
                      f"known: {', '.join(bench.known_models())}")
     options = SearchOptions(backends=args.backends, graph_level=args.graph_level,
                             budget=args.budget, accuracy=args.accuracy,
-                            build_jobs=args.build_jobs)
+                            build_jobs=args.build_jobs, lean=args.lean)
     if args.target != "llvm":
         from .target import make_target
 
@@ -514,10 +521,7 @@ def main(argv=None) -> int:
                    help="after the op-level DP, run the evolutionary graph-level placer over the "
                         "graph libraries among --backends (onnxruntime, openvino); on by "
                         "default, --no-graph-level turns it off")
-    o.add_argument("--lean", action="store_true",
-                   help="experimental: measure only the candidates the op-level DP can still "
-                        "choose, the rest costed at a floor from their backend's best "
-                        "measured rates (placer.lean); default: measure every candidate")
+    o.add_argument("--lean", action="store_true", help=LEAN_HELP)
     o.add_argument("--rewrite", action="store_true",
                    help="before placement, apply the z3-verified graph rewrites "
                         "(collage_tvm.rewrite): a convolution's per-channel affine tail (e.g. "
@@ -633,6 +637,7 @@ def main(argv=None) -> int:
                    help="seconds of graph-level search and of rewrite search, each (default "
                         f"{DEFAULT_BUDGET:.0f}; a suite gives each model at most 120)")
     b.add_argument("--db", default=None)
+    b.add_argument("--lean", action="store_true", help=LEAN_HELP)
     b.add_argument("--rewrite", action="store_true",
                    help="also Collage placed-only beside rewritten+placed (the z3-verified "
                         "graph rewrites, collage_tvm.rewrite), timed interleaved, outputs "

@@ -4,12 +4,13 @@ the placement the full-measure DP finds; a skipped candidate could not have won.
 import math
 
 import numpy as np
+import pytest
 from tvm import relax
 
 from collage_tvm.graph import DataflowGraph
 from collage_tvm.measure.estimate import Roofline, node_flops, work
 from collage_tvm.candidates import generate_candidates
-from collage_tvm.placer.lean import lean_costs
+from collage_tvm.placer.lean import Floors, lean_costs
 from collage_tvm.placer.op_level import place
 from collage_tvm.registry import get_backend
 
@@ -73,7 +74,7 @@ def test_the_dp_on_floors_finds_the_full_measure_placement_measuring_a_fraction(
     candidates = generate_candidates(graph, backends.values())
     table = _table(graph, candidates)
     fake = FakeMeasurer(table)
-    raw, rep = lean_costs(fake, graph, candidates, backends, EPS, switch={})
+    raw, rep = lean_costs(fake, graph, candidates, backends, EPS, switch={}, gap=None)
     full = place(graph.producers, candidates,
                  {c: max(0.0, v - EPS[c.backend]) for c, v in table.items()}, EPS)
     lean = place(graph.producers, candidates,
@@ -87,28 +88,82 @@ def test_the_dp_on_floors_finds_the_full_measure_placement_measuring_a_fraction(
     assert rep.floors_broken == 0
 
 
-def test_a_skipped_candidate_could_not_have_won():
-    # Forcing any one skipped candidate into the cover (its true cost from the table) never
-    # beats the placement found: its floor had already lost to measured costs.
-    graph = _graph(blocks=2)
-    backends = {n: get_backend(n) for n in EPS}
-    candidates = generate_candidates(graph, backends.values())
-    table = _table(graph, candidates)
-    fake = FakeMeasurer(table)
-    raw, _ = lean_costs(fake, graph, candidates, backends, EPS, switch={})
-    found = place(graph.producers, candidates,
-                  {c: max(0.0, v - EPS[c.backend]) for c, v in raw.items()}, EPS).cost
-    skipped = [c for c in candidates if raw[c] == math.inf]
-    assert skipped
+def _forced_costs(graph, candidates, table, found_raw, gap):
+    """Forcing any one skipped candidate into the cover (its true cost from the table):
+    the cheapest such cover, per skipped candidate."""
+    out = {}
+    skipped = [c for c in candidates if found_raw[c] == math.inf]
     for c in skipped[:40]:
         overlapping = {o for o in candidates if o != c and o.nodes & c.nodes}
         costs = {o: (math.inf if o in overlapping else max(0.0, table[o] - EPS[o.backend]))
                  for o in candidates}
         try:
-            forced = place(graph.producers, candidates, costs, EPS).cost
+            out[c] = place(graph.producers, candidates, costs, EPS).cost
         except ValueError:  # no executable cover contains it
             continue
-        assert forced >= found - 1e-12, c
+    return skipped, out
+
+
+@pytest.mark.parametrize("gap", [None, 0.2])
+def test_a_skipped_candidate_could_not_have_won(gap):
+    # Without a gap, forcing any one skipped candidate into the cover never beats the
+    # placement found: its floor had already lost to measured costs. With one, it beats it
+    # by less than the gap.
+    graph = _graph(blocks=2)
+    backends = {n: get_backend(n) for n in EPS}
+    candidates = generate_candidates(graph, backends.values())
+    table = _table(graph, candidates)
+    fake = FakeMeasurer(table)
+    raw, rep = lean_costs(fake, graph, candidates, backends, EPS, switch={}, gap=gap)
+    found = place(graph.producers, candidates,
+                  {c: max(0.0, v - EPS[c.backend]) for c, v in raw.items()}, EPS).cost
+    assert math.isclose(found, rep.upper_ms, rel_tol=1e-9)
+    assert rep.upper_ms <= (1 + (gap or 0.0)) * rep.lower_ms + 1e-12
+    skipped, forced = _forced_costs(graph, candidates, table, raw, gap)
+    assert skipped and forced
+    for c, cost in forced.items():
+        assert cost * (1 + (gap or 0.0)) >= found - 1e-12, c
+
+
+def test_the_gap_measures_less_and_stays_within_it_of_the_full_measure_answer():
+    graph = _graph(blocks=6)
+    backends = {n: get_backend(n) for n in EPS}
+    candidates = generate_candidates(graph, backends.values())
+    table = _table(graph, candidates)
+    full = place(graph.producers, candidates,
+                 {c: max(0.0, v - EPS[c.backend]) for c, v in table.items()}, EPS).cost
+    asked = {}
+    for gap in (None, 0.3):
+        fake = FakeMeasurer(table)
+        raw, rep = lean_costs(fake, graph, candidates, backends, EPS, switch={}, gap=gap)
+        asked[gap] = len(set(fake.asked))
+        found = place(graph.producers, candidates,
+                      {c: max(0.0, v - EPS[c.backend]) for c, v in raw.items()}, EPS).cost
+        assert full - 1e-12 <= found <= (1 + (gap or 0.0)) * full + 1e-12
+        assert rep.stopped in ("measured", "gap")
+    assert asked[0.3] <= asked[None]
+
+
+def test_the_single_heavy_operators_are_measured_first_and_floor_their_groups():
+    graph = _graph(blocks=2)
+    backends = {n: get_backend(n) for n in EPS}
+    candidates = generate_candidates(graph, backends.values())
+    floors = Floors(graph, candidates, EPS)
+    seed = floors.singles_of_heavy(candidates)
+    assert seed and all(len(c.nodes) == 1 for c in seed)
+    assert {graph.nodes[next(iter(c.nodes))].op_name for c in seed} <= {
+        "relax.nn.conv2d", "relax.matmul"}
+    conv = next(c for c in seed if c.backend == "dnnl"
+                and graph.nodes[next(iter(c.nodes))].op_name == "relax.nn.conv2d")
+    fused = [c for c in candidates if c.backend == "dnnl" and conv.nodes < c.nodes]
+    assert fused
+    before = floors.floor(fused[0])
+    floors.observe(conv, EPS["dnnl"] + 1.0)  # the convolution alone: 1 ms
+    assert floors.floor(fused[0]) >= max(before, 0.5 - 1e-12)  # half its heavy part at least
+    fake = FakeMeasurer(_table(graph, candidates))
+    _, rep = lean_costs(fake, graph, candidates, backends, EPS, switch={})
+    external = [c for c in seed if backends[c.backend].is_external]
+    assert rep.seeded == len(external) and fake.asked[:len(external)] == external
 
 
 def test_the_work_of_a_convolution_and_the_floor_of_an_unseen_backend():

@@ -32,6 +32,14 @@ FREE = {"relax.reshape", "relax.squeeze", "relax.expand_dims", "relax.flatten",
 _REDUCING = {"relax.nn.conv1d", "relax.nn.conv2d", "relax.nn.conv3d"}
 _TRANSPOSED = {"relax.nn.conv1d_transpose", "relax.nn.conv2d_transpose",
                "relax.nn.conv3d_transpose"}
+# Operators whose own work a library cannot fuse away: a group's time is at least a share of
+# what they take alone on the same backend (``placer.lean``'s parts floor). Elementwise
+# operators are not among them: fused into a convolution they cost next to nothing.
+HEAVY = _REDUCING | _TRANSPOSED | {
+    "relax.matmul", "relax.nn.linear", "relax.nn.max_pool1d", "relax.nn.max_pool2d",
+    "relax.nn.max_pool3d", "relax.nn.avg_pool1d", "relax.nn.avg_pool2d", "relax.nn.avg_pool3d",
+    "relax.nn.adaptive_avg_pool1d", "relax.nn.adaptive_avg_pool2d",
+    "relax.nn.adaptive_avg_pool3d", "relax.mean", "relax.sum"}
 
 
 def _shape(sinfo) -> list | None:

@@ -171,6 +171,8 @@ class Measurer:
         self._can_pickle: dict = {}
         self._func_of: dict = {}  # candidate -> (DB key, standalone function), from costs()
         self.side_by_side = 0  # sets of candidates re-timed side by side (retime)
+        self._keyed_graph, self._keyed = None, {}  # candidate -> (DB key, function)
+        self._weights = None  # (graph, each node's weight bytes, timed cold)
         self.second_pass = second_pass
         self.tuning = tuning
         self.deadline: float | None = None
@@ -386,25 +388,45 @@ class Measurer:
                     costs[c] = min(costs[c], cost)
         return costs
 
+    def identities(self, graph, candidates, backends: dict) -> dict:
+        """candidate -> (backend, DB key): candidates with one identity are one function,
+        measured once (``placer.lean`` hands one's cost to the others)."""
+        return {c: bk for bk, (_, cands) in self._by_key(graph, candidates, backends).items()
+                for c in cands}
+
     def _by_key(self, graph, candidates, backends: dict) -> dict:
-        """(backend, DB key) -> (the function timed, [candidates timed by it])."""
-        weights = [constant_bytes(n.value) for n in graph.nodes]
-        cold = (self.flush_bytes > 0 and sum(weights) > cache_bytes(3) // 2)
+        """(backend, DB key) -> (the function timed, [candidates timed by it]). Each
+        candidate's function is extracted once per graph (a lean search asks again each
+        round)."""
+        if self._keyed_graph is not graph:
+            self._keyed_graph, self._keyed = graph, {}
         by_key: dict = {}
         for cand in candidates:
-            func = extract_function(graph, cand.nodes)[0]
-            key = function_key(func)
-            if len(cand.nodes) < len(graph):  # timed as it runs among the other groups
-                func = func.with_attr(PART_ATTR, True)
-            else:  # the whole model: timed alone, a DB entry apart from the same piece's
-                key += WHOLE_KEY
-            if self.tuning is not None and not backends[cand.backend].is_external:
-                sig = self.tuning.signature(func, key)
-                key = f"{key}|tuned:{sig}" if sig else key
-            if cold and sum(weights[i] for i in cand.nodes) > cache_bytes(2):
-                key += COLD_KEY
+            if cand not in self._keyed:
+                self._keyed[cand] = self._key_of(graph, cand, backends)
+            key, func = self._keyed[cand]
             by_key.setdefault((cand.backend, key), (func, []))[1].append(cand)
         return by_key
+
+    def _key_of(self, graph, cand, backends: dict) -> tuple:
+        """(DB key, function timed) of one candidate."""
+        if self._weights is None or self._weights[0] is not graph:
+            weights = [constant_bytes(n.value) for n in graph.nodes]
+            self._weights = (graph, weights,
+                             self.flush_bytes > 0 and sum(weights) > cache_bytes(3) // 2)
+        _, weights, cold = self._weights
+        func = extract_function(graph, cand.nodes)[0]
+        key = function_key(func)
+        if len(cand.nodes) < len(graph):  # timed as it runs among the other groups
+            func = func.with_attr(PART_ATTR, True)
+        else:  # the whole model: timed alone, a DB entry apart from the same piece's
+            key += WHOLE_KEY
+        if self.tuning is not None and not backends[cand.backend].is_external:
+            sig = self.tuning.signature(func, key)
+            key = f"{key}|tuned:{sig}" if sig else key
+        if cold and sum(weights[i] for i in cand.nodes) > cache_bytes(2):
+            key += COLD_KEY
+        return key, func
 
     def known(self, graph, candidates, backends: dict) -> dict:
         """The cost of each of ``candidates`` the cost DB already holds (a failure of the

@@ -541,6 +541,7 @@ def bench_model(name: str, out_dir: str, options: SearchOptions, db, glue: bool 
                         "ops_per_backend": rep.ops_per_backend,
                         "calibration": rep.calibration,
                         "close_calls": rep.close_calls, "side_by_side": rep.side_by_side,
+                        "lean": rep.lean, "candidates": rep.candidates,
                         "switch": {f"{a}|{b}": v for (a, b), v in rep.switch.items()},
                         "graph_level": {k: v for k, v in rep.graph_level.items() if k != "history"}}
         _print_comparison(rep.comparison, rep.shipped)
