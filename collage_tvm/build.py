@@ -739,6 +739,9 @@ def _op_level(graph, backends, target, cost_db, options: SearchOptions, report) 
         switch = measurer.switch_costs(backends.values()) if options.switching else {}
         t1 = time.perf_counter()
         if options.lean:
+            # No second pass in reverse order: the close calls the DP leaves are re-timed
+            # side by side (refine), the rest cannot win.
+            measurer.second_pass = False
             measured, lean = lean_costs(measurer, graph, candidates, backends, eps, switch)
             report.lean = lean.as_dict()
         else:

@@ -234,7 +234,7 @@ def _run_inputs(path, module) -> list:
 LEAN_HELP = ("experimental: measure only the candidates the op-level DP can still choose "
              "(the single heavy operators on each library first, then what the DP picks on "
              "floors from those and from each backend's best measured rates, until the "
-             "measured cover is within 20%% of the floors' bound; placer.lean); default: "
+             "measured cover is within 30%% of the floors' bound; placer.lean); default: "
              "measure every candidate")
 
 

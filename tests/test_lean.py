@@ -42,12 +42,14 @@ class FakeMeasurer:
     """Costs from a table; counts what was asked for."""
 
     def __init__(self, table):
-        self.table, self.asked = table, []
+        self.table, self.asked, self.cutoffs = table, [], {}
+        self.cutoff_factor = 4.0
 
     def known(self, graph, candidates, backends):
         return {}
 
-    def costs(self, graph, candidates, backends):
+    def costs(self, graph, candidates, backends, cutoffs=None):
+        self.cutoffs.update(cutoffs or {})
         self.asked += candidates
         return {c: self.table[c] for c in candidates}
 
@@ -177,3 +179,21 @@ def test_the_work_of_a_convolution_and_the_floor_of_an_unseen_backend():
     roof.observe("dnnl", flops, moved, 0.01)
     assert roof.floor("dnnl", flops, moved) == 0.005  # half its own time: the slack
     assert roof.floor("dnnl", 2 * flops, moved) == 0.01
+
+
+def test_a_candidate_measured_after_the_single_operators_gets_a_cutoff_from_them():
+    # A TVM kernel whose first run is four times what the same heavy operators take alone on
+    # the best library cannot win: its timing is cut short (Measurer.costs' cutoffs).
+    graph = _graph(blocks=3)
+    backends = {n: get_backend(n) for n in EPS}
+    candidates = generate_candidates(graph, backends.values())
+    table = _table(graph, candidates)
+    fake = FakeMeasurer(table)
+    lean_costs(fake, graph, candidates, backends, EPS, switch={}, gap=None)
+    seeded = [c for c in fake.asked if len(c.nodes) == 1 and c.backend != "tvm"]
+    assert fake.cutoffs and not set(fake.cutoffs) & set(seeded)
+    for c, cut in fake.cutoffs.items():
+        heavy = [i for i in c.nodes if graph.nodes[i].op_name in ("relax.nn.conv2d", "relax.matmul")]
+        best = sum(min(table[s] - EPS[s.backend] for s in seeded if s.nodes == {i})
+                   for i in heavy)
+        assert math.isclose(cut, 4.0 * (best + EPS[c.backend]), rel_tol=1e-9), c

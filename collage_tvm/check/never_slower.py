@@ -143,6 +143,7 @@ def _time_builds(builds, graph_of, floors, backends, target, accuracy, weights):
             continue
         if len(runs) > 1 and memory_short(weights):
             _narrow(runs, results, outputs, builds, accuracy, target)
+        t_build = time.perf_counter()
         try:
             if name in floors:
                 executable = floors[name].build()
@@ -161,8 +162,9 @@ def _time_builds(builds, graph_of, floors, backends, target, accuracy, weights):
         outputs[name] = [r["outputs"]] + outputs_on(executable, graph_of[name], target, seeds)
         results[name] = _timing(r, builds[name])
         runs[name] = r["run"]
-        logger.info("end to end: %s %.3f ms%s", name, r["ms"],
-                    " (timed once: hopeless)" if r["timed_once"] else "")
+        logger.info("end to end: %s %.3f ms%s (built, checked and timed in %.1f s)", name,
+                    r["ms"], " (timed once: hopeless)" if r["timed_once"] else "",
+                    time.perf_counter() - t_build)
         del executable, r  # held by its run alone: ``_narrow`` can free it
     return results, outputs, runs
 

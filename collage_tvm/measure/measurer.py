@@ -173,6 +173,7 @@ class Measurer:
         self.side_by_side = 0  # sets of candidates re-timed side by side (retime)
         self._keyed_graph, self._keyed = None, {}  # candidate -> (DB key, function)
         self._weights = None  # (graph, each node's weight bytes, timed cold)
+        self._best_graph, self._best = None, {}  # node set -> least cost (_best_for)
         self.second_pass = second_pass
         self.tuning = tuning
         self.deadline: float | None = None
@@ -327,7 +328,7 @@ class Measurer:
     def _measure_switch(self, a, func_a, b, func_b) -> tuple:
         return self._run("measure_switch", [(a, func_a, None), (b, func_b, None)])
 
-    def costs(self, graph, candidates, backends: dict) -> dict:
+    def costs(self, graph, candidates, backends: dict, cutoffs: dict | None = None) -> dict:
         """Measured cost (ms, inf when failed) of every candidate.
 
         Library candidates are measured first (fast; their times give the cutoff for slow
@@ -335,7 +336,9 @@ class Measurer:
         conv+bias, conv+bias+relu) are timed seconds apart: a burst of machine noise (a
         2-vCPU VM loses whole seconds to its neighbours) then shifts them together instead
         of one kind of fusion everywhere. Those measured here get a second pass in reverse
-        order and keep the lower time (``second_pass``).
+        order and keep the lower time (``second_pass``). ``cutoffs``: candidate -> ms past
+        which its first run cuts its timing short (it cannot win; ``placer.lean`` gives
+        them), beside the cutoff from the best time measured for the same nodes.
 
         Cold caches: timed back to back, a kernel keeps its weights in the CPU's caches,
         which in a whole run of a model whose weights the last-level cache cannot hold it
@@ -355,7 +358,7 @@ class Measurer:
                            and _prebuilds(backends[bk[0]])], by_key, backends)
         if self.remote is not None:
             self._measure_remote(order, by_key, backends)
-        best_for_nodes: dict = {}
+        best_for_nodes = self._best_for(graph)
         costs: dict = {}
         fresh: list = []  # (bk, cutoff) of library candidates measured (not from the DB) now
         bar = _progress(len(order), self.progress)
@@ -363,6 +366,7 @@ class Measurer:
             backend = backends[bk[0]]
             func, cands = by_key[bk]
             known = [best_for_nodes[c.nodes] for c in cands if c.nodes in best_for_nodes]
+            known += [cutoffs[c] / self.cutoff_factor for c in cands if c in (cutoffs or {})]
             cutoff = self.cutoff_factor * min(known) if known else None
             before = self.measured
             if not backend.is_external and not _has_call(func):
@@ -443,10 +447,20 @@ class Measurer:
                     continue
                 cost = rec.cost_ms
                 self.hits += 1
+            best = self._best_for(graph)
             for c in cands:
                 out[c] = cost
                 self._func_of[c] = (key, func)
+                best[c.nodes] = min(cost, best.get(c.nodes, math.inf))
         return out
+
+    def _best_for(self, graph) -> dict:
+        """node set -> the least cost measured for it on any backend, kept across calls on
+        one graph: a slow candidate measured in a later call (a lean search's round) is cut
+        short by a library's time for the same nodes measured in an earlier one."""
+        if self._best_graph is not graph:
+            self._best_graph, self._best = graph, {}
+        return self._best
 
     def prebuild(self, keys: list, by_key: dict, backends: dict) -> None:
         """Build the candidates of ``keys`` ((backend, DB key) pairs) the DB does not
