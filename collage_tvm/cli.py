@@ -130,7 +130,8 @@ def _report(args, res, t0) -> int:
         base = rep.comparison.get("collage", {}).get("ms", math.nan)
         for name, r in rep.comparison.items():
             if r.get("error"):
-                print(f"{name:<26}{'failed':>12}{'':>12}  {r['error']}")
+                print(f"{name:<26}{'not built' if r.get('skipped') else 'failed':>12}{'':>12}"
+                      f"  {r['error']}")
                 continue
             same = f"  (same placement as {r['same_as']})" if r.get("same_as") else ""
             same += "  (timed once: >10x slower)" if r.get("timed_once") else ""

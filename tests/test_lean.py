@@ -197,3 +197,25 @@ def test_a_candidate_measured_after_the_single_operators_gets_a_cutoff_from_them
         best = sum(min(table[s] - EPS[s.backend] for s in seeded if s.nodes == {i})
                    for i in heavy)
         assert math.isclose(cut, 4.0 * (best + EPS[c.backend]), rel_tol=1e-9), c
+
+
+def test_a_lib_plus_tvm_build_doing_tvm_only_s_work_is_not_built_when_tvm_only_was_hopeless():
+    # The final check: tvm-only timed once past the cutoff; "mkl+tvm" with MKL's matmul only
+    # leaves the convolutions on TVM, so it cannot beat the cutoff: not built. One with the
+    # convolutions on a library is built.
+    from collage_tvm.check.never_slower import _hopeless_like_tvm_only
+    from collage_tvm.placement import Candidate
+
+    graph = _graph(blocks=2)
+    matmul = next(n.index for n in graph.nodes if n.op_name == "relax.matmul")
+    convs = {n.index for n in graph.nodes if n.op_name == "relax.nn.conv2d"}
+    rest = frozenset(range(len(graph))) - {matmul}
+    mkl = [Candidate("tvm", rest, "tvm"), Candidate("mkl", frozenset([matmul]), "mkl")]
+    dnnl = [Candidate("tvm", rest - convs, "tvm"), Candidate("dnnl", frozenset(convs), "dnnl"),
+            Candidate("tvm", frozenset([matmul]), "tvm")]
+    hopeless = {"tvm-only": {"ms": 500.0, "timed_once": True}}
+    why = _hopeless_like_tvm_only(graph, mkl, hopeless, cutoff=40.0)
+    assert why and "FLOPs" in why
+    assert _hopeless_like_tvm_only(graph, dnnl, hopeless, cutoff=40.0) is None
+    timed = {"tvm-only": {"ms": 500.0}}  # tvm-only was timed in full: build them all
+    assert _hopeless_like_tvm_only(graph, mkl, timed, cutoff=40.0) is None

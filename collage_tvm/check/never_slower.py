@@ -10,6 +10,7 @@ from typing import Callable
 
 from .._memory import release_memory
 from ..graph.subgraph import constant_bytes
+from ..measure.estimate import node_flops
 from ..lower import compile_placement
 from ..measure.timing import BUSY_SHARE, OtherLoad, interleaved
 from ..placement import Placement
@@ -143,6 +144,12 @@ def _time_builds(builds, graph_of, floors, backends, target, accuracy, weights):
             continue
         if len(runs) > 1 and memory_short(weights):
             _narrow(runs, results, outputs, builds, accuracy, target)
+        why = _hopeless_like_tvm_only(graph_of[name], builds[name], results, cutoff)
+        if why:
+            logger.info("end to end: %s not built: %s", name, why)
+            results[name] = {"ms": math.inf, "match": False, "max_err": math.nan,
+                             "error": f"not built: {why}", "skipped": True}
+            continue
         t_build = time.perf_counter()
         try:
             if name in floors:
@@ -167,6 +174,28 @@ def _time_builds(builds, graph_of, floors, backends, target, accuracy, weights):
                     time.perf_counter() - t_build)
         del executable, r  # held by its run alone: ``_narrow`` can free it
     return results, outputs, runs
+
+
+def _hopeless_like_tvm_only(graph, groups, results: dict, cutoff) -> str | None:
+    """Why a "<lib>+tvm" build cannot win without building it, or None: tvm-only was
+    hopeless (timed once, past ``cutoff``), and the build's TVM kernels alone do enough of
+    tvm-only's work (FLOPs) to take longer than ``cutoff`` at tvm-only's rate (an untuned
+    TVM build of ResNet-50 takes 15 s to build and run once; MKL's two matrix products do
+    not change that)."""
+    tvm_only = results.get("tvm-only", {})
+    if groups is None or cutoff is None or not tvm_only.get("timed_once") \
+            or not any(g.backend == "tvm" for g in groups) \
+            or all(g.backend == "tvm" for g in groups):
+        return None
+    flops = [node_flops(n) for n in graph.nodes]
+    total = sum(flops)
+    on_tvm = sum(flops[i] for g in groups if g.backend == "tvm" for i in g.nodes)
+    estimate = tvm_only["ms"] * on_tvm / max(total, 1)
+    if estimate <= cutoff:
+        return None
+    return (f"its TVM kernels do {on_tvm / max(total, 1):.1%} of the model's FLOPs: about "
+            f"{estimate:.0f} ms at tvm-only's rate, past the {cutoff:.0f} ms a build must beat "
+            f"to be timed")
 
 
 def _timing(r: dict, groups) -> dict:

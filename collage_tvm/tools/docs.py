@@ -161,7 +161,55 @@ def torch_compile_table(docs: list) -> str:
     return "\n".join(lines) + "\n"
 
 
-KINDS = {"deploy": deploy_table, "torch-compile": torch_compile_table, "suite-table": lambda docs: suite_table(docs[0]), "suite-summary": suite_summary,
+SEARCH_STAGES = ("import", "measure", "second pass", "re-time", "calibrate", "graph-level",
+                 "compare")
+
+
+def search_time_table(docs: list) -> str:
+    """``bench`` runs from an empty cost DB: each search's wall time, its stages, what it
+    measured (``--lean``: how many candidates it never measured, why it stopped) and what
+    it shipped, one row per results file and model."""
+    lines, machines, rows = [], [], []
+    for doc in docs:
+        line = suites.machine_line(doc.get("machine") or {})
+        if line not in machines:
+            machines.append(line)
+        for m in doc.get("models", []):
+            for level in ("two-level", "op-level"):
+                e = m.get(level)
+                if not e:
+                    continue
+                lean = e.get("lean") or {}
+                how = (f"lean: {lean['measured']} measured, {lean['skipped']} skipped, "
+                       f"stopped by {lean.get('stopped') or 'measured'}" if lean
+                       else "every candidate")
+                t = e.get("times", {})
+                comparison = e.get("comparison") or {}
+                shipped = comparison.get(e.get("shipped") or "collage", {})
+                shipped = comparison.get(shipped.get("same_as"), shipped)
+                best = shipped.get("ms", math.nan)
+                rows.append([m["model"], m.get("size", ""), level, how,
+                             str(e.get("candidates", "")), str(e.get("measured", "")),
+                             f"{e['wall_s']:.0f}"]
+                            + [f"{t[k]:.0f}" if k in t else "" for k in SEARCH_STAGES]
+                            + [_shipped_name(e), f"{best:.2f}"])
+    head = (["model", "size", "levels", "measuring", "candidates", "distinct measured",
+             "wall s"] + [f"{k} s" for k in SEARCH_STAGES] + ["shipped", "shipped ms"])
+    lines += machines + ["", "| " + " | ".join(head) + " |",
+                         "|---|---|---|---|" + "---:|" * (3 + len(SEARCH_STAGES)) + "---|---:|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _shipped_name(entry: dict) -> str:
+    shipped = entry.get("shipped") or "collage"
+    ops = entry.get("ops_per_backend") or {}
+    if shipped == "collage" and ops:
+        return "collage: " + ", ".join(f"{b} {n}" for b, n in sorted(ops.items()))
+    return shipped
+
+
+KINDS = {"deploy": deploy_table, "search-time": search_time_table, "torch-compile": torch_compile_table, "suite-table": lambda docs: suite_table(docs[0]), "suite-summary": suite_summary,
          "optimize-report": lambda docs: optimize_report(docs[0])}
 
 
