@@ -192,13 +192,27 @@ def search_time_table(docs: list) -> str:
                              str(e.get("candidates", "")), str(e.get("measured", "")),
                              f"{e['wall_s']:.0f}"]
                             + [f"{t[k]:.0f}" if k in t else "" for k in SEARCH_STAGES]
-                            + [_shipped_name(e), f"{best:.2f}"])
+                            + [_shipped_name(e), f"{best:.2f}"]
+                            + [_ms(m.get("frameworks", {}).get(f)) for f in INTERLEAVED])
     head = (["model", "size", "levels", "measuring", "candidates", "distinct measured",
-             "wall s"] + [f"{k} s" for k in SEARCH_STAGES] + ["shipped", "shipped ms"])
+             "wall s"] + [f"{k} s" for k in SEARCH_STAGES] + ["shipped", "shipped ms"]
+            + [f"interleaved: {f} ms" for f in INTERLEAVED])
     lines += machines + ["", "| " + " | ".join(head) + " |",
-                         "|---|---|---|---|" + "---:|" * (3 + len(SEARCH_STAGES)) + "---|---:|"]
+                         "|---|---|---|---|" + "---:|" * (3 + len(SEARCH_STAGES)) + "---|---:|"
+                         + "---:|" * len(INTERLEAVED)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines) + "\n"
+
+
+# The shipped build and the model file on each graph library, timed interleaved in one
+# process after the search (``bench``'s frameworks).
+INTERLEAVED = ("collage", "onnxruntime", "openvino")
+
+
+def _ms(result) -> str:
+    if not result or not math.isfinite(result.get("ms", math.nan)):
+        return ""
+    return f"{result['ms']:.2f}" + ("" if result.get("match", True) else " (wrong)")
 
 
 def _shipped_name(entry: dict) -> str:
