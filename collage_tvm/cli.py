@@ -232,11 +232,11 @@ def _run_inputs(path, module) -> list:
     return read_inputs(path, names)
 
 
-LEAN_HELP = ("experimental: measure only the candidates the op-level DP can still choose "
-             "(the single heavy operators on each library first, then what the DP picks on "
-             "floors from those and from each backend's best measured rates, until the "
-             "measured cover is within 30%% of the floors' bound; placer.lean); default: "
-             "measure every candidate")
+LEAN_HELP = ("measure only the candidates the op-level DP can still choose (default): the "
+             "single heavy operators on each library first, then what the DP picks on floors "
+             "from those and from each backend's best measured rates, until the measured "
+             "cover is within 30%% of the floors' bound (placer.lean); --no-lean: measure "
+             "every candidate, as the paper does")
 
 
 def _options(args, backends):
@@ -249,7 +249,7 @@ def _options(args, backends):
                          calibrate_rounds=args.calibrate, refine_rounds=args.refine,
                          rewrite=args.rewrite, tuning=not args.no_tuning,
                          accuracy=args.accuracy, build_jobs=args.build_jobs,
-                         lean=getattr(args, "lean", False),
+                         lean=getattr(args, "lean", True),
                          rpc_tracker=getattr(args, "rpc_tracker", "") or "",
                          rpc_key=getattr(args, "rpc_key", "") or "")
 
@@ -522,7 +522,8 @@ def main(argv=None) -> int:
                    help="after the op-level DP, run the evolutionary graph-level placer over the "
                         "graph libraries among --backends (onnxruntime, openvino); on by "
                         "default, --no-graph-level turns it off")
-    o.add_argument("--lean", action="store_true", help=LEAN_HELP)
+    o.add_argument("--lean", action=argparse.BooleanOptionalAction, default=True,
+                   help=LEAN_HELP)
     o.add_argument("--rewrite", action="store_true",
                    help="before placement, apply the z3-verified graph rewrites "
                         "(collage_tvm.rewrite): a convolution's per-channel affine tail (e.g. "
@@ -638,7 +639,8 @@ def main(argv=None) -> int:
                    help="seconds of graph-level search and of rewrite search, each (default "
                         f"{DEFAULT_BUDGET:.0f}; a suite gives each model at most 120)")
     b.add_argument("--db", default=None)
-    b.add_argument("--lean", action="store_true", help=LEAN_HELP)
+    b.add_argument("--lean", action=argparse.BooleanOptionalAction, default=True,
+                   help=LEAN_HELP)
     b.add_argument("--rewrite", action="store_true",
                    help="also Collage placed-only beside rewritten+placed (the z3-verified "
                         "graph rewrites, collage_tvm.rewrite), timed interleaved, outputs "

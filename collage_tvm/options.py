@@ -60,10 +60,12 @@ class SearchOptions:
     # output scale) or a tolerance. In the key when not strict.
     accuracy: object = field(default="f32", metadata={"key": lambda v: v.key()})
     # Measure only what the op-level DP can still choose on the floors of the rest
-    # (``placer.lean``: a skipped candidate's floor already lost to measured costs);
-    # False (the default): measure every candidate before the DP, as the paper does.
-    # Experimental: docs/BENCHMARKS.md ("Measuring less") has what it saves so far.
-    lean: bool = _flag("|lean", False)
+    # (``placer.lean``; the default: ResNet-50 from an empty cost DB in 111 s instead of
+    # 348 s, docs/BENCHMARKS.md "Search time"); False: measure every candidate before the
+    # DP, as the paper does. In the key when off (a log written before it was the default,
+    # by a search that measured everything, still answers: its placement is the one the
+    # floors approximate).
+    lean: bool = field(default=True, metadata={"key": lambda v: "" if v else "|measure-all"})
     # Rounds of side-by-side re-timing of the op-level placement's close calls, each
     # followed by a DP re-run (``placer.alternatives.refine``); 0 turns it off.
     refine_rounds: int = _rounds("|refined", 2)

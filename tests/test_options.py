@@ -52,7 +52,7 @@ def test_key_changes_with_search_options_and_not_with_display_ones():
                  dict(on_generation=print), dict(build_jobs=4), dict(compare=False)):
         assert SearchOptions(graph_level=False, **same).key_variant() == base.key_variant(), same
     for other in (dict(switching=False), dict(refine_rounds=1), dict(calibrate_rounds=0),
-                  dict(graph_level=True)):
+                  dict(graph_level=True), dict(lean=False)):
         assert SearchOptions(**{"graph_level": False, **other}).key_variant() != \
             base.key_variant(), other
 

@@ -176,10 +176,16 @@ def _time_builds(builds, graph_of, floors, backends, target, accuracy, weights):
     return results, outputs, runs
 
 
+# A "<lib>+tvm" build whose TVM kernels do at least this share of the model's FLOPs is
+# judged by tvm-only's time (``_hopeless_like_tvm_only``).
+HOPELESS_SHARE = 0.9
+
+
 def _hopeless_like_tvm_only(graph, groups, results: dict, cutoff) -> str | None:
     """Why a "<lib>+tvm" build cannot win without building it, or None: tvm-only was
-    hopeless (timed once, past ``cutoff``), and the build's TVM kernels alone do enough of
-    tvm-only's work (FLOPs) to take longer than ``cutoff`` at tvm-only's rate (an untuned
+    hopeless (timed once, past ``cutoff``), and the build's TVM kernels do most of its work
+    (``HOPELESS_SHARE`` of the FLOPs), enough to take longer than ``cutoff`` at tvm-only's
+    rate (an untuned
     TVM build of ResNet-50 takes 15 s to build and run once; MKL's two matrix products do
     not change that)."""
     tvm_only = results.get("tvm-only", {})
@@ -191,7 +197,7 @@ def _hopeless_like_tvm_only(graph, groups, results: dict, cutoff) -> str | None:
     total = sum(flops)
     on_tvm = sum(flops[i] for g in groups if g.backend == "tvm" for i in g.nodes)
     estimate = tvm_only["ms"] * on_tvm / max(total, 1)
-    if estimate <= cutoff:
+    if on_tvm < HOPELESS_SHARE * total or estimate <= cutoff:
         return None
     return (f"its TVM kernels do {on_tvm / max(total, 1):.1%} of the model's FLOPs: about "
             f"{estimate:.0f} ms at tvm-only's rate, past the {cutoff:.0f} ms a build must beat "
