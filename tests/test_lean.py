@@ -165,7 +165,31 @@ def test_the_single_heavy_operators_are_measured_first_and_floor_their_groups():
     fake = FakeMeasurer(_table(graph, candidates))
     _, rep = lean_costs(fake, graph, candidates, backends, EPS, switch={})
     external = [c for c in seed if backends[c.backend].is_external]
-    assert rep.seeded == len(external) and fake.asked[:len(external)] == external
+    largest = floors.largest(candidates, backends)  # onnxruntime's whole-graph region
+    assert largest and {c.backend for c in largest} == {"onnxruntime"}
+    assert len(largest[0].nodes) == max(len(c.nodes) for c in candidates
+                                        if c.backend == "onnxruntime")
+    assert rep.seeded == len(external) + len(largest)
+    assert fake.asked[:rep.seeded] == external + largest
+
+
+def test_a_group_measured_below_its_parts_lowers_its_backend_s_share():
+    # MobileNetV2 on OpenVINO: a region of depthwise convolutions ran in 0.16 of their times
+    # alone. The floors of that backend's groups follow what its groups were measured at.
+    graph = _graph(blocks=2)
+    backends = {n: get_backend(n) for n in EPS}
+    candidates = generate_candidates(graph, backends.values())
+    floors = Floors(graph, candidates, EPS)
+    region = max((c for c in candidates if c.backend == "onnxruntime"), key=lambda c: len(c.nodes))
+    heavy = floors.heavy[region]
+    for i in heavy:
+        single = next(c for c in candidates if c.backend == "onnxruntime" and c.nodes == {i})
+        floors.observe(single, EPS["onnxruntime"] + 1.0)  # 1 ms each alone
+    assert math.isclose(floors.floor(region), 0.5 * len(heavy))
+    floors.observe(region, EPS["onnxruntime"] + 0.2 * len(heavy))  # the region: 0.2 of them
+    assert math.isclose(floors.share["onnxruntime"], 0.8 * 0.2)
+    assert math.isclose(floors.floor(region), 0.16 * len(heavy))
+    assert "dnnl" not in floors.share  # another backend keeps its share
 
 
 def test_the_work_of_a_convolution_and_the_floor_of_an_unseen_backend():

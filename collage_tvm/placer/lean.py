@@ -9,13 +9,18 @@ again. Two floors, the higher one counts:
 
 - the *roofline* (``measure.estimate.Roofline``): the backend's best observed rates on this
   machine, halved;
-- the *parts floor*: ``PARTS_SLACK`` of what the group's heavy operators (convolutions,
-  matrix products, pools, reductions: ``estimate.HEAVY``) take alone on the same backend.
-  A library fuses the elementwise operators around a convolution away, not the
-  convolution. Those single-operator candidates of the external backends are measured
-  first (few: a model repeats its shapes, and each distinct function is timed once).
-  Measured on ResNet-50 (every candidate, five CPU backends), a region took at least 0.51
-  of its heavy operators' times alone (OpenVINO; ONNX Runtime 0.58, oneDNN 0.70).
+- the *parts floor*: a share (``PARTS_SLACK``) of what the group's heavy operators
+  (convolutions, matrix products, pools, reductions: ``estimate.HEAVY``) take alone on the
+  same backend. A library fuses the elementwise operators around a convolution away, not
+  the convolution. Those single-operator candidates of the external backends are measured
+  first (few: a model repeats its shapes, and each distinct function is timed once), then
+  each graph library's largest candidates (the whole model). The share is not a law: on
+  ResNet-50 (every candidate, five CPU backends) a region took at least 0.51 of its heavy
+  operators' times alone (OpenVINO; ONNX Runtime 0.58, oneDNN 0.70), on MobileNetV2 at
+  224x224 an OpenVINO region of depthwise convolutions 0.16 (alone, each pays a layout
+  change that a region pays once). So each backend's share follows its measured groups:
+  ``RATIO_MARGIN`` of the least share one of them took (``Floors.share``). With the fixed
+  share MobileNetV2's DP chose a cover 79% slower than the full-measure one.
 
 The loop stops when the DP's answer is made of measured candidates only (the full-measure
 answer, wherever every floor held) or when the best cover of measured candidates is within
@@ -35,12 +40,15 @@ from .op_level import ensure_cover, place
 
 logger = logging.getLogger("collage_tvm")
 
-# The share of its heavy operators' single-operator times a group takes at least.
+# The share of its heavy operators' single-operator times a group takes at least, until a
+# measured group of the backend took less (``Floors.share``).
 PARTS_SLACK = 0.5
+# A backend's share: this much of the least share a measured group of it took.
+RATIO_MARGIN = 0.8
 # Stop measuring once the measured candidates' best cover is within this share of the
-# lower bound the floors give. Replayed on ResNet-50's full-measure cost table (757 distinct
-# functions, five CPU backends): without the bound 530 are timed; with 0.2, 300; with 0.3,
-# 231, and the DP's answer is 0.04% above the full-measure one (0.5: 144, 5.8% above).
+# lower bound the floors give. Replayed on full-measure cost tables (five CPU backends),
+# the DP's answer equal to the full-measure one: ResNet-50, 316 of 757 distinct functions
+# timed (462 without the bound); MobileNetV2 at 224x224, 131 of 897 (167).
 GAP = 0.3
 
 
@@ -75,6 +83,11 @@ class Floors:
                       for c in candidates}
         self.single: dict = {}   # (backend, node) -> least measured single-node time
         self.anywhere: dict = {}  # node -> least measured single-node time on any backend
+        # backend -> the share of its heavy parts' times a group takes at least: PARTS_SLACK,
+        # lowered to RATIO_MARGIN of the least share a measured group of it took (MobileNetV2
+        # on OpenVINO: a region of depthwise convolutions in 0.16 of their times alone).
+        self.share: dict = {}
+        self.groups: list = []   # measured multi-node groups: (candidate, time)
 
     def singles_of_heavy(self, candidates: list) -> list:
         return [c for c in candidates if len(c.nodes) == 1 and self.heavy[c]]
@@ -82,10 +95,36 @@ class Floors:
     def observe(self, c, cost: float) -> None:
         own = cost - self.eps.get(c.backend, 0.0)
         self.roof.observe(c.backend, *self.features[c], own)
-        if len(c.nodes) == 1 and math.isfinite(own):
+        if not math.isfinite(own):
+            return
+        if len(c.nodes) == 1:
             key = (c.backend, next(iter(c.nodes)))
             self.single[key] = min(self.single.get(key, math.inf), max(0.0, own))
             self.anywhere[key[1]] = min(self.anywhere.get(key[1], math.inf), self.single[key])
+        elif self.heavy[c]:
+            self.groups.append((c, max(0.0, own)))
+        for g, t in self.groups:  # the shares, as the parts become known
+            parts = self._parts(g)
+            if parts is not None and parts > 0:
+                self.share[g.backend] = min(self.share.get(g.backend, self.parts_slack),
+                                            RATIO_MARGIN * t / parts)
+
+    def _parts(self, c) -> float | None:
+        """The sum of ``c``'s heavy operators' times alone on its backend (None while one
+        is not measured)."""
+        parts = [self.single.get((c.backend, i), math.inf) for i in self.heavy[c]]
+        return sum(parts) if parts and all(math.isfinite(p) for p in parts) else None
+
+    def largest(self, candidates: list, backends: dict) -> list:
+        """Each graph library's largest candidates (the whole model, where it runs it):
+        measured early, they give the share of their parts a region takes."""
+        out = []
+        for name, b in backends.items():
+            mine = [c for c in candidates if c.backend == name and self.heavy[c]]
+            if b.kind == "graph" and mine:
+                most = max(len(c.nodes) for c in mine)
+                out += [c for c in mine if len(c.nodes) == most]
+        return out
 
     def cutoff(self, c, factor: float) -> float | None:
         """``factor`` times the least its heavy operators take alone on any backend: past
@@ -99,7 +138,8 @@ class Floors:
         low = self.roof.floor(c.backend, *self.features[c])
         parts = [self.single.get((c.backend, i), math.inf) for i in self.heavy[c]]
         parts = [p for p in parts if math.isfinite(p)]
-        return max(low, self.parts_slack * sum(parts)) if parts else low
+        share = self.share.get(c.backend, self.parts_slack)
+        return max(low, share * sum(parts)) if parts else low
 
 
 def lean_costs(measurer, graph, candidates: list, backends: dict, eps: dict, switch: dict,
@@ -122,6 +162,10 @@ def lean_costs(measurer, graph, candidates: list, backends: dict, eps: dict, swi
     if seed:
         _measure(measurer, graph, seed, backends, raw, floors, same)
         rep.seeded = rep.measured = len(seed)
+    largest = [c for c in floors.largest(candidates, backends) if c not in raw]
+    if largest:
+        rep.measured += _measure(measurer, graph, largest, backends, raw, floors, same)
+        rep.seeded += len(largest)
     floors_at_measure: dict = {}
     while True:
         est = {c: (max(0.0, raw[c] - eps.get(c.backend, 0.0)) if c in raw else floors.floor(c))
