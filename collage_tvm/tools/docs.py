@@ -57,13 +57,22 @@ def _x(v) -> str:
     return f"{v:.2f}x"
 
 
+def _machines(docs: list) -> list:
+    """The machine lines of the results files, each once, in order."""
+    out: list = []
+    for doc in docs:
+        line = suites.machine_line(doc.get("machine") or {})
+        if line not in out:
+            out.append(line)
+    return out
+
+
 def suite_summary(docs: list) -> str:
     """One row per suite results file (see the module's docstring)."""
     head = ["suite", "accuracy", "input", "rows", "median vs best f32", "worst", "below "
             f"{suites.GOAL}x", "median vs OpenVINO default", "worst", f"below {suites.GOAL}x",
             f"wins by 3%+", "mixed placements shipped", "mixed wins by 3%+"]
     lines = ["| " + " | ".join(head) + " |", "|---|---|---|" + "---:|" * (len(head) - 3)]
-    machines = []
     for doc in docs:
         rows, accuracy = doc["rows"], doc.get("accuracy", "f32")
         f32 = suites.suite_stats(rows, "vs_best_f32")
@@ -76,10 +85,7 @@ def suite_summary(docs: list) -> str:
         cells += [str(len(main["wins"])) if main else "", str(len(main["mixed"])) if main else "",
                   ", ".join(main["mixed_wins"]) or "0" if main else ""]
         lines.append("| " + " | ".join(cells) + " |")
-        line = suites.machine_line(doc.get("machine") or {})
-        if line not in machines:
-            machines.append(line)
-    return "\n".join(machines + [""] + lines) + "\n"
+    return "\n".join(_machines(docs) + [""] + lines) + "\n"
 
 
 def optimize_report(doc: dict) -> str:
@@ -108,15 +114,12 @@ def optimize_report(doc: dict) -> str:
 def deploy_table(docs: list) -> str:
     """Each ``bench --deploy`` model of the results files: the build saved, loaded in a fresh
     process beside an ONNX Runtime session, and timed beside the in-process build."""
-    lines, machines = [], []
+    lines, machines = [], _machines(docs)
     head = ["model", "size", "saved MB", "load s (fresh process)", "ONNX Runtime session s",
             "load / session", "first run s", "outputs bit-identical", "in-process ms",
             "loaded ms"]
     rows = []
     for doc in docs:
-        line = suites.machine_line(doc.get("machine") or {})
-        if line not in machines:
-            machines.append(line)
         for m in doc.get("models", []):
             d = m.get("deploy")
             if not d:
@@ -135,11 +138,8 @@ def deploy_table(docs: list) -> str:
 def torch_compile_table(docs: list) -> str:
     """``bench --torch-compile``: each model compiled in a fresh process (searching), then in
     a second one (the placement log answers), checked against eager, timed beside it."""
-    lines, machines, rows = [], [], []
+    lines, machines, rows = [], _machines(docs), []
     for doc in docs:
-        line = suites.machine_line(doc.get("machine") or {})
-        if line not in machines:
-            machines.append(line)
         for r in doc.get("rows", []):
             f, s = r["first"], r["second"]
             built = all(g["built"] for g in f["graphs"] + s["graphs"])
@@ -169,11 +169,8 @@ def search_time_table(docs: list) -> str:
     """``bench`` runs from an empty cost DB: each search's wall time, its stages, what it
     measured (``--lean``: how many candidates it never measured, why it stopped) and what
     it shipped, one row per results file and model."""
-    lines, machines, rows = [], [], []
+    lines, machines, rows = [], _machines(docs), []
     for doc in docs:
-        line = suites.machine_line(doc.get("machine") or {})
-        if line not in machines:
-            machines.append(line)
         for m in doc.get("models", []):
             for level in ("two-level", "op-level"):
                 e = m.get(level)
