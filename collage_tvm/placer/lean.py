@@ -42,13 +42,14 @@ logger = logging.getLogger("collage_tvm")
 
 # The share of its heavy operators' single-operator times a group takes at least, until a
 # measured group of the backend took less (``Floors.share``).
-PARTS_SLACK = 0.5
+PARTS_SLACK = 0.7
 # A backend's share: this much of the least share a measured group of it took.
 RATIO_MARGIN = 0.8
 # Stop measuring once the measured candidates' best cover is within this share of the
-# lower bound the floors give. Replayed on full-measure cost tables (five CPU backends),
-# the DP's answer equal to the full-measure one: ResNet-50, 316 of 757 distinct functions
-# timed (462 without the bound); MobileNetV2 at 224x224, 131 of 897 (167).
+# lower bound the floors give. Replayed on full-measure cost tables (five CPU backends):
+# ResNet-50, 113 of 757 distinct functions timed, the DP's answer 0.09% above the
+# full-measure one (a starting share of 0.5: 316, equal); MobileNetV2 at 224x224, 131 of
+# 897, equal.
 GAP = 0.3
 
 
