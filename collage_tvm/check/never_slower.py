@@ -156,7 +156,9 @@ def _time_builds(builds, graph_of, floors, backends, target, accuracy, weights):
                 executable = floors[name].build()
             else:
                 executable, _ = compile_placement(graph_of[name], builds[name], backends, target)
-            r = evaluate(executable, graph_of[name], target, cutoff_ms=cutoff)
+            r = evaluate(executable, graph_of[name], target, cutoff_ms=cutoff,
+                         first_run_counts=builds[name] is not None
+                         and all(g.backend == "tvm" for g in builds[name]))
         except Exception as err:  # noqa: BLE001 - a failing baseline is reported, not fatal
             if name == "collage":
                 raise  # (TVM alone failing: another build is the reference, ``_reference``)
