@@ -174,7 +174,7 @@ class _FakeSession:
     """A session answering at once, or one whose server dies on its first request after
     ``dies_after`` seconds (a stand-in for the network: the spreading logic alone)."""
 
-    def __init__(self, address, dies_after=None):
+    def __init__(self, address, dies_after=None, takes=0.0):
         import pickle
 
         self.address, self.device, self.dies_after = address, "dev", dies_after
@@ -182,6 +182,7 @@ class _FakeSession:
         def measure(payload):
             import time
 
+            time.sleep(takes)
             if self.dies_after is not None:
                 time.sleep(self.dies_after)
                 raise RuntimeError("Socket SockChannel::Recv Error: connection reset")
@@ -200,7 +201,9 @@ def _devices(sessions):
 def test_a_request_left_by_a_server_dying_on_the_last_one_goes_to_a_live_server():
     # The healthy session runs out of work while the other still holds the last request;
     # then that server dies: its request must reach the healthy one, not be stranded.
-    devices = _devices([_FakeSession("ok"), _FakeSession("dying", dies_after=0.5)])
+    # The healthy one takes 0.2 s a request, so the dying one surely holds one (with
+    # instant answers the healthy thread could drain the queue before the other started).
+    devices = _devices([_FakeSession("ok", takes=0.2), _FakeSession("dying", dies_after=0.5)])
     got = dict(devices.map(["a", "b", "c"]))
     assert sorted(got) == [0, 1, 2] and all(r[0] == 1.0 for r in got.values())
     assert {r[2]["server"] for r in got.values()} == {"ok"}

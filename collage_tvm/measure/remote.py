@@ -27,6 +27,7 @@ import json
 import logging
 import pickle
 import queue
+import socket
 import threading
 import time
 
@@ -109,6 +110,10 @@ class _Session:
         self.device, self.address = me["device"], me["server"]
 
 
+# Seconds to wait for the tracker to accept a connection.
+_CONNECT_TIMEOUT_S = 10.0
+
+
 class RemoteDevices:
     """Sessions with the servers registered under ``key`` at the tracker ``tracker``
     ("HOST:PORT"). ``device``: the fingerprint their costs are keyed by (the first
@@ -124,6 +129,9 @@ class RemoteDevices:
         self.tracker, self.key, self.timeout_s = tracker, key, timeout_s
         host, port = parse_address(tracker)
         try:
+            # TVM's connect_tracker retries a refused connection for 60 s: a wrong address
+            # is answered at once instead.
+            socket.create_connection((host, port), timeout=_CONNECT_TIMEOUT_S).close()
             self.client = rpc.connect_tracker(host, port)
         except Exception as err:  # noqa: BLE001 - say which tracker
             raise RemoteError(f"cannot reach the RPC tracker at {tracker}: {err}") from err
