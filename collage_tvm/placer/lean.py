@@ -14,13 +14,11 @@ again. Two floors, the higher one counts:
   same backend. A library fuses the elementwise operators around a convolution away, not
   the convolution. Those single-operator candidates of the external backends are measured
   first (few: a model repeats its shapes, and each distinct function is timed once), then
-  each graph library's largest candidates (the whole model). The share is not a law: on
-  ResNet-50 (every candidate, five CPU backends) a region took at least 0.51 of its heavy
-  operators' times alone (OpenVINO; ONNX Runtime 0.58, oneDNN 0.70), on MobileNetV2 at
-  224x224 an OpenVINO region of depthwise convolutions 0.16 (alone, each pays a layout
-  change that a region pays once). So each backend's share follows its measured groups:
-  ``RATIO_MARGIN`` of the least share one of them took (``Floors.share``). With the fixed
-  share MobileNetV2's DP chose a cover 79% slower than the full-measure one.
+  each graph library's largest candidates (the whole model). The share is not a law: a
+  region of depthwise convolutions can run far below their times alone (alone, each pays
+  a layout change that a region pays once; docs/GUIDE.md, "Search time", has the figures).
+  So each backend's share follows its measured groups: ``RATIO_MARGIN`` of the least share
+  one of them took (``Floors.share``).
 
 The loop stops when the DP's answer is made of measured candidates only (the full-measure
 answer, wherever every floor held) or when the best cover of measured candidates is within
@@ -46,10 +44,8 @@ PARTS_SLACK = 0.7
 # A backend's share: this much of the least share a measured group of it took.
 RATIO_MARGIN = 0.8
 # Stop measuring once the measured candidates' best cover is within this share of the
-# lower bound the floors give. Replayed on full-measure cost tables (five CPU backends):
-# ResNet-50, 113 of 757 distinct functions timed, the DP's answer 0.09% above the
-# full-measure one (a starting share of 0.5: 316, equal); MobileNetV2 at 224x224, 131 of
-# 897, equal.
+# lower bound the floors give (docs/GUIDE.md, "Search time": what it saves, and what it
+# costs the DP's answer, replayed on full-measure cost tables).
 GAP = 0.3
 
 
@@ -85,8 +81,7 @@ class Floors:
         self.single: dict = {}   # (backend, node) -> least measured single-node time
         self.anywhere: dict = {}  # node -> least measured single-node time on any backend
         # backend -> the share of its heavy parts' times a group takes at least: PARTS_SLACK,
-        # lowered to RATIO_MARGIN of the least share a measured group of it took (MobileNetV2
-        # on OpenVINO: a region of depthwise convolutions in 0.16 of their times alone).
+        # lowered to RATIO_MARGIN of the least share a measured group of it took.
         self.share: dict = {}
         self.groups: list = []   # measured multi-node groups: (candidate, time)
 
