@@ -15,9 +15,9 @@ import argparse
 import importlib
 import json
 import math
+import os
 
 from collage_tvm.candidates import generate_candidates
-from collage_tvm.measure.estimate import HEAVY
 from collage_tvm.measure.measurer import Measurer
 from collage_tvm.options import SearchOptions
 from collage_tvm.placer import lean
@@ -73,7 +73,7 @@ def replay(model: str, db: str) -> dict:
     stand_in = TableMeasurer(table, ident)
     raw, rep = lean.lean_costs(stand_in, graph, cands, backends, eps, switch)
     found = dp(raw)
-    return {"model": model, "candidates": len(cands), "distinct": len(set(ident.values())),
+    return {"model": os.path.basename(model), "candidates": len(cands), "distinct": len(set(ident.values())),
             "missing": missing, "full_ms": full, "lean_ms": found,
             "lean_over_full": found / full - 1.0, "timed": len(stand_in.asked),
             "rounds": rep.rounds, "stopped": rep.stopped,
@@ -81,21 +81,12 @@ def replay(model: str, db: str) -> dict:
 
 
 def _least_shares(graph, cands, table, eps) -> dict:
-    single: dict = {}
+    """backend -> the least share of its heavy operators' single times a region of it took
+    (``Floors.least`` after every candidate of the table)."""
+    floors = lean.Floors(graph, cands, eps)
     for c in cands:
-        if len(c.nodes) == 1 and math.isfinite(table[c]):
-            key = (c.backend, next(iter(c.nodes)))
-            single[key] = min(single.get(key, math.inf), table[c] - eps[c.backend])
-    least: dict = {}
-    for c in cands:
-        heavy = [i for i in c.nodes if graph.nodes[i].op_name in HEAVY]
-        parts = [single.get((c.backend, i), math.inf) for i in heavy]
-        if len(c.nodes) < 2 or not heavy or not math.isfinite(table[c]) \
-                or not all(math.isfinite(p) for p in parts):
-            continue
-        share = (table[c] - eps[c.backend]) / max(sum(parts), 1e-9)
-        least[c.backend] = min(least.get(c.backend, math.inf), share)
-    return least
+        floors.observe(c, table[c])
+    return floors.least
 
 
 def main() -> None:

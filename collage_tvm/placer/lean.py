@@ -80,10 +80,17 @@ class Floors:
                       for c in candidates}
         self.single: dict = {}   # (backend, node) -> least measured single-node time
         self.anywhere: dict = {}  # node -> least measured single-node time on any backend
-        # backend -> the share of its heavy parts' times a group takes at least: PARTS_SLACK,
-        # lowered to RATIO_MARGIN of the least share a measured group of it took.
-        self.share: dict = {}
-        self.groups: list = []   # measured multi-node groups: (candidate, time)
+        # backend -> the least share of its heavy parts' times a measured group of it took
+        self.least: dict = {}
+        # (backend, node) -> measured groups waiting for that single-node time: [(c, time)]
+        self.waiting: dict = {}
+
+    @property
+    def share(self) -> dict:
+        """backend -> the share of its heavy parts' times a group takes at least:
+        ``PARTS_SLACK``, lowered to ``RATIO_MARGIN`` of the least share a measured group of
+        it took (backends with no such group are absent)."""
+        return {b: min(self.parts_slack, RATIO_MARGIN * v) for b, v in self.least.items()}
 
     def singles_of_heavy(self, candidates: list) -> list:
         return [c for c in candidates if len(c.nodes) == 1 and self.heavy[c]]
@@ -97,19 +104,21 @@ class Floors:
             key = (c.backend, next(iter(c.nodes)))
             self.single[key] = min(self.single.get(key, math.inf), max(0.0, own))
             self.anywhere[key[1]] = min(self.anywhere.get(key[1], math.inf), self.single[key])
+            for group, t in self.waiting.pop(key, []):  # their parts may be complete now
+                self._share_of(group, t)
         elif self.heavy[c]:
-            self.groups.append((c, max(0.0, own)))
-        for g, t in self.groups:  # the shares, as the parts become known
-            parts = self._parts(g)
-            if parts is not None and parts > 0:
-                self.share[g.backend] = min(self.share.get(g.backend, self.parts_slack),
-                                            RATIO_MARGIN * t / parts)
+            self._share_of(c, max(0.0, own))
 
-    def _parts(self, c) -> float | None:
-        """The sum of ``c``'s heavy operators' times alone on its backend (None while one
-        is not measured)."""
-        parts = [self.single.get((c.backend, i), math.inf) for i in self.heavy[c]]
-        return sum(parts) if parts and all(math.isfinite(p) for p in parts) else None
+    def _share_of(self, c, t: float) -> None:
+        """The share of its parts the group ``c`` took (``t`` ms) lowers its backend's;
+        while a part is not measured, the group waits for it (``waiting``)."""
+        missing = [i for i in self.heavy[c] if (c.backend, i) not in self.single]
+        if missing:
+            self.waiting.setdefault((c.backend, missing[0]), []).append((c, t))
+            return
+        parts = sum(self.single[(c.backend, i)] for i in self.heavy[c])
+        if parts > 0:
+            self.least[c.backend] = min(self.least.get(c.backend, math.inf), t / parts)
 
     def largest(self, candidates: list, backends: dict) -> list:
         """Each graph library's largest candidates (the whole model, where it runs it):
@@ -134,7 +143,7 @@ class Floors:
         low = self.roof.floor(c.backend, *self.features[c])
         parts = [self.single.get((c.backend, i), math.inf) for i in self.heavy[c]]
         parts = [p for p in parts if math.isfinite(p)]
-        share = self.share.get(c.backend, self.parts_slack)
+        share = min(self.parts_slack, RATIO_MARGIN * self.least.get(c.backend, math.inf))
         return max(low, share * sum(parts)) if parts else low
 
 
@@ -153,15 +162,12 @@ def lean_costs(measurer, graph, candidates: list, backends: dict, eps: dict, swi
     rep.known = len(raw)
     for c, cost in raw.items():
         floors.observe(c, cost)
-    seed = [c for c in floors.singles_of_heavy(candidates)
-            if c not in raw and backends[c.backend].is_external]
-    if seed:
-        _measure(measurer, graph, seed, backends, raw, floors, same)
-        rep.seeded = rep.measured = len(seed)
-    largest = [c for c in floors.largest(candidates, backends) if c not in raw]
-    if largest:
-        rep.measured += _measure(measurer, graph, largest, backends, raw, floors, same)
-        rep.seeded += len(largest)
+    singles = [c for c in floors.singles_of_heavy(candidates) if backends[c.backend].is_external]
+    for first in (singles, floors.largest(candidates, backends)):  # the largest after: shares
+        todo = [c for c in first if c not in raw]
+        if todo:
+            rep.seeded += _measure(measurer, graph, todo, backends, raw, floors, same)
+    rep.measured = rep.seeded
     floors_at_measure: dict = {}
     while True:
         est = {c: (max(0.0, raw[c] - eps.get(c.backend, 0.0)) if c in raw else floors.floor(c))
