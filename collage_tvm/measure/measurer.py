@@ -10,6 +10,7 @@ import pickle
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass, field
 
 import tvm
 from tvm import relax
@@ -127,6 +128,20 @@ class DeadlinePassed(Exception):
     """A cost was not in the DB and ``Measurer.deadline`` had passed: nothing was measured."""
 
 
+@dataclass
+class _GraphCache:
+    """What a measurer keeps about the graph it measures, across calls on it."""
+
+    graph: object
+    weights: list                 # each node's weight bytes
+    cold: bool                    # its weights pass half the last-level cache (``costs``)
+    keyed: dict = field(default_factory=dict)  # candidate -> (DB key, function timed)
+    # node set -> the least cost measured for it on any backend: a slow candidate measured in
+    # a later call (a lean search's round) is cut short by a library's time for the same
+    # nodes measured in an earlier one
+    best: dict = field(default_factory=dict)
+
+
 class Measurer:
     """Looks costs up in ``db`` and measures the misses (in a child process when ``isolate``).
     ``deadline`` (a ``time.perf_counter()`` value, None: none): past it, a miss raises
@@ -171,9 +186,7 @@ class Measurer:
         self._can_pickle: dict = {}
         self._func_of: dict = {}  # candidate -> (DB key, standalone function), from costs()
         self.side_by_side = 0  # sets of candidates re-timed side by side (retime)
-        self._keyed_graph, self._keyed = None, {}  # candidate -> (DB key, function)
-        self._weights = None  # (graph, each node's weight bytes, timed cold)
-        self._best_graph, self._best = None, {}  # node set -> least cost (_best_for)
+        self._graph: _GraphCache | None = None  # what is kept about the graph measured last
         self.second_pass = second_pass
         self.tuning = tuning
         self.deadline: float | None = None
@@ -358,7 +371,7 @@ class Measurer:
                            and _prebuilds(backends[bk[0]])], by_key, backends)
         if self.remote is not None:
             self._measure_remote(order, by_key, backends)
-        best_for_nodes = self._best_for(graph)
+        best_for_nodes = self._on(graph).best
         costs: dict = {}
         fresh: list = []  # (bk, cutoff) of library candidates measured (not from the DB) now
         bar = _progress(len(order), self.progress)
@@ -398,27 +411,30 @@ class Measurer:
         return {c: bk for bk, (_, cands) in self._by_key(graph, candidates, backends).items()
                 for c in cands}
 
+    def _on(self, graph) -> "_GraphCache":
+        """What is kept about ``graph`` across calls (renewed when another graph comes)."""
+        if self._graph is None or self._graph.graph is not graph:
+            weights = [constant_bytes(n.value) for n in graph.nodes]
+            self._graph = _GraphCache(graph, weights, self.flush_bytes > 0
+                                      and sum(weights) > cache_bytes(3) // 2)
+        return self._graph
+
     def _by_key(self, graph, candidates, backends: dict) -> dict:
         """(backend, DB key) -> (the function timed, [candidates timed by it]). Each
         candidate's function is extracted once per graph (a lean search asks again each
         round)."""
-        if self._keyed_graph is not graph:
-            self._keyed_graph, self._keyed = graph, {}
+        keyed = self._on(graph).keyed
         by_key: dict = {}
         for cand in candidates:
-            if cand not in self._keyed:
-                self._keyed[cand] = self._key_of(graph, cand, backends)
-            key, func = self._keyed[cand]
+            if cand not in keyed:
+                keyed[cand] = self._key_of(graph, cand, backends)
+            key, func = keyed[cand]
             by_key.setdefault((cand.backend, key), (func, []))[1].append(cand)
         return by_key
 
     def _key_of(self, graph, cand, backends: dict) -> tuple:
         """(DB key, function timed) of one candidate."""
-        if self._weights is None or self._weights[0] is not graph:
-            weights = [constant_bytes(n.value) for n in graph.nodes]
-            self._weights = (graph, weights,
-                             self.flush_bytes > 0 and sum(weights) > cache_bytes(3) // 2)
-        _, weights, cold = self._weights
+        kept = self._on(graph)
         func = extract_function(graph, cand.nodes)[0]
         key = function_key(func)
         if len(cand.nodes) < len(graph):  # timed as it runs among the other groups
@@ -428,7 +444,7 @@ class Measurer:
         if self.tuning is not None and not backends[cand.backend].is_external:
             sig = self.tuning.signature(func, key)
             key = f"{key}|tuned:{sig}" if sig else key
-        if cold and sum(weights[i] for i in cand.nodes) > cache_bytes(2):
+        if kept.cold and sum(kept.weights[i] for i in cand.nodes) > cache_bytes(2):
             key += COLD_KEY
         return key, func
 
@@ -437,6 +453,7 @@ class Measurer:
         moment left out: it is measured again), or that runs no kernel (0): nothing is
         measured. ``placer.lean`` measures the rest only as the DP asks for them."""
         out = {}
+        best = self._on(graph).best
         for (name, key), (func, cands) in self._by_key(graph, candidates, backends).items():
             backend = backends[name]
             if not backend.is_external and not _has_call(func):
@@ -447,20 +464,11 @@ class Measurer:
                     continue
                 cost = rec.cost_ms
                 self.hits += 1
-            best = self._best_for(graph)
             for c in cands:
                 out[c] = cost
                 self._func_of[c] = (key, func)
                 best[c.nodes] = min(cost, best.get(c.nodes, math.inf))
         return out
-
-    def _best_for(self, graph) -> dict:
-        """node set -> the least cost measured for it on any backend, kept across calls on
-        one graph: a slow candidate measured in a later call (a lean search's round) is cut
-        short by a library's time for the same nodes measured in an earlier one."""
-        if self._best_graph is not graph:
-            self._best_graph, self._best = graph, {}
-        return self._best
 
     def prebuild(self, keys: list, by_key: dict, backends: dict) -> None:
         """Build the candidates of ``keys`` ((backend, DB key) pairs) the DB does not
