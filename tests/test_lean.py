@@ -38,6 +38,14 @@ def _graph(blocks: int = 4):
     return DataflowGraph(bb.get()["main"])
 
 
+def _problem(blocks: int = 4) -> tuple:
+    """(graph, backends, candidates, cost table) of ``_graph(blocks)`` on ``EPS``'s backends."""
+    graph = _graph(blocks)
+    backends = {n: get_backend(n) for n in EPS}
+    candidates = generate_candidates(graph, backends.values())
+    return graph, backends, candidates, _table(graph, candidates)
+
+
 class FakeMeasurer:
     """Costs from a table; counts what was asked for."""
 
@@ -71,10 +79,7 @@ def _table(graph, candidates):
 
 
 def test_the_dp_on_floors_finds_the_full_measure_placement_measuring_a_fraction():
-    graph = _graph()
-    backends = {n: get_backend(n) for n in EPS}
-    candidates = generate_candidates(graph, backends.values())
-    table = _table(graph, candidates)
+    graph, backends, candidates, table = _problem()
     fake = FakeMeasurer(table)
     raw, rep = lean_costs(fake, graph, candidates, backends, EPS, switch={}, gap=None)
     full = place(graph.producers, candidates,
@@ -111,10 +116,7 @@ def test_a_skipped_candidate_could_not_have_won(gap):
     # Without a gap, forcing any one skipped candidate into the cover never beats the
     # placement found: its floor had already lost to measured costs. With one, it beats it
     # by less than the gap.
-    graph = _graph(blocks=2)
-    backends = {n: get_backend(n) for n in EPS}
-    candidates = generate_candidates(graph, backends.values())
-    table = _table(graph, candidates)
+    graph, backends, candidates, table = _problem(blocks=2)
     fake = FakeMeasurer(table)
     raw, rep = lean_costs(fake, graph, candidates, backends, EPS, switch={}, gap=gap)
     found = place(graph.producers, candidates,
@@ -128,10 +130,7 @@ def test_a_skipped_candidate_could_not_have_won(gap):
 
 
 def test_the_gap_measures_less_and_stays_within_it_of_the_full_measure_answer():
-    graph = _graph(blocks=6)
-    backends = {n: get_backend(n) for n in EPS}
-    candidates = generate_candidates(graph, backends.values())
-    table = _table(graph, candidates)
+    graph, backends, candidates, table = _problem(blocks=6)
     full = place(graph.producers, candidates,
                  {c: max(0.0, v - EPS[c.backend]) for c, v in table.items()}, EPS).cost
     asked = {}
@@ -147,9 +146,7 @@ def test_the_gap_measures_less_and_stays_within_it_of_the_full_measure_answer():
 
 
 def test_the_single_heavy_operators_are_measured_first_and_floor_their_groups():
-    graph = _graph(blocks=2)
-    backends = {n: get_backend(n) for n in EPS}
-    candidates = generate_candidates(graph, backends.values())
+    graph, backends, candidates, table = _problem(blocks=2)
     floors = Floors(graph, candidates, EPS)
     seed = floors.singles_of_heavy(candidates)
     assert seed and all(len(c.nodes) == 1 for c in seed)
@@ -162,7 +159,7 @@ def test_the_single_heavy_operators_are_measured_first_and_floor_their_groups():
     before = floors.floor(fused[0])
     floors.observe(conv, EPS["dnnl"] + 1.0)  # the convolution alone: 1 ms
     assert floors.floor(fused[0]) >= max(before, 0.7 - 1e-12)  # PARTS_SLACK of its heavy part
-    fake = FakeMeasurer(_table(graph, candidates))
+    fake = FakeMeasurer(table)
     _, rep = lean_costs(fake, graph, candidates, backends, EPS, switch={})
     external = [c for c in seed if backends[c.backend].is_external]
     largest = floors.largest(candidates, backends)  # onnxruntime's whole-graph region
@@ -176,9 +173,7 @@ def test_the_single_heavy_operators_are_measured_first_and_floor_their_groups():
 def test_a_group_measured_below_its_parts_lowers_its_backend_s_share():
     # MobileNetV2 on OpenVINO: a region of depthwise convolutions ran in 0.16 of their times
     # alone. The floors of that backend's groups follow what its groups were measured at.
-    graph = _graph(blocks=2)
-    backends = {n: get_backend(n) for n in EPS}
-    candidates = generate_candidates(graph, backends.values())
+    graph, backends, candidates, _ = _problem(blocks=2)
     floors = Floors(graph, candidates, EPS)
     region = max((c for c in candidates if c.backend == "onnxruntime"), key=lambda c: len(c.nodes))
     heavy = floors.heavy[region]
@@ -208,10 +203,7 @@ def test_the_work_of_a_convolution_and_the_floor_of_an_unseen_backend():
 def test_a_candidate_measured_after_the_single_operators_gets_a_cutoff_from_them():
     # A TVM kernel whose first run is four times what the same heavy operators take alone on
     # the best library cannot win: its timing is cut short (Measurer.costs' cutoffs).
-    graph = _graph(blocks=3)
-    backends = {n: get_backend(n) for n in EPS}
-    candidates = generate_candidates(graph, backends.values())
-    table = _table(graph, candidates)
+    graph, backends, candidates, table = _problem(blocks=3)
     fake = FakeMeasurer(table)
     lean_costs(fake, graph, candidates, backends, EPS, switch={}, gap=None)
     seeded = [c for c in fake.asked if len(c.nodes) == 1 and c.backend != "tvm"]

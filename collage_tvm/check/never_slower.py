@@ -187,9 +187,8 @@ def _hopeless_like_tvm_only(graph, groups, results: dict, cutoff) -> str | None:
     """Why a "<lib>+tvm" build cannot win without building it, or None: tvm-only was
     hopeless (timed once, past ``cutoff``), and the build's TVM kernels do most of its work
     (``HOPELESS_SHARE`` of the FLOPs), enough to take longer than ``cutoff`` at tvm-only's
-    rate (an untuned
-    TVM build of ResNet-50 takes 15 s to build and run once; MKL's two matrix products do
-    not change that)."""
+    rate (an untuned TVM build of a big model takes seconds to build and run once; a
+    library's few matrix products do not change that)."""
     tvm_only = results.get("tvm-only", {})
     if groups is None or cutoff is None or not tvm_only.get("timed_once") \
             or not any(g.backend == "tvm" for g in groups) \
