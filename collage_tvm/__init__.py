@@ -33,7 +33,7 @@ from .build import CollageResult, build, optimize  # noqa: E402
 from .artifact import ArtifactError, LoadedModule, load, save  # noqa: E402
 from .options import SearchOptions  # noqa: E402
 from .pipeline import pipeline  # noqa: E402
-from .tune import TuneReport, tune  # noqa: E402
+from .tuning.plan import TuneReport, tune  # noqa: E402
 from .placement import Candidate, Placement  # noqa: E402
 from .lowering import Lowering  # noqa: E402
 from .measure.cuda_graph import capture as capture_cuda_graph  # noqa: E402

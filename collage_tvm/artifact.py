@@ -185,7 +185,7 @@ def _save_regions(module, folder: Path) -> tuple:
     import tvm
 
     from .backends._graphlib import output_specs
-    from .lower.external import recipe, registered_symbols
+    from .byoc.external import recipe, registered_symbols
     from .registry import get_backend
 
     entries, count = [], {}
@@ -227,7 +227,7 @@ def _save_regions(module, folder: Path) -> tuple:
 def _whole_model_names(module) -> tuple:
     """(input names, output names) of the ONNX model a whole-model build runs, else (None,
     None)."""
-    from .lower.external import recipe, registered_symbols
+    from .byoc.external import recipe, registered_symbols
 
     for symbol in registered_symbols(module):
         made = recipe(symbol)

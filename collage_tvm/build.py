@@ -25,7 +25,7 @@ from .frontend import ModelError, dynamic_input, load_model, normalize_for_colla
 from .frontend.model_file import ModelFile, model_file
 from .graph import DataflowGraph, NotDataflow
 from .graph.subgraph import function_key, given_inputs
-from .lower import (candidate_vm, candidate_vm_for, compile_module, compile_placement,
+from .byoc import (candidate_vm, candidate_vm_for, compile_module, compile_placement,
                     lower_placement, placement_runner)
 from .measure.db import CostDB
 from .measure.measurer import COST_MODEL, Measurer
@@ -174,9 +174,9 @@ def every_backend(target) -> list:
 
 def _whole_on_a_library(err, backends: dict, input_shapes, report) -> tvm.IRModule:
     """The module running the ONNX model TVM's importer refused (``err``) wholly on the
-    first of ``backends`` that is a graph library and loads it (``lower.whole``); ``err``
+    first of ``backends`` that is a graph library and loads it (``byoc.whole``); ``err``
     again, with each library's reason added, when none does."""
-    from .lower.whole import NotWhole, whole_model_module
+    from .byoc.whole import NotWhole, whole_model_module
 
     reasons = []
     for name, backend in backends.items():
@@ -228,8 +228,8 @@ def _floors(user_file: ModelFile, backends: dict, target, accuracy, input_shapes
 
 def _floor_build(user_file: ModelFile, backend, input_shapes, main, target):
     """``Floor.build``: () -> the executable running the model file whole on ``backend``."""
-    from .lower import release_with
-    from .lower.whole import whole_model_module
+    from .byoc import release_with
+    from .byoc.whole import whole_model_module
 
     def build():
         mod = whole_model_module(user_file.load(), backend, input_shapes, like=main)
@@ -244,7 +244,7 @@ def _floor_module(lib: str, user_file: ModelFile, input_shapes, graph) -> tvm.IR
     """The module running the user's model file whole on ``lib``: the final check's verdict,
     to ship (or reuse from the placement log); None, with a warning, when it cannot be made
     now (no model file, the library gone)."""
-    from .lower.whole import NotWhole, whole_model_module
+    from .byoc.whole import NotWhole, whole_model_module
 
     if not user_file:
         logger.warning("the placement log ships the model file whole on %s, but there is no "
@@ -588,7 +588,7 @@ def _rewrite(mod, backends, target, db, options: SearchOptions, report) -> tvm.I
     from .measure.measurer import DeadlinePassed
     from .rewrite import fold_conv_affine
     from .rewrite.generated import rewrites as generated_rewrites
-    from .rewrite.search import REWRITES, split_search
+    from .rewrite.backtrack import REWRITES, split_backtrack
 
     t0 = time.perf_counter()
     folded = fold_conv_affine(mod)
@@ -616,7 +616,7 @@ def _rewrite(mod, backends, target, db, options: SearchOptions, report) -> tvm.I
             return place(graph.producers, cands, costs, eps, exact=False).cost
 
         # 3%: below it, two measured placements are within the noise of these machines
-        res = split_search(folded, cost, REWRITES + generated_rewrites(),
+        res = split_backtrack(folded, cost, REWRITES + generated_rewrites(),
                            budget_s=options.budget, min_gain=0.03)
     finally:
         measurer.close()

@@ -256,7 +256,7 @@ def _options(args, backends):
 
 def _tune(args) -> int:
     from .frontend.load import parse_input_shapes
-    from .tune import tune
+    from .tuning.plan import tune
 
     backends = [b for b in args.backends.split(",") if b]
 

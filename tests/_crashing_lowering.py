@@ -18,7 +18,7 @@ class SegfaultingLowering:
 def build_vm_refusing_sigmoid(func, backend, target, tuning=None, executable=False):
     """``lower.candidate_vm``, except that a build process (``executable=True``) fails on a
     function with a sigmoid: the test of a build that fails in a build process."""
-    from collage_tvm.lower import candidate_vm
+    from collage_tvm.byoc import candidate_vm
 
     if executable and "sigmoid" in func.script():
         raise RuntimeError("this build process refuses sigmoid")

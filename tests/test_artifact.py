@@ -99,7 +99,7 @@ from tvm import relax
 import collage_tvm
 from collage_tvm.measure import measurer
 build = importlib.import_module("collage_tvm.build")
-lower = importlib.import_module("collage_tvm.lower")
+lower = importlib.import_module("collage_tvm.byoc")
 
 def refuse(what):
     def fail(*args, **kwargs):

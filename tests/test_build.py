@@ -191,7 +191,7 @@ def test_a_build_with_no_tvm_kernel_runs_without_a_c_compiler():
 
     from collage_tvm.graph import DataflowGraph
     from collage_tvm.graph.subgraph import one_op_function
-    from collage_tvm.lower import compile_placement
+    from collage_tvm.byoc import compile_placement
     from collage_tvm.placement import Candidate
     from collage_tvm.registry import get_backend
     from collage_tvm.target import make_target

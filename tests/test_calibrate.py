@@ -9,7 +9,7 @@ from tvm import relax
 
 from collage_tvm.placement import Candidate
 from collage_tvm.graph import DataflowGraph
-from collage_tvm.lower import placement_runner
+from collage_tvm.byoc import placement_runner
 from collage_tvm.placer.calibrate import calibrate
 from collage_tvm.placer.op_level import place
 from collage_tvm.registry import Backend, get_backend
@@ -68,7 +68,7 @@ def setup():
 
 
 def test_external_calls_are_timed_in_place(setup):
-    from collage_tvm.lower import lower_placement
+    from collage_tvm.byoc import lower_placement
 
     graph, backends, cands, costs = setup
     groups = place(graph.producers, cands, costs, {}).groups

@@ -8,7 +8,7 @@ import tvm
 from tvm import relax
 
 from collage_tvm.graph import DataflowGraph
-from collage_tvm.lower import candidate_vm
+from collage_tvm.byoc import candidate_vm
 from collage_tvm.measure import measurer as measurer_mod
 from collage_tvm.measure.db import CostDB
 from collage_tvm.measure.measurer import COLD_KEY, Measurer

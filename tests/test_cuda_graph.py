@@ -11,8 +11,8 @@ import tvm
 from tvm import relax
 
 from collage_tvm.graph import DataflowGraph
-from collage_tvm.lower import compile_placement
-from collage_tvm.lower.external import _release, register
+from collage_tvm.byoc import compile_placement
+from collage_tvm.byoc.external import _release, register
 from collage_tvm.measure.cuda_graph import Main, capture, captures_itself, flat_numpy, refusal
 from collage_tvm.measure.timing import time_main
 from collage_tvm.registry import get_backend

@@ -329,7 +329,7 @@ def test_every_accepted_pattern_lowers(dnnl_backend):
 def test_conv3d_bias_shaped_like_a_1x1x1_output_is_a_bias_not_a_second_residual():
     """resnet3d (zoo, small): conv3d on a 1x1x1 map + a [1,C,1,1,1] bias + a residual."""
     from collage_tvm.check import evaluate
-    from collage_tvm.lower import compile_placement
+    from collage_tvm.byoc import compile_placement
     from collage_tvm.placement import Candidate
     from collage_tvm.graph import DataflowGraph
     from collage_tvm.registry import get_backend

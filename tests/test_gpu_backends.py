@@ -14,7 +14,7 @@ from tvm import relax
 
 from collage_tvm.graph import DataflowGraph
 from collage_tvm.graph.subgraph import extract_function
-from collage_tvm.partition import partition
+from collage_tvm.byoc import partition
 from collage_tvm.candidates import generate_candidates
 from collage_tvm.placer.op_level import place
 from collage_tvm.registry import get_backend

@@ -6,7 +6,7 @@ from tvm import relax
 
 import collage_tvm
 from collage_tvm.check import evaluate, graph_lib_groups
-from collage_tvm.lower import compile_placement
+from collage_tvm.byoc import compile_placement
 from collage_tvm.measure.measurer import probe_function
 from collage_tvm.placement import Candidate
 from collage_tvm.graph import DataflowGraph
@@ -170,7 +170,7 @@ def test_a_search_build_frees_its_library_callables_with_the_executable(monkeypa
 
     import tvm_ffi
 
-    from collage_tvm.lower import external
+    from collage_tvm.byoc import external
 
     lib = GRAPH_LIBS[0]
     g = DataflowGraph(_two_output_func())
@@ -282,7 +282,7 @@ def test_a_piece_of_a_model_is_timed_as_it_runs_in_place_not_as_the_whole_model(
     the sole group (MNASNet 0.5: the DP's 23-group mix ran 1.4-2.2 ms against 0.34 ms
     wholly on onnxruntime; with pieces timed in place it picks the whole model)."""
     from collage_tvm.graph.subgraph import PART_ATTR, extract_function
-    from collage_tvm.partition import partition
+    from collage_tvm.byoc import partition
 
     lib = GRAPH_LIBS[0]
     g = DataflowGraph(_two_output_func())

@@ -34,11 +34,11 @@ STAGES = [
     ["collage_tvm.backends", "collage_tvm._patterns"],  # the built-in lowerings and pattern files
     ["collage_tvm.measure", "collage_tvm.placement_log"],
     ["collage_tvm.placer"],
-    ["collage_tvm.partition"],
-    ["collage_tvm.lower"],
+    ["collage_tvm.byoc.partition"],  # chosen groups become functions (BYOC partitioning)
+    ["collage_tvm.byoc"],  # external groups lowered to callables, the placement compiled
     ["collage_tvm.check"],
     ["collage_tvm.artifact"],  # a build saved, and loaded without the search
-    ["collage_tvm.build", "collage_tvm.pipeline", "collage_tvm.tune", "collage_tvm",
+    ["collage_tvm.build", "collage_tvm.pipeline", "collage_tvm.tuning.plan", "collage_tvm",
      "collage_tvm.torch_backend"],
     # on top: never imported by the engine
     ["collage_tvm.cli", "collage_tvm.tools"],

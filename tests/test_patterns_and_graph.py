@@ -232,7 +232,7 @@ def test_a_tvm_group_lifts_the_constants_in_a_tuple_and_an_integer_scalar_index(
     import tvm
 
     from collage_tvm.check import evaluate
-    from collage_tvm.lower import compile_placement
+    from collage_tvm.byoc import compile_placement
     from collage_tvm.placement import Candidate
     from collage_tvm.target import make_target
 

@@ -50,7 +50,7 @@ def _costs(build_vm, jobs, isolate=True):
 
 
 def test_build_processes_build_what_the_measuring_process_then_loads():
-    from collage_tvm.lower import candidate_vm
+    from collage_tvm.byoc import candidate_vm
 
     costs, m, left = _costs(candidate_vm, 2)
     assert m.prebuilt == m.measured > 4  # every TVM kernel came built
@@ -96,7 +96,7 @@ def test_build_processes_fill_a_librarys_compile_cache_for_the_measuring_process
     # then finds every one of them in the cache instead of compiling it again.
     from torch._dynamo.utils import counters
 
-    from collage_tvm.lower import candidate_vm
+    from collage_tvm.byoc import candidate_vm
     from collage_tvm.patterns.graph_rule import exportable
     from collage_tvm.registry import Backend, PatternRule
 
@@ -126,7 +126,7 @@ def test_a_worker_pool_answers_every_request_when_a_child_dies(monkeypatch):
     import json
 
     from collage_tvm.graph.subgraph import extract_function
-    from collage_tvm.lower import candidate_vm
+    from collage_tvm.byoc import candidate_vm
     from collage_tvm.measure.worker import WorkerPool
     from collage_tvm.registry import Backend
 

@@ -13,7 +13,7 @@ from collage_tvm.measure.db import CostDB
 from collage_tvm.measure.measurer import SIDE_KEY, Measurer
 from collage_tvm.measure.timing import time_side_by_side
 from collage_tvm.candidates import generate_candidates
-from collage_tvm.lower import candidate_vm
+from collage_tvm.byoc import candidate_vm
 from collage_tvm.placer.alternatives import close_decisions, functions_of, refine
 from collage_tvm.placer.op_level import place
 from collage_tvm.registry import get_backend

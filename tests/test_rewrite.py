@@ -196,13 +196,13 @@ def _fake_cost(split_ms):
 
 
 def test_search_with_relaxation_alpha_crosses_a_costlier_step_to_a_cheaper_graph():
-    from collage_tvm.rewrite.search import search
+    from collage_tvm.rewrite.backtrack import backtrack
 
     mod = _three_siblings()
     cost = _fake_cost(8.5)  # one merge: 12 + 8.5 + 10 = 30.5 > 30; both: 12 + 2 x 8.5 = 29
-    greedy = search(mod, cost, alpha=1.0)
+    greedy = backtrack(mod, cost, alpha=1.0)
     assert greedy.cost == 30.0 and greedy.applied == [] and greedy.pruned > 0
-    relaxed = search(mod, cost, alpha=1.05)
+    relaxed = backtrack(mod, cost, alpha=1.05)
     assert relaxed.cost == 29.0 and relaxed.applied == ["merge_sibling_convs"] * 2
     x = np.random.default_rng(1).standard_normal((1, 3, 8, 8)).astype("float32")
     got = numeric.run(relax.transform.Normalize()(relaxed.module)["main"], [x])[0]
@@ -210,24 +210,24 @@ def test_search_with_relaxation_alpha_crosses_a_costlier_step_to_a_cheaper_graph
 
 
 def test_search_keeps_the_graph_when_no_rewrite_pays_and_stops_at_its_limits():
-    from collage_tvm.rewrite.search import search
+    from collage_tvm.rewrite.backtrack import backtrack
 
     mod = _three_siblings()
-    res = search(mod, _fake_cost(50.0))
+    res = backtrack(mod, _fake_cost(50.0))
     assert res.module is mod and res.cost == res.start_cost == 30.0
-    assert search(mod, _fake_cost(8.5), max_graphs=2).stopped == "max_graphs"
+    assert backtrack(mod, _fake_cost(8.5), max_graphs=2).stopped == "max_graphs"
     import time
 
     def slow(g):  # each costing takes 50 ms; the start graph has two sites
         time.sleep(0.05)
         return _fake_cost(8.5)(g)
 
-    res = search(mod, slow, budget_s=0.07)  # the budget ends between the two sites
+    res = backtrack(mod, slow, budget_s=0.07)  # the budget ends between the two sites
     assert res.stopped == "budget" and res.graphs == 2 and res.seconds < 0.2
 
 
 def test_search_does_not_queue_every_combination_of_neutral_rewrites():
-    from collage_tvm.rewrite.search import search
+    from collage_tvm.rewrite.backtrack import backtrack
 
     rng = np.random.default_rng(0)
     xv = relax.Var("x", relax.TensorType((1, 3, 8, 8), "float32"))
@@ -249,19 +249,19 @@ def test_search_does_not_queue_every_combination_of_neutral_rewrites():
                    for b in g["main"].body.blocks[0].bindings
                    if getattr(getattr(b.value, "op", None), "name", "") == "relax.nn.conv2d")
 
-    res = search(mod, neutral, alpha=1.05)
+    res = backtrack(mod, neutral, alpha=1.05)
     # each merge costed once (it opens no site: its family had two convs); no combination
     assert res.graphs == 1 + 4 and res.closed == 4 and res.applied == []
     assert res.stopped == "queue empty"
 
 
 def test_search_keeps_the_graph_when_the_gain_is_below_min_gain():
-    from collage_tvm.rewrite.search import search
+    from collage_tvm.rewrite.backtrack import backtrack
 
     mod = _three_siblings()
-    res = search(mod, _fake_cost(7.0), min_gain=0.5)  # merging gains 30 -> 26: 13%, not 50%
+    res = backtrack(mod, _fake_cost(7.0), min_gain=0.5)  # merging gains 30 -> 26: 13%, not 50%
     assert res.module is mod and res.applied == [] and res.cost == 30.0
-    assert search(mod, _fake_cost(7.0), min_gain=0.1).cost == 26.0
+    assert backtrack(mod, _fake_cost(7.0), min_gain=0.1).cost == 26.0
 
 
 def test_optimize_cli_rewrite_reports_the_fold_and_the_search(tmp_path, capsys):
@@ -379,12 +379,12 @@ def _stages(k: int):
 
 
 def test_split_search_finds_what_the_whole_search_finds_costing_fewer_graphs():
-    from collage_tvm.rewrite.search import search, split_search
+    from collage_tvm.rewrite.backtrack import backtrack, split_backtrack
 
     mod = _stages(6)
     cost = _fake_cost(1.0)  # each merge: two convs (20) become one wider (12) and a split (1)
-    whole = search(mod, cost, max_graphs=10_000, budget_s=300)
-    parts = split_search(mod, cost, max_ops=8, max_graphs=10_000, budget_s=300)
+    whole = backtrack(mod, cost, max_graphs=10_000, budget_s=300)
+    parts = split_backtrack(mod, cost, max_ops=8, max_graphs=10_000, budget_s=300)
     n = len(mod["main"].body.blocks[0].bindings)
     assert len(parts.pieces) >= 3 and max(parts.pieces) <= 8 and sum(parts.pieces) == n
     assert parts.cost == whole.cost == cost(mod) - 6 * 7
@@ -398,10 +398,10 @@ def test_split_search_finds_what_the_whole_search_finds_costing_fewer_graphs():
 def test_split_search_stitches_a_site_the_cut_broke():
     # Pieces of two bindings cannot hold a sibling pair and its users together: some sites
     # span pieces and are found by the search across them.
-    from collage_tvm.rewrite.search import split_search
+    from collage_tvm.rewrite.backtrack import split_backtrack
 
     mod = _stages(2)
-    res = split_search(mod, _fake_cost(1.0), max_ops=2, max_graphs=10_000, budget_s=300)
+    res = split_backtrack(mod, _fake_cost(1.0), max_ops=2, max_graphs=10_000, budget_s=300)
     assert len(res.pieces) >= 5 and res.applied == ["merge_sibling_convs"] * 2
 
 
@@ -409,7 +409,7 @@ def test_split_conv_over_concat_is_searched_and_judged_by_cost():
     # A conv over a channel concat: a cost that prices the concat makes the split pay; one
     # that prices each conv high keeps the graph. The rewritten graph computes the same.
     from collage_tvm.rewrite.passes import concat_conv_sites
-    from collage_tvm.rewrite.search import search
+    from collage_tvm.rewrite.backtrack import backtrack
 
     rng = np.random.default_rng(0)
     xs = [relax.Var(f"x{k}", relax.TensorType((1, 3, 8, 8), "float32")) for k in range(2)]
@@ -431,9 +431,9 @@ def test_split_conv_over_concat_is_searched_and_judged_by_cost():
                 "relax.nn.conv2d") + 0.1 * names.count("relax.add"))
         return cost
 
-    res = search(mod, priced(5.0, 2.0))
+    res = backtrack(mod, priced(5.0, 2.0))
     assert res.applied == ["split_conv_over_concat"] and res.cost == 2 * 2.0 + 0.1
-    assert search(mod, priced(0.5, 2.0)).applied == []
+    assert backtrack(mod, priced(0.5, 2.0)).applied == []
     xv = [rng.standard_normal((1, 3, 8, 8)).astype("float32") for _ in range(2)]
     got = numeric.run(relax.transform.Normalize()(res.module)["main"], xv)[0]
     np.testing.assert_allclose(got, numeric.run(mod["main"], xv)[0], rtol=1e-4, atol=1e-5)
@@ -443,7 +443,7 @@ def test_sibling_matmuls_of_an_attention_are_merged_when_it_pays():
     # A transformer's Q, K and V projections: three matmuls of one input by constant
     # weights. A cost where one wider matmul beats two merges all three; same outputs.
     from collage_tvm.rewrite.passes import sibling_matmul_sites
-    from collage_tvm.rewrite.search import search
+    from collage_tvm.rewrite.backtrack import backtrack
 
     rng = np.random.default_rng(0)
     xv = relax.Var("x", relax.TensorType((1, 4, 8), "float32"))
@@ -469,7 +469,7 @@ def test_sibling_matmuls_of_an_attention_are_merged_when_it_pays():
                 total += 1.0
         return total
 
-    res = search(mod, cost)
+    res = backtrack(mod, cost)
     assert res.applied == ["merge_sibling_matmuls"] * 2 and res.cost == 12.0 + 2 * 1.0
     x = rng.standard_normal((1, 4, 8)).astype("float32")
     got = numeric.run(relax.transform.Normalize()(res.module)["main"], [x])[0]

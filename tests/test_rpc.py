@@ -125,7 +125,7 @@ def test_a_server_killed_mid_batch_loses_no_candidate(tracker, tmp_path):
     from collage_tvm.frontend import load_model, normalize_for_collage
     from collage_tvm.graph import DataflowGraph
     from collage_tvm.graph.subgraph import extract_function
-    from collage_tvm.lower import candidate_vm
+    from collage_tvm.byoc import candidate_vm
     from collage_tvm.measure.measurer import _function_json, target_json
     from collage_tvm.measure.worker import _message
     from collage_tvm.registry import get_backend

@@ -9,7 +9,7 @@ from tvm import relax
 from collage_tvm.graph import DataflowGraph
 from collage_tvm.graph.subgraph import (PART_ATTR, STAND_INS_ATTR, extract_function,
                                         function_key, with_stand_ins, without_weights)
-from collage_tvm.lower import candidate_vm
+from collage_tvm.byoc import candidate_vm
 from collage_tvm.measure.db import CostDB
 from collage_tvm.measure.measurer import Measurer
 from collage_tvm.measure.worker import Worker

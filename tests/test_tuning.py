@@ -16,7 +16,7 @@ from collage_tvm.build import placement_key
 from collage_tvm.graph import DataflowGraph
 from collage_tvm.placement import Candidate
 from collage_tvm.target import make_target
-from collage_tvm.tune import plan
+from collage_tvm.tuning.plan import plan
 from collage_tvm.tuning import tuner
 
 TARGET = make_target()

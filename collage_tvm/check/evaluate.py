@@ -8,7 +8,7 @@ import tvm
 from tvm import relax
 
 from ..graph.subgraph import random_inputs
-from ..lower import compile_placement
+from ..byoc import compile_placement
 from ..measure.cuda_graph import capture, flat_numpy
 from ..measure.timing import time_main
 from .._errors import first_line  # noqa: F401 - re-exported: the check's reasons

@@ -11,7 +11,7 @@ from typing import Callable
 from .._memory import release_memory
 from ..graph.subgraph import constant_bytes
 from ..measure.estimate import node_flops
-from ..lower import compile_placement
+from ..byoc import compile_placement
 from ..measure.timing import BUSY_SHARE, OtherLoad, interleaved
 from ..placement import Placement
 from .baselines import single_backend_builds

@@ -76,7 +76,7 @@ def note(state) -> str:
 
 #: Symbols of registered callables that replay a CUDA graph of their own (the whole model
 #: on inductor in ``reduce-overhead`` mode): a capture of an executable calling one cannot
-#: hold it. ``lower.external.register`` adds them (the callable's ``captures_itself``).
+#: hold it. ``byoc.external.register`` adds them (the callable's ``captures_itself``).
 _SELF_REPLAYING: set = set()
 
 

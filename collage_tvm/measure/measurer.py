@@ -151,7 +151,7 @@ class Measurer:
                  progress: bool = True, cutoff_factor: float = 4.0, second_pass: bool = True,
                  tuning=None, build_jobs: int = 0, remote=None):
         """``build_vm(func, backend, target) -> VirtualMachine`` builds a candidate exactly
-        as the final build runs it (``collage_tvm.lower.candidate_vm``); a top-level
+        as the final build runs it (``collage_tvm.byoc.candidate_vm``); a top-level
         function (or a partial of one), so the measurement worker receives it by pickle.
         ``tuning``: the ``TuningDB`` the builds apply; a TVM candidate's DB key then names
         the tuning records its kernels use (``TuningDB.signature``), so a kernel tuned

@@ -2,7 +2,7 @@
 
 Each entry point takes ``[(func, backend, key), ...]``, the target, and ``build_vm(func,
 backend, target) -> VirtualMachine``: how a candidate is built exactly as the final build
-would run it. The build lives in a later stage (``collage_tvm.lower.candidate_vm``) and
+would run it. The build lives in a later stage (``collage_tvm.byoc.candidate_vm``) and
 comes in as that callback, so measuring never imports it; the measurement worker gets it
 by pickle (a reference to the function, not its code). ``key`` names the function for
 the cache of built candidates (see ``_vm_and_args``), or is None.

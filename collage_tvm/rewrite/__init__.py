@@ -3,7 +3,7 @@ axioms (``verify``), each checked numerically with TVM (``numeric``), applied as
 (``passes``: each at one site at a time), found by the generator (``generator``: TASO's
 enumerate, fingerprint, prune, verify; what it proved is ``generated_rules``, matched and
 applied in Relax by ``generated``), chosen by the cost-based backtracking search
-(``search``: a priority queue with relaxation alpha, over a cost function the caller gives).
+(``backtrack``: a priority queue with relaxation alpha, over a cost function the caller gives).
 ``rewrite=True`` in the build applies the fold of a convolution's per-channel affine tail
 (bias, batch norm decomposed for inference), which only removes work, then the search,
 each graph costed by the op-level DP over the build's measured candidates; the final check

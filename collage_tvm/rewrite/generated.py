@@ -371,7 +371,7 @@ def site_vars(mod, site) -> list:
 
 def rewrites(rule_list=None) -> tuple:
     """One search ``Rewrite`` per rule (``search.Rewrite``), named by the rule."""
-    from .search import Rewrite
+    from .backtrack import Rewrite
 
     return tuple(Rewrite(f"generated: {r}", lambda mod, r=r: sites(mod, r),
                          lambda mod, site, r=r: apply(mod, r, site), site_vars)

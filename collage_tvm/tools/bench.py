@@ -41,7 +41,7 @@ def glue_overhead(onnx_path: str, library: str = "onnxruntime", target="llvm") -
     from collage_tvm.frontend import load_model, normalize_for_collage
     from collage_tvm.graph import DataflowGraph
     from collage_tvm.graph.subgraph import random_inputs
-    from collage_tvm.lower import compile_placement
+    from collage_tvm.byoc import compile_placement
     from collage_tvm.measure.timing import interleaved
     from collage_tvm.registry import get_backend
     from collage_tvm.target import make_target, target_device
@@ -417,7 +417,7 @@ def tuning_steps(onnx_path: str, options: SearchOptions, db) -> list:
 def tune_model(onnx_path: str, options: SearchOptions, db, budget: float) -> dict:
     """``collage_tvm.tune`` on the model with the bench's backends: the summary and the
     per-kernel rows (``TuneReport``) for results.json; the table is printed."""
-    from collage_tvm.tune import tune
+    from collage_tvm.tuning.plan import tune
 
     rep = tune(onnx_path, "llvm", list(options.backends), db=db, budget=budget,
                progress=options.progress)

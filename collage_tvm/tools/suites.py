@@ -119,7 +119,7 @@ def tvm_only_check(case: Case, target) -> dict:
     from ..check import run_outputs
     from ..frontend import load_model, normalize_for_collage
     from ..graph import DataflowGraph, NotDataflow
-    from ..lower import compile_placement
+    from ..byoc import compile_placement
     from ..candidates import generate_candidates
     from ..placement import single_ops
     from ..registry import get_backend

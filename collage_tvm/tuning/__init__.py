@@ -6,7 +6,8 @@ tuned records (``compile_module``).
 ``database``: the records on disk (``TuningDB``), per target and TVM version.
 ``inprocess``: MetaSchedule's builder and runner in this process.
 ``tuner``: tuning a list of kernels within a time budget. Which kernels to tune is
-Collage's decision (``collage_tvm.tune``).
+Collage's decision: ``plan`` (``collage_tvm.tune``; it imports the search, so this
+package does not import it).
 """
 from .database import (TuningDB, active_database, default_dir, open_tuning_db, target_id,
                        tuning_root, use_tuning_db)

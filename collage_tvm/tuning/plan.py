@@ -1,4 +1,4 @@
-"""``collage_tvm.tune``: tune the TVM kernels a model's placement could use (issue #16).
+"""``collage_tvm.tune`` (this module: ``collage_tvm.tuning.plan``): tune the TVM kernels a model's placement could use (issue #16).
 
 Which kernels to tune is Collage's decision, made from the costs the search measures:
 
@@ -24,16 +24,16 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from .build import example_arrays, import_model, open_db, rewrite_graph, start
-from .frontend import ModelError
-from .options import SearchOptions
-from .graph.subgraph import extract_function, function_key, given_inputs
-from .lower import candidate_vm, candidate_vm_for
-from .measure.measurer import Measurer
-from .candidates import generate_candidates
-from .tuning import (KernelResult, KernelToTune, TuningDB, default_dir, kernel_key, kernels,
+from ..build import example_arrays, import_model, open_db, rewrite_graph, start
+from ..frontend import ModelError
+from ..options import SearchOptions
+from ..graph.subgraph import extract_function, function_key, given_inputs
+from ..byoc import candidate_vm, candidate_vm_for
+from ..measure.measurer import Measurer
+from ..candidates import generate_candidates
+from . import (KernelResult, KernelToTune, TuningDB, default_dir, kernel_key, kernels,
                      tune_kernels, use_tuning_db)
-from .tuning.tuner import MIN_TRIALS
+from .tuner import MIN_TRIALS
 
 logger = logging.getLogger("collage_tvm")
 

@@ -17,7 +17,7 @@ less than alpha queue all 2^k combinations (inception_v3's sibling merges).
 costs of the backends that will run the graph (so a rewrite is judged on those backends);
 the tests pass a fake table.
 
-``split_search`` is the search over a graph split into pieces (``split``, MetaFlow Alg. 2):
+``split_backtrack`` is the search over a graph split into pieces (``split``, MetaFlow Alg. 2):
 each piece searched alone (only the sites inside it), in order, each from the result of
 the one before; then the sites that span pieces, from the stitched graph.
 """
@@ -81,10 +81,10 @@ class RewriteResult:
     closed: int = 0                                  # not queued: no cheaper, no new site
     seconds: float = 0.0
     stopped: str = "queue empty"
-    pieces: list = field(default_factory=list)      # split_search: sizes of the pieces
+    pieces: list = field(default_factory=list)      # split_backtrack: sizes of the pieces
 
 
-def search(mod, cost, rewrites=REWRITES, alpha: float = 1.05, budget_s: float = 60.0,
+def backtrack(mod, cost, rewrites=REWRITES, alpha: float = 1.05, budget_s: float = 60.0,
            max_graphs: int = 500, min_gain: float = 0.0, allowed=None,
            start_cost: float | None = None, min_gain_ms: float = 0.0) -> RewriteResult:
     """The best module found from ``mod`` (see the module doc); ``mod`` itself unless the
@@ -160,10 +160,10 @@ def search(mod, cost, rewrites=REWRITES, alpha: float = 1.05, budget_s: float = 
     return result
 
 
-def split_search(mod, cost, rewrites=REWRITES, max_ops: int = 30, alpha: float = 1.05,
+def split_backtrack(mod, cost, rewrites=REWRITES, max_ops: int = 30, alpha: float = 1.05,
                  budget_s: float = 60.0, max_graphs: int = 500,
                  min_gain: float = 0.0) -> RewriteResult:
-    """``search`` over ``mod`` split into pieces of at most ``max_ops`` bindings (module
+    """``backtrack`` over ``mod`` split into pieces of at most ``max_ops`` bindings (module
     doc). A piece with no site inside is not searched; the others share three quarters of
     ``budget_s`` and of ``max_graphs`` by their number of sites (time a piece leaves unused
     goes to the next ones), the search across pieces the rest. A piece keeps a rewrite only
@@ -174,7 +174,7 @@ def split_search(mod, cost, rewrites=REWRITES, max_ops: int = 30, alpha: float =
     t0 = time.perf_counter()
     pieces = pieces_of(mod, rewrites, max_ops)
     if len(pieces) <= 1:
-        return search(mod, cost, rewrites, alpha, budget_s, max_graphs, min_gain)
+        return backtrack(mod, cost, rewrites, alpha, budget_s, max_graphs, min_gain)
     start = cost(mod)
     owner = {v: k for k, piece in enumerate(pieces) for v in piece}
     total = sum(len(p) for p in pieces)
@@ -191,7 +191,7 @@ def split_search(mod, cost, rewrites=REWRITES, max_ops: int = 30, alpha: float =
 
     def run(allowed, seconds: float, graphs: int, floor_ms: float) -> list:
         nonlocal cur, cur_cost
-        res = search(cur, cost, rewrites, alpha, max(0.0, seconds), max(1, graphs),
+        res = backtrack(cur, cost, rewrites, alpha, max(0.0, seconds), max(1, graphs),
                      allowed=allowed, start_cost=cur_cost, min_gain_ms=floor_ms)
         out.graphs += res.graphs - 1
         out.pruned += res.pruned

@@ -1,4 +1,8 @@
-"""Lowering of external groups and the build of a placement (or of one candidate)."""
+"""TVM's BYOC flow, as Collage builds a placement (or one candidate) into one executable:
+``partition`` makes each chosen group one function (a TVM primitive, or a ``Codegen``
+function for a library), ``external`` lowers each library function through its backend's
+:class:`~collage_tvm.lowering.Lowering` to a callable the VM calls, ``whole`` runs a model
+TVM cannot import whole on a graph library; ``compile_placement`` does all of it."""
 from __future__ import annotations
 
 import functools
@@ -8,7 +12,7 @@ from tvm import relax
 
 from ..graph import DataflowGraph
 from ..graph.subgraph import random_inputs
-from ..partition import partition
+from .partition import partition
 from ..placement import Candidate
 from ..target import target_device
 from ..tuning import active_database, use_tuning_db

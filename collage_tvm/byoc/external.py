@@ -18,7 +18,7 @@ from tvm_ffi.structural import structural_equal, structural_hash
 from tvm import relax
 
 from ..measure.cuda_graph import replays_its_own_graph
-from ..partition import CODEGEN_PREFIX
+from .partition import CODEGEN_PREFIX
 
 # Registered callables by symbol. The VM resolves a packed function when it is created, so
 # a registration must live as long as an executable that may still make a VM: see

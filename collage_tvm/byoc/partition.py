@@ -3,7 +3,7 @@
 - A TVM group of several ops becomes a private function marked ``Primitive``, so TVM's
   FuseOps leaves it alone and FuseTIR compiles it as exactly one kernel, as measured.
 - A group placed on an external backend becomes a function with a ``Codegen`` attribute
-  (``collage_<backend>``) and a ``global_symbol``; ``lower.lower_external`` turns its calls
+  (``collage_<backend>``) and a ``global_symbol``; ``byoc.lower_external`` turns its calls
   into ``R.call_pure_packed`` to the backend's compiled callable.
 """
 from __future__ import annotations
