@@ -485,12 +485,10 @@ def _jobs(text: str) -> int:
     return n
 
 
-def main(argv=None) -> int:
+def _optimize_parser(sub) -> None:
+    """The ``optimize`` verb: search a placement for a model and build it."""
     from .options import DEFAULT_BUDGET
-    from .tools.suites import SUITES
 
-    p = argparse.ArgumentParser(prog="collage-tvm", description=__doc__)
-    sub = p.add_subparsers(dest="cmd", required=True)
     o = sub.add_parser("optimize", help="search a placement for a model and build it")
     o.add_argument("model", help="an .onnx file")
     o.add_argument("--target", default="llvm",
@@ -560,6 +558,10 @@ def main(argv=None) -> int:
                    help="build TVM's kernels untuned, even where `collage-tvm tune` has "
                         "records for them")
     o.add_argument("-v", "--verbose", action="store_true")
+
+
+def _tune_parser(sub) -> None:
+    """The ``tune`` verb."""
     t = sub.add_parser("tune", help="tune (MetaSchedule) the TVM kernels a model's placement "
                                     "could use; later builds apply the records")
     t.add_argument("model", help="an .onnx file")
@@ -583,6 +585,13 @@ def main(argv=None) -> int:
                    help="tune the graph the verified rewrites give (as optimize --rewrite "
                         "places it)")
     t.add_argument("-v", "--verbose", action="store_true")
+
+
+def _bench_parser(sub) -> None:
+    """The ``bench`` verb."""
+    from .options import DEFAULT_BUDGET
+    from .tools.suites import SUITES
+
     b = sub.add_parser("bench", help="Collage beside the frameworks a user would run instead "
                        "(ONNX Runtime, OpenVINO f32 and default precision, PyTorch) and its "
                        "own single-backend builds, on zoo models or an external --suite")
@@ -673,6 +682,10 @@ def main(argv=None) -> int:
                    help="folder for results.json / results.md / results.png (the plots need "
                         "matplotlib: pip install 'collage-tvm[plot]')")
     b.add_argument("-v", "--verbose", action="store_true")
+
+
+def _run_parser(sub) -> None:
+    """The ``run`` verb: a saved build loaded and run."""
     r = sub.add_parser("run", help="load a build saved with optimize --export (or "
                                    "collage_tvm.save) and run it, optionally timing it")
     r.add_argument("artifact", metavar="DIR", help="the directory optimize --export wrote")
@@ -686,6 +699,10 @@ def main(argv=None) -> int:
                    help="then time N runs after warm-up and print the p50/p90/p99 latency")
     r.add_argument("--warmup", type=int, default=None, metavar="N",
                    help="warm-up runs before --bench (default max(3, N/10))")
+
+
+def _db_parser(sub) -> None:
+    """The ``db`` verb."""
     d = sub.add_parser("db", help="inspect, export, import or forget records of the cost DB")
     d.add_argument("action", choices=["stats", "show", "export", "import", "forget"])
     d.add_argument("file", nargs="?")
@@ -697,12 +714,30 @@ def main(argv=None) -> int:
                         "crash (the measuring process died), cannot-run")
     d.add_argument("--label", default=None,
                    help="forget: only candidates whose label contains this (an operator)")
+
+
+def _show_parser(sub) -> None:
+    """The ``show`` verb."""
     s = sub.add_parser("show", help="draw a placement JSON: the dataflow graph coloured by "
                                     "backend, fused groups boxed")
     s.add_argument("placement", help="a placement JSON written by `collage-tvm optimize -o`")
     s.add_argument("--output", "-o", help="the picture: .svg, .html (hover for details) or .png "
                                           "(matplotlib: pip install 'collage-tvm[plot]'; "
                                           "default: the JSON's name with .svg)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The ``collage-tvm`` command line: one sub-parser per verb."""
+    p = argparse.ArgumentParser(prog="collage-tvm", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for add in (_optimize_parser, _tune_parser, _bench_parser, _run_parser, _db_parser,
+                _show_parser):
+        add(sub)
+    return p
+
+
+def main(argv=None) -> int:
+    p = _parser()
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")

@@ -57,3 +57,27 @@ def test_the_torch_compile_table_says_whether_the_second_process_used_the_log(tm
     text = docs.torch_compile_table([doc])
     assert ("| m | tvm, onnxruntime; op level | 2 | 4.0 | 0.8 | **no** | yes | 2.0e-07 | 5.00 "
             "| 4.00 |") in text
+
+
+def test_the_call_tir_survey_renders_both_tables_with_its_machine():
+    doc = {"machine": {"cpu": "X", "cores": 2, "tvm": "0.27", "onnx": "1.2"},
+           "node": {"test_clip": {"call_tir": [["Clip", "maximum", 1, 0]]},
+                    "test_clip_example": {"call_tir": [["Clip", "maximum", 1, 0]]}},
+           "models": {"m": {"call_tir": [["Clip", "minimum", 3, 0]], "nodes": [10, 7],
+                            "unplaceable": [{"relax.call_tir": 6}, {}]}}}
+    text = docs.call_tir_table(doc)
+    assert text.startswith("Machine: X, 2 cores; tvm 0.27, onnx 1.2")
+    assert "| Clip | maximum | R.maximum; R.clip with a following minimum | 2 -> 0 | 2 node cases |" \
+        in text
+    assert "| Clip | minimum | R.minimum; R.clip after a maximum | 3 -> 0 | m |" in text
+    assert "| m | 10 -> 7 | 6 (relax.call_tir 6) | 0 |" in text
+
+
+def test_a_summary_over_two_machines_names_each_rows_machine():
+    row = {"model": "a", "vs_best_f32": 1.1, "build": {}}
+    docs_ = [{"suite": "torchvision", "machine": {"cpu": cpu, "cores": 2}, "rows": [row]}
+             for cpu in ("AMD EPYC", "Intel Xeon")]
+    text = docs.suite_summary(docs_)
+    assert "| suite | machine | accuracy |" in text
+    assert "| torchvision | AMD EPYC | f32 |" in text and "| torchvision | Intel Xeon | f32 |" in text
+    assert "| machine |" not in docs.suite_summary(docs_[:1])

@@ -108,6 +108,18 @@ def test_the_suite_table_sums_up_collage_against_the_best_f32_framework():
     assert "5 rows counted" in summary and "median 1.00x" in summary, summary
     assert "worst 0.800x (c)" in summary and "2 below 0.97x (b, c)" in summary, summary
     assert "by 3% or more on 2: a, d." in summary, summary
+    assert "busy" not in text  # no load recorded: nothing said
+
+
+def test_a_row_timed_on_a_busy_machine_says_so():
+    quiet, busy = _row("quiet", 1.10), _row("busy", 0.80)
+    quiet["build"].update(other_load=0.02, frameworks_other_load=0.05)
+    busy["build"].update(other_load=0.52, frameworks_other_load=0.30)
+    lines = suites.markdown("torchvision", [quiet, busy]).splitlines()
+    assert "busy" not in next(line for line in lines if line.startswith("| quiet |"))
+    assert ("**0.80x (onnxruntime)** (busy: other processes took final check 52%, "
+            "frameworks 30% of the CPU)") in next(line for line in lines
+                                                  if line.startswith("| busy |"))
 
 
 def test_openvino_default_counts_only_within_its_precision():

@@ -206,7 +206,7 @@ def normalize_for_collage(mod: tvm.IRModule, raise_tir: bool = True) -> tvm.IRMo
     computed once, inference-only ops; slices with bounds computed from constants made
     static (``static_slices``); the importer's ``call_tir``s of ordinary operators raised to
     Relax ops (``raise_call_tir``; ``raise_tir=False`` leaves them, to measure what that
-    buys: tools/survey_call_tir.py)."""
+    buys: collage_tvm/tools/call_tir_survey.py)."""
     mod = static_slices(mod)
     try:
         out = _normalize(mod, fold=True)

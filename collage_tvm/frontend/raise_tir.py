@@ -14,7 +14,7 @@ from the load's indices, tile repeats from the shapes); the op is taken only whe
 legalization of it gives a PrimFunc structurally equal to the importer's: the same
 computation, whatever the name. Unrecognised calls (reflect padding, ``einsum``, whose
 equation the PrimFunc does not keep, ``dyn_tile``) stay as they are: TVM compiles them
-fine. ``tools/survey_call_tir.py`` surveys what the importer writes (docs/COVERAGE.md).
+fine. ``collage_tvm.tools.call_tir_survey`` surveys what the importer writes (docs/COVERAGE.md).
 """
 from __future__ import annotations
 

@@ -16,6 +16,8 @@ named files (paths relative to the page's folder). Kinds:
   the mixed wins.
 - ``optimize-report``: an ``optimize`` report's final check (``BuildReport.comparison``):
   every build it timed, its latency, correctness and operators per backend.
+- ``call-tir-survey``: what TVM's ONNX importer writes as ``call_tir`` and what is raised
+  (``tools.call_tir_survey``'s JSON).
 - ``deploy``: each ``bench --deploy`` model of ``results.json`` files: saved, loaded in a
   fresh process beside an ONNX Runtime session, timed beside the in-process build.
 
@@ -69,15 +71,19 @@ def _machines(docs: list) -> list:
 
 def suite_summary(docs: list) -> str:
     """One row per suite results file (see the module's docstring)."""
-    head = ["suite", "accuracy", "input", "rows", "median vs best f32", "worst", "below "
+    several = len(_machines(docs)) > 1  # then each row names its machine's CPU
+    head = ["suite"] + (["machine"] if several else []) + [
+            "accuracy", "input", "rows", "median vs best f32", "worst", "below "
             f"{suites.GOAL}x", "median vs OpenVINO default", "worst", f"below {suites.GOAL}x",
             f"wins by 3%+", "mixed placements shipped", "mixed wins by 3%+"]
-    lines = ["| " + " | ".join(head) + " |", "|---|---|---|" + "---:|" * (len(head) - 3)]
+    lines = ["| " + " | ".join(head) + " |",
+             "|---|---|---|" + "---|" * several + "---:|" * (len(head) - 3 - several)]
     for doc in docs:
         rows, accuracy = doc["rows"], doc.get("accuracy", "f32")
         f32 = suites.suite_stats(rows, "vs_best_f32")
         default = suites.suite_stats(rows, "vs_openvino_default") if accuracy != "f32" else None
-        cells = [doc["suite"], accuracy, doc.get("input_size", ""), str(len(rows))]
+        cells = [doc["suite"]] + ([(doc.get("machine") or {}).get("cpu", "?")] if several else []) \
+            + [accuracy, doc.get("input_size", ""), str(len(rows))]
         for st in (f32, default):
             cells += ([_x(st["median"]), f"{st['worst'][1]:.3f}x ({st['worst'][0]})",
                        str(len(st["below"]))] if st else ["", "", ""])
@@ -220,8 +226,21 @@ def _shipped_name(entry: dict) -> str:
     return shipped
 
 
-KINDS = {"deploy": deploy_table, "search-time": search_time_table, "torch-compile": torch_compile_table, "suite-table": lambda docs: suite_table(docs[0]), "suite-summary": suite_summary,
-         "optimize-report": lambda docs: optimize_report(docs[0])}
+def call_tir_table(doc: dict) -> str:
+    """The ``call_tir`` survey (``tools.call_tir_survey``): the machine and versions, then
+    its two tables."""
+    from . import call_tir_survey
+
+    m = doc.get("machine") or {}
+    versions = ", ".join(f"{k} {m[k]}" for k in ("tvm", "onnx", "torch") if m.get(k))
+    return (f"{suites.machine_line(m).split(';')[0]}; {versions}\n\n"
+            + call_tir_survey.table(doc) + "\n")
+
+
+KINDS = {"deploy": deploy_table, "search-time": search_time_table,
+         "torch-compile": torch_compile_table, "suite-table": lambda docs: suite_table(docs[0]),
+         "suite-summary": suite_summary, "optimize-report": lambda docs: optimize_report(docs[0]),
+         "call-tir-survey": lambda docs: call_tir_table(docs[0])}
 
 
 def render_page(text: str, folder: Path) -> str:

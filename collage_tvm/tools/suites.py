@@ -442,6 +442,19 @@ def export_onnx(model, inputs, path: str, exporter: str = "torchscript") -> str:
     return cap_ir_version(path)
 
 
+def export_either(model, inputs, path: str) -> str:
+    """``export_onnx`` with the TorchScript-based exporter, else the dynamo one; returns
+    which wrote ``path``. Neither: ``ValueError`` with both exporters' reasons."""
+    errors = []
+    for exporter in ("torchscript", "dynamo"):
+        try:
+            export_onnx(model, inputs, path, exporter)
+            return exporter
+        except Exception as err:  # noqa: BLE001 - a model the exporter cannot write
+            errors.append(f"{exporter}: {_first_line(err)}")
+    raise ValueError("ONNX export: " + "; ".join(errors))
+
+
 # --------------------------------------------------------------------------- one model
 
 def collage_check(model, inputs: list, expected: list, backends, db, rtol: float = 1e-3,
@@ -517,6 +530,7 @@ def _collage_build(model, inputs, expected, backends, db, rtol, atol, graph_leve
         row["shipped"] = f"{rep.whole_model['backend']} (whole: {rep.whole_model['why']})"
     row["collage_ops"] = rep.comparison.get("collage", {}).get("ops", {})
     row["kept_on_tvm"] = sorted(set(rep.kept_on_tvm))
+    row["other_load"] = rep.other_load  # the final check's (``measure.timing.OtherLoad``)
     return row, res.executable
 
 
@@ -647,15 +661,11 @@ def torch_model_check(make, name: str, backends, db, out_dir: str, graph_level: 
         model, inputs, expected, signal, weights = checked_model(make, name)
     except Exception as err:  # noqa: BLE001 - a model that does not run in PyTorch here
         return {"status": "unsupported", "error": "PyTorch: " + _first_line(err)}
-    path, errors = os.path.join(out_dir, name, f"{name}.onnx"), []
-    for exporter in ("torchscript", "dynamo"):
-        try:
-            export_onnx(model, inputs, path, exporter)
-            break
-        except Exception as err:  # noqa: BLE001 - a model the exporter cannot write
-            errors.append(f"{exporter}: {_first_line(err)}")
-    else:
-        return {"status": "unsupported", "error": "ONNX export: " + "; ".join(errors)}
+    path = os.path.join(out_dir, name, f"{name}.onnx")
+    try:
+        exporter = export_either(model, inputs, path)
+    except ValueError as err:
+        return {"status": "unsupported", "error": str(err)}
     del model  # its weights are in the ONNX file now: one copy fewer during the search
     release_memory()
     row, executable = _collage_build(path, [i.numpy() for i in inputs], expected, backends, db,
@@ -701,11 +711,15 @@ def framework_row(make, name: str, onnx_path: str, executable, rtol: float = 1e-
     from ..target import host_cores
     from .bench import torch_frameworks
 
+    from ..measure.timing import OtherLoad
+
     model, inputs, _, _, _ = checked_model(make, name)
-    rows = torch_frameworks(model, inputs, onnx_path, executable,
-                            _framework_check(rtol, atol), label=name)
+    with OtherLoad() as load:
+        rows = torch_frameworks(model, inputs, onnx_path, executable,
+                                _framework_check(rtol, atol), label=name)
     rows = {fw: {"precision": "f32", **r} if "error" not in r else r for fw, r in rows.items()}
-    return {"frameworks": rows, **versus(rows), "threads": host_cores()}
+    return {"frameworks": rows, **versus(rows), "threads": host_cores(),
+            "frameworks_other_load": load.share}
 
 
 def _framework_check(rtol: float, atol: float):
@@ -939,7 +953,18 @@ def _versus_cell(b: dict) -> str:
     if b.get("vs_best_f32") is None:
         return ""
     text = f"{b['vs_best_f32']:.2f}x ({b['best_f32'][0]})"
-    return f"**{text}**" if b["vs_best_f32"] < GOAL else text
+    return (f"**{text}**" if b["vs_best_f32"] < GOAL else text) + _busy_note(b)
+
+
+def _busy_note(b: dict) -> str:
+    """" (busy: ...)" where other processes took more than ``BUSY_SHARE`` of the CPU while
+    the final check or the frameworks were timed (the row's figures are unsure)."""
+    from ..measure.timing import BUSY_SHARE
+
+    busy = [f"{what} {100 * b[key]:.0f}%" for key, what in
+            (("other_load", "final check"), ("frameworks_other_load", "frameworks"))
+            if isinstance(b.get(key), (int, float)) and b[key] > BUSY_SHARE]
+    return f" (busy: other processes took {', '.join(busy)} of the CPU)" if busy else ""
 
 
 def _default_cell(b: dict) -> str:

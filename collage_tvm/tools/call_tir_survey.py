@@ -8,9 +8,11 @@ for each ``call_tir`` left in ``main`` after ``normalize_for_collage``: the ONNX
 that wrote it, the PrimFunc, and whether ``raise_call_tir`` turns it into a Relax op. For
 the models it also counts the nodes no graph library can take, before and after raising.
 
-    python tools/survey_call_tir.py [--suite node|models|all] [--json survey.json]
+    python -m collage_tvm.tools.call_tir_survey [--suite node|models|all] [--json FILE]
 
-Prints a Markdown table (docs/COVERAGE.md holds the last one) and writes the JSON.
+Prints the Markdown tables and writes the JSON (with the machine and library versions);
+docs/COVERAGE.md renders its tables from the committed one
+(docs/results/call_tir_survey.json, ``collage_tvm.tools.docs`` kind ``call-tir-survey``).
 """
 from __future__ import annotations
 
@@ -180,32 +182,47 @@ def _constant_inputs(case):
 
 def model_suite(tmp: str) -> dict:
     """{model name: survey} over torchvision models (64x64) and a 2-layer BERT."""
-    from collage_tvm.tools.suites import export_onnx, torchvision_model, transformers_model
+    from collage_tvm.tools.suites import export_either, torchvision_model, transformers_model
 
     out = {}
     for name in (*MODELS, "bert"):
         model, inputs = transformers_model(name) if name == "bert" else torchvision_model(name)
-        path = export_onnx(model, inputs, os.path.join(tmp, f"{name}.onnx"))
+        path = os.path.join(tmp, f"{name}.onnx")
         try:
-            out[name] = survey(path, count_nodes=True)
+            exporter = export_either(model, inputs, path)
+            out[name] = dict(survey(path, count_nodes=True), exporter=exporter)
         except Exception as err:  # noqa: BLE001
             out[name] = {"error": f"{type(err).__name__}: {str(err)[:120]}"}
         print(f"{name}: {out[name]}", file=sys.stderr, flush=True)
     return out
 
 
+def slim_node(cases: dict) -> dict:
+    """The node suite's survey as the JSON keeps it: the cases that left a ``call_tir`` (what
+    the table shows), and how many imports were tried and succeeded."""
+    return {"node": {name: r for name, r in cases.items() if r.get("call_tir")},
+            "node_imports": {"tried": len(cases),
+                             "imported": sum(1 for r in cases.values() if "error" not in r)}}
+
+
 def table(results: dict) -> str:
     """Markdown: ONNX op | PrimFunc | Relax op | where seen | call_tirs before -> after."""
     rows = collections.defaultdict(lambda: [0, 0, set()])
     for suite, cases in results.items():
+        if suite not in ("node", "models"):
+            continue
         for name, r in cases.items():
             for op, func, before, after in r.get("call_tir", []):
                 row = rows[(op, func)]
                 row[0] += before
                 row[1] += after
                 row[2].add(name if suite == "models" else "node suite")
-    lines = ["| ONNX op | call_tir PrimFunc | raised to | call_tirs before -> after | seen in |",
-             "|---|---|---|---|---|"]
+    counts = results.get("node_imports")
+    lines = ([f"The node suite: {counts['tried']} imports tried, {counts['imported']} "
+              f"succeeded, {len(results.get('node', {}))} of them left a `call_tir`.", ""]
+             if counts else [])
+    lines += ["| ONNX op | call_tir PrimFunc | raised to | call_tirs before -> after | seen in |",
+              "|---|---|---|---|---|"]
     for (op, func), (before, after, seen) in sorted(rows.items()):
         node = len({name.replace(CONSTANT, "") for name, r in results.get("node", {}).items()
                     if any(c[0] == op and c[1] == func for c in r.get("call_tir", []))})
@@ -227,7 +244,8 @@ def table(results: dict) -> str:
                 total = sum(counter.values())
                 return f"{total}" + (f" ({', '.join(f'{k} {v}' for k, v in sorted(counter.items()))})"
                                      if total else "")
-            lines.append(f"| {name} | {r['nodes'][0]} -> {r['nodes'][1]} | "
+            shown = name + (" (dynamo export)" if r.get("exporter") == "dynamo" else "")
+            lines.append(f"| {shown} | {r['nodes'][0]} -> {r['nodes'][1]} | "
                          f"{fmt(r['unplaceable'][0])} | {fmt(r['unplaceable'][1])} |")
     return "\n".join(lines)
 
@@ -239,10 +257,15 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     results = {}
     if args.suite in ("node", "all"):
-        results["node"] = node_suite()
+        results.update(slim_node(node_suite()))
     if args.suite in ("models", "all"):
         with tempfile.TemporaryDirectory() as tmp:
             results["models"] = model_suite(tmp)
+    from .bench import machine
+
+    import onnx
+
+    results["machine"] = dict(machine(), onnx=onnx.__version__)
     with open(args.json, "w") as f:
         json.dump(results, f, indent=1, default=dict)
     print(table(results))
