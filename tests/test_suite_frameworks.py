@@ -15,7 +15,8 @@ from collage_tvm.tools import suites
 needs_libraries = pytest.mark.skipif(
     not (get_backend("onnxruntime").available()[0] and get_backend("openvino").available()[0]),
     reason="needs onnxruntime and openvino")
-EVERY_FRAMEWORK = {"collage", "onnxruntime", "openvino", "openvino (default)", "pytorch"}
+EVERY_FRAMEWORK = {"collage", "onnxruntime", "openvino", "openvino (default)", "pytorch",
+                   suites.CONTROL}
 
 
 class TwoInputNet(nn.Module):
@@ -109,6 +110,24 @@ def test_the_suite_table_sums_up_collage_against_the_best_f32_framework():
     assert "worst 0.800x (c)" in summary and "2 below 0.97x (b, c)" in summary, summary
     assert "by 3% or more on 2: a, d." in summary, summary
     assert "busy" not in text  # no load recorded: nothing said
+
+
+def test_a_row_below_the_goal_by_no_more_than_its_a_a_spread_is_within_noise():
+    close, far, none = _row("close", 0.95), _row("far", 0.90), _row("none", 0.95)
+    for r, spread in ((close, 0.06), (far, 0.04)):
+        r["build"]["frameworks"][suites.CONTROL] = {
+            "ms": r["build"]["frameworks"]["onnxruntime"]["ms"] * (1 + spread), "match": True,
+            "precision": "f32", "rel_err": 0.0}
+        r["build"].update(suites.versus(r["build"]["frameworks"]))
+    assert close["build"]["aa_spread"] == pytest.approx(0.06)
+    assert none["build"].get("aa_spread") is None
+    st = suites.suite_stats([close, far, none])
+    assert st["below"] == ["close", "far", "none"]
+    assert st["below_beyond_noise"] == ["far", "none"]  # no control: not excused
+    text = suites.markdown("torchvision", [close, far, none])
+    assert "**0.95x (onnxruntime; A/A 6%)**" in text and '"A/A": the same ONNX file' in text
+    assert "3 below 0.97x (close, far, none), 2 of them by more than their A/A control's " \
+        "spread (far, none)" in text
 
 
 def test_a_row_timed_on_a_busy_machine_says_so():

@@ -154,7 +154,8 @@ def frameworks(name: str, size: str, onnx_path: str, collage_executable, accurac
 
 def torch_frameworks(model, inputs, onnx_path: str, collage_executable, check, *,
                      collage_f32=None, torch_compile: bool = False,
-                     autocast: bool = False, label: str = "the model") -> dict:
+                     autocast: bool = False, label: str = "the model",
+                     control: bool = False) -> dict:
     """What a user runs instead of Collage, timed interleaved in this process with the
     shipped Collage build (``collage_executable``) on the same ``inputs`` (a tuple of torch
     tensors, in the order of the ONNX file's inputs), every library at this process's core
@@ -169,7 +170,10 @@ def torch_frameworks(model, inputs, onnx_path: str, collage_executable, check, *
     - "openvino (default)": latency hint and nothing else, so the CPU plugin's default
       precision (bf16 on CPUs with bf16 instructions: "precision" says which it used);
     - with ``torch_compile``, "torch.compile" (inductor, default mode; "compile_s"); with
-      ``autocast``, "pytorch (bf16 autocast)".
+      ``autocast``, "pytorch (bf16 autocast)";
+    - with ``control``, ``suites.CONTROL``: the same file on ONNX Runtime again, a second session
+      timed as one more framework. Two runs of one thing: how far apart they land is the
+      timing's noise on this row (``suites.versus``: "aa_spread").
 
     ``check(outputs, reference, precision)`` -> {"match", "max_err", "rel_err"} judges each
     row against PyTorch's outputs. A framework that fails to load or compile the model is
@@ -233,6 +237,11 @@ def torch_frameworks(model, inputs, onnx_path: str, collage_executable, check, *
             runs[lib], outs[lib] = _plain_runner(lib, get_backend(lib), onnx_path, arrays)
         except Exception as err:  # noqa: BLE001 - a missing framework is reported, not fatal
             outs[lib] = _why(err)
+    if control and "onnxruntime" in runs:
+        from collage_tvm.tools.suites import CONTROL
+
+        runs[CONTROL], outs[CONTROL] = _plain_runner("onnxruntime", get_backend("onnxruntime"),
+                                                     onnx_path, arrays)
     try:
         run, outs["openvino (default)"], used = _openvino_default(onnx_path, arrays)
         runs["openvino (default)"] = run

@@ -688,6 +688,10 @@ def _shape_text(shape) -> str:
 # The frameworks a user runs at f32 instead of Collage, on their own ONNX file or model
 # (``framework_row``); the best correct one of them is what Collage is judged against.
 F32_FRAMEWORKS = ("onnxruntime", "openvino", "pytorch")
+#: The A/A control of ``bench.torch_frameworks(control=True)``: the user's file on ONNX
+#: Runtime a second time, in a session of its own, timed like every other framework: the
+#: timing's noise on a row, not a contender.
+CONTROL = "onnxruntime (A/A)"
 GOAL = 0.97  # issue #33: Collage at least 0.97x the best f32 framework's speed on every row
 CLEAR_WIN = 1.03  # a row where Collage beats every f32 framework by 3% or more
 
@@ -716,7 +720,7 @@ def framework_row(make, name: str, onnx_path: str, executable, rtol: float = 1e-
     model, inputs, _, _, _ = checked_model(make, name)
     with OtherLoad() as load:
         rows = torch_frameworks(model, inputs, onnx_path, executable,
-                                _framework_check(rtol, atol), label=name)
+                                _framework_check(rtol, atol), label=name, control=True)
     rows = {fw: {"precision": "f32", **r} if "error" not in r else r for fw, r in rows.items()}
     return {"frameworks": rows, **versus(rows), "threads": host_cores(),
             "frameworks_other_load": load.share}
@@ -742,10 +746,11 @@ def _framework_check(rtol: float, atol: float):
 
 
 def versus(frameworks: dict) -> dict:
-    """{"best_f32": (name, ms) or None, "vs_best_f32", "vs_openvino_default"} of one row's
-    ``frameworks``: the fastest correct f32 framework, and each latency over Collage's
-    (above 1: Collage is faster; None where a latency is missing or, for OpenVINO at
-    its default precision, its outputs are not within that precision)."""
+    """{"best_f32": (name, ms) or None, "vs_best_f32", "vs_openvino_default", "aa_spread"} of
+    one row's ``frameworks``: the fastest correct f32 framework, and each latency over
+    Collage's (above 1: Collage is faster; None where a latency is missing or, for OpenVINO
+    at its default precision, its outputs are not within that precision); "aa_spread": how
+    far the A/A control (``CONTROL``) landed from ONNX Runtime's own figure, a fraction."""
     collage = frameworks.get("collage", {}).get("ms", math.nan)
 
     def ms(fw):
@@ -762,10 +767,13 @@ def versus(frameworks: dict) -> dict:
         return value / collage if ok and value is not None else None
 
     default = frameworks.get("openvino (default)", {})
+    a, a_again = ms("onnxruntime"), ms(CONTROL)
     return {"best_f32": (best, correct[best]) if best else None,
             "vs_best_f32": over(correct[best]) if best else None,
             "vs_openvino_default": over(ms("openvino (default)")) if default.get("match")
-            else None}
+            else None,
+            # the A/A control: one file on one library timed twice, |ratio - 1|
+            "aa_spread": abs(a_again / a - 1.0) if a and a_again else None}
 
 
 def checked_model(make, name: str) -> tuple:
@@ -897,6 +905,12 @@ def markdown(suite: str, rows: list, machine: dict | None = None) -> str:
             "the fastest correct f32 framework's ms over Collage's (above 1: Collage is "
             f"faster; bold below the {GOAL}x goal). \"best single build\": the fastest "
             "single-backend build of Collage's own never-slower check.\n")
+    if any(r["build"].get("aa_spread") is not None for r in rows):
+        lines.append(
+            "\"A/A\": the same ONNX file on ONNX Runtime timed a second time, in a session of "
+            "its own, as one more framework: how far apart the two figures landed is the "
+            "timing's noise on that row. A row below the goal by no more than that cannot "
+            "tell Collage from the framework on this machine.\n")
     reduced = sorted({r["build"].get("accuracy", "f32") for r in rows} - {"f32"})
     if reduced:
         lines.append(
@@ -952,7 +966,9 @@ def _framework_cell(r: dict | None) -> str:
 def _versus_cell(b: dict) -> str:
     if b.get("vs_best_f32") is None:
         return ""
-    text = f"{b['vs_best_f32']:.2f}x ({b['best_f32'][0]})"
+    aa = b.get("aa_spread")
+    text = f"{b['vs_best_f32']:.2f}x ({b['best_f32'][0]}" + (
+        f"; A/A {100 * aa:.0f}%)" if aa is not None else ")")
     return (f"**{text}**" if b["vs_best_f32"] < GOAL else text) + _busy_note(b)
 
 
@@ -1005,10 +1021,19 @@ def suite_stats(rows: list, key: str = "vs_best_f32") -> dict | None:
     shipped = {r["model"]: r["build"] for r in rows}
     wins = [m for m, v in counted if v >= CLEAR_WIN]
     mixed = [m for m, _ in counted if is_mixed(shipped[m])]
+    below = [m for m, v in counted if v < GOAL]
     return {"rows": len(counted), "median": statistics.median(v for _, v in counted),
-            "worst": min(counted, key=lambda mv: mv[1]),
-            "below": [m for m, v in counted if v < GOAL], "wins": wins, "mixed": mixed,
-            "mixed_wins": [m for m in wins if m in mixed]}
+            "worst": min(counted, key=lambda mv: mv[1]), "below": below,
+            "below_beyond_noise": [m for m in below if not within_noise(shipped[m], key)],
+            "wins": wins, "mixed": mixed, "mixed_wins": [m for m in wins if m in mixed]}
+
+
+def within_noise(build: dict, key: str = "vs_best_f32") -> bool:
+    """Whether a row's shortfall from 1.0x is no larger than its A/A control's spread (the
+    same file on the same library timed twice landed that far apart): then the row says
+    only that the two are too close to tell apart on this machine."""
+    aa, x = build.get("aa_spread"), build.get(key)
+    return aa is not None and x is not None and 1.0 - x <= aa
 
 
 def _summary(rows: list, key: str, what: str, other: str) -> str:
@@ -1021,6 +1046,10 @@ def _summary(rows: list, key: str, what: str, other: str) -> str:
     return (f"{what}: {st['rows']} rows counted; median {st['median']:.2f}x, worst "
             f"{worst:.3f}x ({worst_model}); {len(below)} below {GOAL}x"
             + (f" ({', '.join(below)})" if below else "")
+            + (f", {len(st['below_beyond_noise'])} of them by more than their A/A control's "
+               "spread" + (f" ({', '.join(st['below_beyond_noise'])})"
+                           if st["below_beyond_noise"] else "")
+               if st["below_beyond_noise"] != below else "")
             + f"; Collage beats {'every ' if other.endswith('framework') else ''}{other} by 3% "
             f"or more on {len(wins)}"
             + (f": {', '.join(wins)}" if wins else "")
