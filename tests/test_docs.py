@@ -81,3 +81,11 @@ def test_a_summary_over_two_machines_names_each_rows_machine():
     assert "| suite | machine | accuracy |" in text
     assert "| torchvision | AMD EPYC | f32 |" in text and "| torchvision | Intel Xeon | f32 |" in text
     assert "| machine |" not in docs.suite_summary(docs_[:1])
+
+
+def test_the_summary_counts_rows_below_the_goal_beyond_their_a_a_spread():
+    rows = [{"model": m, "build": {"status": "built", "match": True, "vs_best_f32": x,
+                                   "aa_spread": aa}}
+            for m, x, aa in (("close", 0.95, 0.06), ("far", 0.90, 0.04), ("fine", 1.1, 0.01))]
+    text = docs.suite_summary([{"suite": "torchvision", "machine": {"cpu": "X"}, "rows": rows}])
+    assert "| 2 (1 beyond A/A noise) |" in text

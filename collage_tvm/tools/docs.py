@@ -82,16 +82,23 @@ def suite_summary(docs: list) -> str:
         rows, accuracy = doc["rows"], doc.get("accuracy", "f32")
         f32 = suites.suite_stats(rows, "vs_best_f32")
         default = suites.suite_stats(rows, "vs_openvino_default") if accuracy != "f32" else None
-        cells = [doc["suite"]] + ([(doc.get("machine") or {}).get("cpu", "?")] if several else []) \
-            + [accuracy, doc.get("input_size", ""), str(len(rows))]
+        machine = [(doc.get("machine") or {}).get("cpu", "?")] if several else []
+        cells = [doc["suite"], *machine, accuracy, doc.get("input_size", ""), str(len(rows))]
         for st in (f32, default):
             cells += ([_x(st["median"]), f"{st['worst'][1]:.3f}x ({st['worst'][0]})",
-                       str(len(st["below"]))] if st else ["", "", ""])
+                       _below(st)] if st else ["", "", ""])
         main = default or f32
         cells += [str(len(main["wins"])) if main else "", str(len(main["mixed"])) if main else "",
                   ", ".join(main["mixed_wins"]) or "0" if main else ""]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(_machines(docs) + [""] + lines) + "\n"
+
+
+def _below(st: dict) -> str:
+    """How many rows are below the goal, and how many of them by more than their A/A
+    control's spread where some are within it (``suites.within_noise``)."""
+    below, beyond = st["below"], st["below_beyond_noise"]
+    return str(len(below)) + (f" ({len(beyond)} beyond A/A noise)" if beyond != below else "")
 
 
 def optimize_report(doc: dict) -> str:
