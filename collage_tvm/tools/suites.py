@@ -469,7 +469,8 @@ def collage_check(model, inputs: list, expected: list, backends, db, rtol: float
     reduced one ("bf16") the outputs are judged within it (``Accuracy.check``: "rel_err"
     in the row). Returns
     {"status": "built"|"unsupported"|"crash", "error", "match", "max_err",
-    "search_s", "collage_ms", "best": (build, ms), "shipped", "kept_on_tvm", "accuracy"}."""
+    "search_s", "times" (seconds per stage), "collage_ms", "best": (build, ms), "shipped",
+    "kept_on_tvm", "accuracy", "other_load"}."""
     return _collage_build(model, inputs, expected, backends, db, rtol, atol, graph_level,
                           budget, input_shapes, scale_aware, accuracy)[0]
 
@@ -531,6 +532,7 @@ def _collage_build(model, inputs, expected, backends, db, rtol, atol, graph_leve
     row["collage_ops"] = rep.comparison.get("collage", {}).get("ops", {})
     row["kept_on_tvm"] = sorted(set(rep.kept_on_tvm))
     row["other_load"] = rep.other_load  # the final check's (``measure.timing.OtherLoad``)
+    row["times"] = {k: round(v, 2) for k, v in rep.times.items()}  # seconds per stage
     return row, res.executable
 
 
