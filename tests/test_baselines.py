@@ -32,3 +32,24 @@ def test_interleaved_does_not_charge_a_function_for_what_the_one_before_left_beh
     assert abs(ms["b"] - ms["c"]) < 1.0, ms
     assert ms["b"] < 2.0, ms
     assert len(calls) > 10
+
+
+def test_interleaved_lets_what_the_function_before_left_behind_settle():
+    # "spinner" keeps the machine busy for 30 ms after its last call (a thread pool spinning
+    # on every core): more than one untimed 1 ms call absorbs. A function timed within that
+    # window pays 5 ms a call.
+    state = {"until": 0.0}
+
+    def spinner():
+        time.sleep(0.001)
+        state["until"] = time.perf_counter() + 0.03
+
+    def victim():
+        time.sleep(0.006 if time.perf_counter() < state["until"] else 0.001)
+
+    ms = interleaved({"spinner": spinner, "victim": victim}, rounds=3, min_ms=5.0,
+                     settle_s=0.04)
+    assert ms["victim"] < 3.0, ms
+    dirty = interleaved({"spinner": spinner, "victim": victim}, rounds=3, min_ms=5.0,
+                        settle_s=0.0)
+    assert dirty["victim"] > 3.0, dirty  # the pause is what keeps it fair

@@ -160,13 +160,22 @@ def time_side_by_side(runs: list, rounds: int = 9, target_ms: float = 2.0, sync=
     return [statistics.median(s) for s in samples]
 
 
-def interleaved(fns: dict, rounds: int = 7, min_ms: float = 200.0, sync=None) -> dict:
+#: Seconds ``interleaved`` waits before each batch: long enough for the thread pools of the
+#: function before it to stop spinning (without it, a model file on ONNX Runtime timed right
+#: after another ONNX Runtime build of the same model was charged for that build's spinning
+#: threads beyond what one untimed call absorbs; ``tests/test_baselines.py`` shows the case).
+SETTLE_S = 0.05
+
+
+def interleaved(fns: dict, rounds: int = 7, min_ms: float = 200.0, sync=None,
+                settle_s: float = SETTLE_S) -> dict:
     """Median ms per call of each function, timed in alternating rounds (noise hits all alike).
 
-    Each batch starts with one untimed call: whatever the function before it left behind (a
-    library's thread pool still spinning, the cache full of other weights) would otherwise
-    slow down whichever function always comes next. Each round starts one function further
-    along, so that slow drift of the machine does not favour the first or the last."""
+    Each batch starts after a pause of ``settle_s`` and with one untimed call: whatever the
+    function before it left behind (a library's thread pool still spinning on every core,
+    the cache full of other weights) would otherwise slow down whichever function always
+    comes next. Each round starts one function further along, so that slow drift of the
+    machine does not favour the first or the last."""
     for fn in fns.values():  # warm-up
         fn()
         fn()
@@ -180,6 +189,7 @@ def interleaved(fns: dict, rounds: int = 7, min_ms: float = 200.0, sync=None) ->
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             fn = fns[name]
+            time.sleep(settle_s)  # the last batch's spinning threads go idle
             fn()  # lead-in, untimed
             t0 = _done(sync)
             for _ in range(number[name]):
