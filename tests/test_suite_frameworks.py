@@ -223,3 +223,14 @@ def test_transformers_at_the_usual_size_run_128_tokens(name):
     small, small_inputs = suites.transformers_model(name)
     with torch.no_grad():
         assert small(*small_inputs).shape[1] < hidden.shape[1]
+
+
+
+def test_in_child_runs_a_function_in_a_fresh_process_and_a_dead_one_is_a_clear_error():
+    import os
+
+    assert suites.in_child(os.getpid) != os.getpid()
+    with pytest.raises(suites.ChildDied, match="_exit died"):
+        suites.in_child(os._exit, 3)
+    with pytest.raises(ZeroDivisionError):  # an exception comes back as itself
+        suites.in_child(divmod, 1, 0)

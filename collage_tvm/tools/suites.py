@@ -549,10 +549,40 @@ TORCH_SUITES = {  # name: (the model names, (name, size="small") -> (torch modul
 SUITES = ("onnx-node", "onnx-files", *TORCH_SUITES)
 
 
+class ChildDied(RuntimeError):
+    """The process ``in_child`` ran a function in ended without an answer."""
+
+
+def _child_logging(level: int) -> None:
+    import logging
+
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+
+
+def in_child(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` in a fresh process (spawned: nothing of this process's
+    libraries, sessions or thread pools), its logging at this process's level; returns its
+    result (picklable), re-raises its exception. ``ChildDied`` when the process ends
+    without an answer (killed, out of memory, a crash in a library)."""
+    import concurrent.futures as cf
+    import logging
+    import multiprocessing as mp
+
+    level = logging.getLogger("collage_tvm").getEffectiveLevel()
+    with cf.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"),
+                                initializer=_child_logging, initargs=(level,)) as pool:
+        try:
+            return pool.submit(fn, *args, **kwargs).result()
+        except cf.process.BrokenProcessPool as err:
+            raise ChildDied(f"the process running {getattr(fn, '__name__', fn)} died "
+                            f"({err})") from None
+
+
 def run(suite: str, backends, db, out_dir: str, full: bool = False, limit: int | None = None,
         log=print, graph_level: bool = False, budget: float = 60.0,
         only: list | None = None, done: list | None = None, on_row=None,
-        input_size: str = "usual", frameworks: bool = True, accuracy: str = "f32") -> list:
+        input_size: str = "usual", frameworks: bool = True, accuracy: str = "f32",
+        isolate: bool = True) -> list:
     """Every model of ``suite``; one row each (see ``markdown``).
 
     ``onnx-node`` / ``onnx-files`` (the onnx wheel's node tests; its pytorch-converted,
@@ -567,7 +597,12 @@ def run(suite: str, backends, db, out_dir: str, full: bool = False, limit: int |
     ``accuracy``: the search's accuracy budget; under a reduced one ("bf16") a build is
     judged within it, and a torch row against OpenVINO at its default precision too.
     ``only``: just the models (cases) of these names (a torch suite's in the order given).
-    ``done``: rows of an earlier,
+    ``isolate``: each torch-suite model is searched and timed in a fresh process of its
+    own (``in_child``), as a user's process holds one model: one long process accumulated
+    the sessions and thread pools of every model before (90 threads, 3.5 GB after a dozen
+    models) and its later rows timed the shipped build up to 20% slower than the same
+    model in a fresh process; a model that kills its process is a "crash" row, not the
+    end of the run. ``done``: rows of an earlier,
     interrupted run of the same suite, kept and not run again. ``on_row(rows)`` after each
     model (the CLI writes the table so far: an interrupted run keeps what it found)."""
     import os
@@ -606,10 +641,14 @@ def run(suite: str, backends, db, out_dir: str, full: bool = False, limit: int |
         items = ((n, n) for n in chosen)
 
         def check(name):
-            return {"model": name, "input_size": input_size,
-                    "build": torch_model_check(make, name, backends, db, out_dir, graph_level,
-                                               budget, frameworks=frameworks,
-                                               accuracy=accuracy)}
+            args = (make, name, backends, db, out_dir, graph_level, budget)
+            kwargs = {"frameworks": frameworks, "accuracy": accuracy}
+            try:
+                build = (in_child(torch_model_check, *args, **kwargs) if isolate
+                         else torch_model_check(*args, **kwargs))
+            except ChildDied as err:
+                build = {"status": "crash", "error": str(err)}
+            return {"model": name, "input_size": input_size, "build": build}
 
         def line(row):
             b = row["build"]
