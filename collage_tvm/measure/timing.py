@@ -168,14 +168,15 @@ SETTLE_S = 0.05
 
 
 def interleaved(fns: dict, rounds: int = 7, min_ms: float = 200.0, sync=None,
-                settle_s: float = SETTLE_S) -> dict:
+                settle_s: float | None = None) -> dict:
     """Median ms per call of each function, timed in alternating rounds (noise hits all alike).
 
     Each batch starts after a pause of ``settle_s`` and with one untimed call: whatever the
     function before it left behind (a library's thread pool still spinning on every core,
     the cache full of other weights) would otherwise slow down whichever function always
     comes next. Each round starts one function further along, so that slow drift of the
-    machine does not favour the first or the last."""
+    machine does not favour the first or the last. ``settle_s``: ``SETTLE_S`` unless given."""
+    settle_s = SETTLE_S if settle_s is None else settle_s
     for fn in fns.values():  # warm-up
         fn()
         fn()

@@ -155,7 +155,7 @@ def frameworks(name: str, size: str, onnx_path: str, collage_executable, accurac
 def torch_frameworks(model, inputs, onnx_path: str, collage_executable, check, *,
                      collage_f32=None, torch_compile: bool = False,
                      autocast: bool = False, label: str = "the model",
-                     control: bool = False) -> dict:
+                     control: str | None = None) -> dict:
     """What a user runs instead of Collage, timed interleaved in this process with the
     shipped Collage build (``collage_executable``) on the same ``inputs`` (a tuple of torch
     tensors, in the order of the ONNX file's inputs), every library at this process's core
@@ -171,9 +171,9 @@ def torch_frameworks(model, inputs, onnx_path: str, collage_executable, check, *
       precision (bf16 on CPUs with bf16 instructions: "precision" says which it used);
     - with ``torch_compile``, "torch.compile" (inductor, default mode; "compile_s"); with
       ``autocast``, "pytorch (bf16 autocast)";
-    - with ``control``, ``suites.CONTROL``: the same file on ONNX Runtime again, a second session
-      timed as one more framework. Two runs of one thing: how far apart they land is the
-      timing's noise on this row (``suites.versus``: "aa_spread").
+    - with ``control`` (a name: ``suites.CONTROL``), the same file on ONNX Runtime again, a
+      second session timed as one more framework. Two runs of one thing: how far apart
+      they land is the timing's noise on this row (``suites.versus``: "aa_spread").
 
     ``check(outputs, reference, precision)`` -> {"match", "max_err", "rel_err"} judges each
     row against PyTorch's outputs. A framework that fails to load or compile the model is
@@ -238,9 +238,7 @@ def torch_frameworks(model, inputs, onnx_path: str, collage_executable, check, *
         except Exception as err:  # noqa: BLE001 - a missing framework is reported, not fatal
             outs[lib] = _why(err)
     if control and "onnxruntime" in runs:
-        from collage_tvm.tools.suites import CONTROL
-
-        runs[CONTROL], outs[CONTROL] = _plain_runner("onnxruntime", get_backend("onnxruntime"),
+        runs[control], outs[control] = _plain_runner("onnxruntime", get_backend("onnxruntime"),
                                                      onnx_path, arrays)
     try:
         run, outs["openvino (default)"], used = _openvino_default(onnx_path, arrays)

@@ -729,7 +729,7 @@ def _shape_text(shape) -> str:
 # The frameworks a user runs at f32 instead of Collage, on their own ONNX file or model
 # (``framework_row``); the best correct one of them is what Collage is judged against.
 F32_FRAMEWORKS = ("onnxruntime", "openvino", "pytorch")
-#: The A/A control of ``bench.torch_frameworks(control=True)``: the user's file on ONNX
+#: The A/A control of ``bench.torch_frameworks(control=CONTROL)``: the user's file on ONNX
 #: Runtime a second time, in a session of its own, timed like every other framework: the
 #: timing's noise on a row, not a contender.
 CONTROL = "onnxruntime (A/A)"
@@ -761,7 +761,7 @@ def framework_row(make, name: str, onnx_path: str, executable, rtol: float = 1e-
     model, inputs, _, _, _ = checked_model(make, name)
     with OtherLoad() as load:
         rows = torch_frameworks(model, inputs, onnx_path, executable,
-                                _framework_check(rtol, atol), label=name, control=True)
+                                _framework_check(rtol, atol), label=name, control=CONTROL)
     rows = {fw: {"precision": "f32", **r} if "error" not in r else r for fw, r in rows.items()}
     return {"frameworks": rows, **versus(rows), "threads": host_cores(),
             "frameworks_other_load": load.share}
