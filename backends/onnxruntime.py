@@ -36,8 +36,8 @@ def _whole_call(sess, in_names: list, out_names: list, specs: list, run_options)
     """The callable of a session that runs the whole model: ``run`` on zero-copy views of
     the inputs, each output handed to TVM by DLPack (copied once into an aligned buffer
     where ONNX Runtime's is not 64-byte aligned, as TVM requires). The I/O binding path of
-    the pieces costs more here: on ShuffleNet v2 x0.5 (1.6 ms a call) the model file ran
-    5-7% slower through it than through ``run``, in fresh processes, either order."""
+    the pieces was measurably slower than ``run`` for a whole small model (the commit that
+    made this change has the figures)."""
     import tvm
 
     run = sess._sess.run  # the public wrapper only adds checks

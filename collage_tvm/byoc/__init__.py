@@ -12,11 +12,11 @@ from tvm import relax
 
 from ..graph import DataflowGraph
 from ..graph.subgraph import random_inputs
-from .partition import partition
 from ..placement import Candidate
 from ..target import target_device
 from ..tuning import active_database, use_tuning_db
 from .external import lower_external, release_with
+from .partition import partition
 
 
 def lower_placement(graph, groups, backends: dict, timings: dict | None = None):
@@ -83,5 +83,5 @@ def placement_runner(graph, backends: dict, target, seed: int = 0):
     return make_run
 
 
-__all__ = ["candidate_vm", "candidate_vm_for", "compile_module", "compile_placement", "lower_external", "lower_placement",
-           "placement_runner", "release_with"]
+__all__ = ["candidate_vm", "candidate_vm_for", "compile_module", "compile_placement",
+           "lower_external", "lower_placement", "placement_runner", "release_with"]

@@ -87,10 +87,14 @@ class Floors:
 
     @property
     def share(self) -> dict:
-        """backend -> the share of its heavy parts' times a group takes at least:
+        """backend -> ``share_of(backend)``, for the backends a measured group lowered."""
+        return {b: self.share_of(b) for b in self.least}
+
+    def share_of(self, backend: str) -> float:
+        """The share of its heavy parts' times a group of ``backend`` takes at least:
         ``PARTS_SLACK``, lowered to ``RATIO_MARGIN`` of the least share a measured group of
-        it took (backends with no such group are absent)."""
-        return {b: min(self.parts_slack, RATIO_MARGIN * v) for b, v in self.least.items()}
+        it took."""
+        return min(self.parts_slack, RATIO_MARGIN * self.least.get(backend, math.inf))
 
     def singles_of_heavy(self, candidates: list) -> list:
         return [c for c in candidates if len(c.nodes) == 1 and self.heavy[c]]
@@ -143,8 +147,7 @@ class Floors:
         low = self.roof.floor(c.backend, *self.features[c])
         parts = [self.single.get((c.backend, i), math.inf) for i in self.heavy[c]]
         parts = [p for p in parts if math.isfinite(p)]
-        share = min(self.parts_slack, RATIO_MARGIN * self.least.get(c.backend, math.inf))
-        return max(low, share * sum(parts)) if parts else low
+        return max(low, self.share_of(c.backend) * sum(parts)) if parts else low
 
 
 def lean_costs(measurer, graph, candidates: list, backends: dict, eps: dict, switch: dict,

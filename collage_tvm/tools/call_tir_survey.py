@@ -261,9 +261,9 @@ def main(argv=None) -> int:
     if args.suite in ("models", "all"):
         with tempfile.TemporaryDirectory() as tmp:
             results["models"] = model_suite(tmp)
-    from .bench import machine
-
     import onnx
+
+    from .bench import machine
 
     results["machine"] = dict(machine(), onnx=onnx.__version__)
     with open(args.json, "w") as f:

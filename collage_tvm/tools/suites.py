@@ -599,10 +599,9 @@ def run(suite: str, backends, db, out_dir: str, full: bool = False, limit: int |
     ``only``: just the models (cases) of these names (a torch suite's in the order given).
     ``isolate``: each torch-suite model is searched and timed in a fresh process of its
     own (``in_child``), as a user's process holds one model: one long process accumulated
-    the sessions and thread pools of every model before (90 threads, 3.5 GB after a dozen
-    models) and its later rows timed the shipped build up to 20% slower than the same
-    model in a fresh process; a model that kills its process is a "crash" row, not the
-    end of the run. ``done``: rows of an earlier,
+    the sessions and thread pools of every model before it, and its later rows timed the
+    shipped build slower than the same model in a fresh process; a model that kills its
+    process is a "crash" row, not the end of the run. ``done``: rows of an earlier,
     interrupted run of the same suite, kept and not run again. ``on_row(rows)`` after each
     model (the CLI writes the table so far: an interrupted run keeps what it found)."""
     import os
@@ -753,10 +752,9 @@ def framework_row(make, name: str, onnx_path: str, executable, rtol: float = 1e-
     "ms": nan, "match": False}}, "best_f32": (name, ms) of the fastest correct one of
     ``F32_FRAMEWORKS`` (None: none), "vs_best_f32": its ms / Collage's, "vs_openvino_default":
     OpenVINO default's ms / Collage's (None where one is missing), "threads"}."""
+    from ..measure.timing import OtherLoad
     from ..target import host_cores
     from .bench import torch_frameworks
-
-    from ..measure.timing import OtherLoad
 
     model, inputs, _, _, _ = checked_model(make, name)
     with OtherLoad() as load:

@@ -1,4 +1,5 @@
-"""``collage_tvm.tune`` (this module: ``collage_tvm.tuning.plan``): tune the TVM kernels a model's placement could use (issue #16).
+"""``collage_tvm.tune`` (this module: ``collage_tvm.tuning.plan``): tune the TVM kernels a
+model's placement could use (issue #16).
 
 Which kernels to tune is Collage's decision, made from the costs the search measures:
 
@@ -32,7 +33,7 @@ from ..byoc import candidate_vm, candidate_vm_for
 from ..measure.measurer import Measurer
 from ..candidates import generate_candidates
 from . import (KernelResult, KernelToTune, TuningDB, default_dir, kernel_key, kernels,
-                     tune_kernels, use_tuning_db)
+               tune_kernels, use_tuning_db)
 from .tuner import MIN_TRIALS
 
 logger = logging.getLogger("collage_tvm")
