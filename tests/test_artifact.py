@@ -204,7 +204,7 @@ def test_the_model_file_that_won_the_final_check_saves_and_loads(model_path, tmp
         pytest.skip("onnxruntime is not available here")
     real = ns.evaluate
     monkeypatch.setattr(ns, "evaluate", lambda *a, **k: {**real(*a, **k), "ms": 1.0})
-    monkeypatch.setattr(ns, "interleaved", lambda runs, sync=None: {
+    monkeypatch.setattr(ns, "interleaved", lambda runs, **kw: {
         n: (0.1 if n == "onnxruntime (model file)" else 1.0) for n in runs})
     res = collage_tvm.optimize(model_path, "llvm", ["tvm", "onnxruntime"],
                                db=str(tmp_path / "c.db"), progress=False, isolate=False,

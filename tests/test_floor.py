@@ -55,7 +55,7 @@ def _fixed_clock(monkeypatch, fastest: str):
         return {**real(*args, **kwargs), "ms": 1.0}
 
     monkeypatch.setattr(ns, "evaluate", evaluate)
-    monkeypatch.setattr(ns, "interleaved", lambda runs, sync=None: {
+    monkeypatch.setattr(ns, "interleaved", lambda runs, **kw: {
         n: (0.1 if n == fastest else 1.0) for n in runs})
 
 
@@ -187,3 +187,29 @@ def test_under_the_bf16_budget_the_model_file_at_openvinos_default_precision_can
     assert "outside_budget" not in row and row["match"]
     assert res.report.shipped == "openvino_bf16 (model file)"
     assert res.report.whole_model["backend"] == "openvino_bf16"
+
+
+def test_close_builds_meet_again_in_more_rounds_and_the_runoff_decides(monkeypatch):
+    """After the re-timing, the builds within ``RUNOFF_MARGIN`` of the fastest are timed
+    again in ``RUNOFF_ROUNDS`` rounds, and those figures decide; a build far behind, one
+    with wrong outputs and one outside the budget stay out of it."""
+    calls = []
+
+    def clock(fns, rounds=7, **kw):
+        calls.append((set(fns), rounds))
+        return {"a": 1.00, "b": 1.05}
+
+    monkeypatch.setattr(ns, "interleaved", clock)
+    results = {"a": {"ms": 1.04, "match": True}, "b": {"ms": 1.0, "match": True},
+               "far": {"ms": 1.5, "match": True}, "wrong": {"ms": 0.5, "match": False},
+               "bf16": {"ms": 0.6, "match": True}}
+    ns._runoff(results, {n: None for n in results}, {"bf16"}, tvm.target.Target("llvm"))
+    assert calls == [({"a", "b"}, ns.RUNOFF_ROUNDS)]
+    assert results["a"] == {"ms": 1.0, "first_ms": 1.04, "match": True, "runoff": True}
+    assert results["b"]["ms"] == 1.05 and results["b"]["first_ms"] == 1.0
+    assert results["far"] == {"ms": 1.5, "match": True}
+    # one close build alone: nothing to run off
+    calls.clear()
+    ns._runoff({"a": {"ms": 1.0, "match": True}, "far": {"ms": 1.5, "match": True}},
+               {"a": None, "far": None}, set(), tvm.target.Target("llvm"))
+    assert calls == []

@@ -152,6 +152,11 @@ def frameworks(name: str, size: str, onnx_path: str, collage_executable, accurac
                             label=name)
 
 
+# Rounds of ``torch_frameworks``' interleaved timing: each figure is the median of this many
+# batches (in seven, two runs of one row have landed up to 14% apart on a 2-vCPU VM).
+FRAMEWORK_ROUNDS = 15
+
+
 def torch_frameworks(model, inputs, onnx_path: str, collage_executable, check, *,
                      collage_f32=None, torch_compile: bool = False,
                      autocast: bool = False, label: str = "the model",
@@ -256,7 +261,7 @@ def torch_frameworks(model, inputs, onnx_path: str, collage_executable, check, *
         runs[name] = lambda main=vm["main"]: main(*args)
         outs[name] = run_outputs(vm, args)
     print(f"  timing {', '.join(runs)} interleaved", flush=True)
-    return _rows(outs, interleaved(runs), ref, check, extra)
+    return _rows(outs, interleaved(runs, rounds=FRAMEWORK_ROUNDS), ref, check, extra)
 
 
 def _rows(outs: dict, ms: dict, ref, check, extra: dict) -> dict:

@@ -525,6 +525,9 @@ def _collage_build(model, inputs, expected, backends, db, rtol, atol, graph_leve
         best = min(singles, key=singles.get)
         row["best"] = (best, singles[best])
     row["shipped"] = rep.shipped
+    # what the final check timed each build at (its verdict, beside the frameworks' figures)
+    row["final_check"] = {n: round(r["ms"], 3) for n, r in rep.comparison.items()
+                          if math.isfinite(r.get("ms", math.nan))}
     if rep.whole_model and not rep.whole_model.get("floor"):
         # TVM cannot import it: a graph library runs it whole (the model file winning the
         # final check is named by ``rep.shipped``: "openvino (model file)")
