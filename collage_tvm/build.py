@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import time
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -386,6 +387,11 @@ class SearchState:
                             self.backends, self.report, self.target,
                             self.mod if module is None else module, tuning)
 
+    def placing(self) -> Placing:
+        """What the stages of a new placement share (``_search``)."""
+        return Placing(self.graph, self.backends, self.target, self.cost_db, self.options,
+                       self.report)
+
     def imported(self) -> None:
         self.report.times["import"] = time.perf_counter() - self.t_start
 
@@ -444,8 +450,7 @@ def rewrite_graph(state: SearchState) -> None:
         if why:
             raise NotDataflow(why)
         if state.options.rewrite:
-            rewritten = _rewrite(state.mod, state.backends, state.target, state.db,
-                                 state.options, state.report)
+            rewritten = _rewrite(state)
             if rewritten is not state.mod:  # the fold or a searched rewrite changed it
                 state.original, state.unrewritten = state.mod, DataflowGraph.from_module(state.mod)
                 state.mod = rewritten
@@ -513,9 +518,7 @@ def search_placement(state: SearchState) -> None:
         report.floor = "the final check is off (--no-compare)"
     with use_tuning_db(state.tuning):
         try:
-            placement, shipped_graph = _search(graph, state.backends, state.target,
-                                               state.cost_db, state.options, report,
-                                               state.unrewritten, floors)
+            placement, shipped_graph = _search(state.placing(), state.unrewritten, floors)
         except Exception as err:
             raise _unsupported(report, err) or err
     _log_verdict(state, placement, shipped_graph)
@@ -532,8 +535,7 @@ def recheck(state: SearchState) -> None:
     floors = _floors(state.user_file, state.backends, state.target, state.options.accuracy,
                      state.input_shapes, state.graph.func, report)
     with use_tuning_db(state.tuning):
-        placement, shipped_graph = _final_check(state.graph, state.placement, state.backends,
-                                                state.target, state.options, report, floors)
+        placement, shipped_graph = _final_check(state.placing(), state.placement, floors)
     report.rechecked = True
     _log_verdict(state, placement, shipped_graph)
 
@@ -579,7 +581,7 @@ def finish(state: SearchState) -> None:
 STAGES = (import_model, rewrite_graph, open_stores, from_log, recheck, search_placement, finish)
 
 
-def _rewrite(mod, backends, target, db, options: SearchOptions, report) -> tvm.IRModule:
+def _rewrite(state: SearchState) -> tvm.IRModule:
     """The verified rewrites (``collage_tvm.rewrite``): the affine-tail fold (it only removes
     work), then the cost-based search over the others and the generator's proved rules
     (``rewrite.generated``), each graph costed as the op-level DP
@@ -591,8 +593,10 @@ def _rewrite(mod, backends, target, db, options: SearchOptions, report) -> tvm.I
     from .rewrite.backtrack import REWRITES, split_backtrack
 
     t0 = time.perf_counter()
+    mod, backends, options = state.mod, state.backends, state.options
     folded = fold_conv_affine(mod)
-    measurer = Measurer.from_options(target, open_db(db), candidate_vm, options, progress=False)
+    measurer = Measurer.from_options(state.target, open_db(state.db), candidate_vm, options,
+                                     progress=False)
     try:
         eps = measurer.epsilon(backends.values())
         t_search = time.perf_counter()
@@ -612,14 +616,14 @@ def _rewrite(mod, backends, target, db, options: SearchOptions, report) -> tvm.I
             # left uncosted, so the search stops within its budget.
             measurer.deadline = t_search + options.budget
             raw, _ = ensure_cover(len(graph), cands, measured)
-            costs = {c: max(0.0, v - eps[c.backend]) for c, v in raw.items()}
-            return place(graph.producers, cands, costs, eps, exact=False).cost
+            return place(graph.producers, cands, dp_costs(raw, eps), eps, exact=False).cost
 
         # 3%: below it, two measured placements are within the noise of these machines
         res = split_backtrack(folded, cost, REWRITES + generated_rewrites(),
                            budget_s=options.budget, min_gain=0.03)
     finally:
         measurer.close()
+    report = state.report
     report.rewrite = {"folded_affine_tails": folded is not mod, "applied": res.applied,
                       "start_ms": res.start_cost, "best_ms": res.cost, "graphs": res.graphs,
                       "pruned": res.pruned,
@@ -630,49 +634,74 @@ def _rewrite(mod, backends, target, db, options: SearchOptions, report) -> tvm.I
     return res.module
 
 
-def _search(graph, backends, target, cost_db, options: SearchOptions, report,
-            unrewritten=None, floors: dict | None = None) -> tuple:
+@dataclass
+class Placing:
+    """What the stages of a new placement (``_search``) share: the graph they place, the
+    backends it may run on, the target, the cost DB, the search's options, and the report
+    each stage writes its record into. ``on(...)``: the same with some of them changed (the
+    unrewritten graph, the f32 backends, a report of its own)."""
+
+    graph: DataflowGraph
+    backends: dict
+    target: tvm.target.Target
+    cost_db: CostDB
+    options: SearchOptions
+    report: BuildReport
+
+    def on(self, **changed) -> Placing:
+        return dataclasses.replace(self, **changed)
+
+
+@dataclass
+class OpLevel:
+    """The op-level stage's record: its placement and what the DP placed it from."""
+
+    placement: Placement | None
+    candidates: list
+    raw: dict      # candidate -> measured ms, one call's overhead included
+    eps: dict      # backend -> one call's overhead (the paper's epsilon, Eq. 2)
+    switch: dict   # (backend, backend) -> ms per change of runtime
+
+    @property
+    def costs(self) -> dict:
+        return dp_costs(self.raw, self.eps)
+
+
+def dp_costs(raw: dict, eps: dict) -> dict:
+    """The DP's costs: the measured times (``raw``) less one call's overhead, which the DP
+    adds back per kernel (epsilon, the paper's Eq. 2)."""
+    return {c: max(0.0, v - eps[c.backend]) for c, v in raw.items()}
+
+
+def _search(p: Placing, unrewritten=None, floors: dict | None = None) -> tuple:
     """Both levels of the search and the final check, for a placement not in the log.
     Returns (placement, the graph its groups refer to). ``unrewritten``: the model's graph
     before the rewrites; the final check times its op-level placement too (costs from the
     rewrite search's measurements), and ships it if it is faster. ``floors``: the user's
     model file whole on each graph library (``_floors``); one that wins is named in
     ``report.whole_model``."""
-    placement, candidates, costs, eps, switch = _op_level(graph, backends, target, cost_db,
-                                                          options, report)
-    if options.calibrate_rounds > 0 and any(backends[g.backend].is_external
-                                            for g in placement.groups):
-        t0 = time.perf_counter()
-        cal = calibrate(graph, candidates, costs, eps, switch, placement,
-                        placement_runner(graph, backends, target),
-                        rounds=options.calibrate_rounds, on_round=options.on_calibration)
-        placement, report.calibration = cal.placement, cal.history
-        report.estimated_ms = placement.cost
-        report.times["calibrate"] = time.perf_counter() - t0
-    op_level = placement
-    if options.graph_level:
-        placement = _graph_level(graph, placement, backends, target, report, options)
-    if options.compare:
+    op_level = _calibrated(p, _op_level(p))
+    placement = _graph_level(p, op_level) if p.options.graph_level else op_level
+    if p.options.compare:
         others = {}
         if unrewritten is not None:
             t0 = time.perf_counter()
             others["collage-unrewritten"] = (unrewritten, _op_level(
-                unrewritten, backends, target, cost_db, options, BuildReport(backends=[]))[0])
-            report.times["unrewritten"] = time.perf_counter() - t0
-        return _final_check(graph, placement, backends, target, options, report, floors,
+                p.on(graph=unrewritten, report=BuildReport(backends=[]))).placement)
+            p.report.times["unrewritten"] = time.perf_counter() - t0
+        return _final_check(p, placement, floors or {},
                             op_level if placement is not op_level else None, others)
-    if _reduced(placement, backends):
-        return _within_budget(graph, placement, backends, target, cost_db, options, report,
-                              floors)
-    return placement, graph
+    if _reduced(placement, p.backends):
+        return _within_budget(p, placement, floors)
+    return placement, p.graph
 
 
-def _final_check(graph, placement, backends, target, options: SearchOptions, report,
-                 floors: dict, op_level=None, others=None) -> tuple:
-    """``never_slower``'s verdict on ``placement``, written into ``report``. Returns
+def _final_check(p: Placing, placement, floors: dict, op_level=None, others=None) -> tuple:
+    """``never_slower``'s verdict on ``placement``, written into the report. Returns
     (the placement to ship, the graph its groups refer to)."""
-    verdict = never_slower(graph, placement, backends, target, op_level,
-                           accuracy=options.accuracy, others=others, floors=floors)
+    report = p.report
+    verdict = never_slower(p.graph, placement, p.backends, p.target, op_level,
+                           accuracy=p.options.accuracy, others=others, floors=floors)
     report.shipped, report.comparison = verdict.shipped, verdict.comparison
     report.whole_model = {}
     if verdict.floor:
@@ -693,29 +722,29 @@ def _reduced(placement, backends) -> bool:
     return any(backends[g.backend].precision != "f32" for g in placement.groups)
 
 
-def _within_budget(graph, placement, backends, target, cost_db, options: SearchOptions,
-                   report, floors: dict | None = None) -> tuple:
+def _within_budget(p: Placing, placement, floors: dict | None = None) -> tuple:
     """A placement with reduced-precision groups, checked against TVM alone in f32 on the
     random inputs of ``CHECK_SEEDS`` (``compare=True`` does this beside its timings). One
     outside the accuracy budget is not shipped: the search runs again on f32 backends.
     Returns (placement, graph) as ``_search`` does."""
     t0 = time.perf_counter()
-    reference = tvm_reference(graph, backends, target, CHECK_SEEDS)
-    exe, _ = compile_placement(graph, placement.groups, backends, target)
+    report = p.report
+    reference = tvm_reference(p.graph, p.backends, p.target, CHECK_SEEDS)
+    exe, _ = compile_placement(p.graph, placement.groups, p.backends, p.target)
     result = {"ms": math.nan,  # checked, not timed
-              **options.accuracy.check_seeds(outputs_on(exe, graph, target, CHECK_SEEDS),
-                                             reference)}
+              **p.options.accuracy.check_seeds(outputs_on(exe, p.graph, p.target, CHECK_SEEDS),
+                                               reference)}
     report.times["accuracy"] = time.perf_counter() - t0
     if result["match"]:
         report.comparison = {"collage": result}
-        return placement, graph
+        return placement, p.graph
     logger.warning("the placement's error (%.3g of the output scale) breaks the accuracy "
                    "budget %s: searching again with f32 backends only", result["rel_err"],
-                   options.accuracy)
+                   p.options.accuracy)
     report.comparison = {OUTSIDE_BUDGET: result}
     report.shipped = "collage on the f32 backends (the reduced-precision placement broke the budget)"
-    f32 = {n: b for n, b in backends.items() if b.precision == "f32"}
-    return _search(graph, f32, target, cost_db, options, report,
+    f32 = {n: b for n, b in p.backends.items() if b.precision == "f32"}
+    return _search(p.on(backends=f32),
                    floors={n: f for n, f in (floors or {}).items() if f.backend in f32})
 
 
@@ -724,110 +753,150 @@ def _within_budget(graph, placement, backends, target, cost_db, options: SearchO
 REFINE_SHARE = 0.25
 
 
-def _op_level(graph, backends, target, cost_db, options: SearchOptions, report) -> tuple:
-    """Candidates, their measured costs, the op-level DP and its refinement rounds.
-    Returns (placement, candidates, DP costs, epsilon, switching costs)."""
+def _op_level(p: Placing) -> OpLevel:
+    """Candidates, their measured costs, the op-level DP and its refinement rounds."""
     t0 = time.perf_counter()
-    candidates = generate_candidates(graph, backends.values())
-    report.candidates = len(candidates)
+    candidates = generate_candidates(p.graph, p.backends.values())
+    p.report.candidates = len(candidates)
     tuning = active_database()
-    measurer = Measurer.from_options(target, cost_db, candidate_vm_for(tuning), options,
+    measurer = Measurer.from_options(p.target, p.cost_db, candidate_vm_for(tuning), p.options,
                                      tuning=tuning)
-    t_search = 0.0
     try:
-        eps = measurer.epsilon(backends.values())
-        switch = measurer.switch_costs(backends.values()) if options.switching else {}
-        t1 = time.perf_counter()
-        if options.lean:
-            # No second pass in reverse order: the close calls the DP leaves are re-timed
-            # side by side (refine), the rest cannot win.
-            measurer.second_pass = False
-            measured, lean = lean_costs(measurer, graph, candidates, backends, eps, switch)
-            report.lean = lean.as_dict()
-        else:
-            measured = measurer.costs(graph, candidates, backends)
-        raw, kept = ensure_cover(len(graph), candidates, measured)
-        if kept:
-            report.kept_on_tvm = [graph.nodes[i].op_name for i in kept]
-            report.unrunnable = [_describe_node(graph.nodes[i]) for i in kept]
-            logger.warning("%d node(s) could not be measured alone on any backend and stay on "
-                           "TVM: %s", len(kept), ", ".join(sorted(set(report.kept_on_tvm))))
+        work, measuring_s = _measured(p, measurer, candidates)
         # Re-timing close calls may take half as long again as measuring did, and at most
         # REFINE_SHARE of the search's budget, all rounds together; when the DB answered
         # every candidate it times nothing new either.
-        refine_left = (min(max(30.0, 0.5 * (time.perf_counter() - t1)),
-                           REFINE_SHARE * options.budget) if measurer.measured else 0.0)
-        for rnd in range(options.refine_rounds + 1):
-            # Measured times include one call's overhead; the DP adds it back as epsilon (Eq. 2).
-            costs = {c: max(0.0, v - eps[c.backend]) for c, v in raw.items()}
-            t1 = time.perf_counter()
-            placement = place(graph.producers, candidates, costs, eps, switch=switch,
-                              exact=rnd == 0 or placement.exact)
-            t_search += time.perf_counter() - t1
-            if rnd == 0:
-                placement, raw, costs = _carve(graph, placement, candidates, raw, costs, eps,
-                                               switch, backends, measurer, report)
-            if rnd == options.refine_rounds:
-                break
-            t1 = time.perf_counter()
-            refined = refine(measurer, placement, candidates, raw, eps, backends,
-                             budget_s=refine_left)
-            refine_left = max(0.0, refine_left - (time.perf_counter() - t1))
-            report.close_calls = refined.close_calls
-            if refined.raw == raw:
-                break  # no cost changed: the DP would answer the same
-            raw = refined.raw
+        refine_s = (min(max(30.0, 0.5 * measuring_s), REFINE_SHARE * p.options.budget)
+                    if measurer.measured else 0.0)
+        dp_s = _place_refined(p, measurer, work, refine_s)
     finally:
         measurer.close()
-    report.times["measure"] = (time.perf_counter() - t0 - t_search
-                               - sum(measurer.seconds.values()))
+    report = p.report
+    report.times["measure"] = time.perf_counter() - t0 - dp_s - sum(measurer.seconds.values())
     report.times.update({k: v for k, v in measurer.seconds.items() if v})
-    report.times["search"] = t_search
+    report.times["search"] = dp_s
     report.distinct_measured, report.db_hits = measurer.measured, measurer.hits
     report.side_by_side = measurer.side_by_side
-    report.failures, report.epsilon, report.switch = measurer.failures, eps, switch
-    report.estimated_ms = placement.cost
-    return placement, candidates, costs, eps, switch
+    report.failures, report.epsilon, report.switch = measurer.failures, work.eps, work.switch
+    report.estimated_ms = work.placement.cost
+    return work
 
 
-def _carve(graph, placement, candidates, raw, costs, eps, switch, backends, measurer, report):
+def _measured(p: Placing, measurer, candidates) -> tuple[OpLevel, float]:
+    """The candidates' costs (measured, or the cost DB's), the nodes no candidate of a
+    library covers kept on TVM. Returns (the record, its placement not made yet; the
+    seconds measuring took)."""
+    eps = measurer.epsilon(p.backends.values())
+    switch = measurer.switch_costs(p.backends.values()) if p.options.switching else {}
+    t0 = time.perf_counter()
+    if p.options.lean:
+        # No second pass in reverse order: the close calls the DP leaves are re-timed
+        # side by side (refine), the rest cannot win.
+        measurer.second_pass = False
+        measured, lean = lean_costs(measurer, p.graph, candidates, p.backends, eps, switch)
+        p.report.lean = lean.as_dict()
+    else:
+        measured = measurer.costs(p.graph, candidates, p.backends)
+    raw, kept = ensure_cover(len(p.graph), candidates, measured)
+    if kept:
+        nodes = [p.graph.nodes[i] for i in kept]
+        p.report.kept_on_tvm = [n.op_name for n in nodes]
+        p.report.unrunnable = [_describe_node(n) for n in nodes]
+        logger.warning("%d node(s) could not be measured alone on any backend and stay on "
+                       "TVM: %s", len(kept), ", ".join(sorted(set(p.report.kept_on_tvm))))
+    return OpLevel(None, candidates, raw, eps, switch), time.perf_counter() - t0
+
+
+def _place_refined(p: Placing, measurer, work: OpLevel, refine_s: float) -> float:
+    """The DP (``place``, the paper's Algorithm 1) over ``work``'s costs; after the first,
+    regions carved around winning TVM kernels (``_carve``); then rounds of re-timing the
+    close calls side by side (``refine``, within ``refine_s`` seconds in all) and placing
+    again, until no cost changes or ``options.refine_rounds`` ran. Sets ``work.placement``;
+    returns the seconds the DP took."""
+    dp_s = 0.0
+    for rnd in range(p.options.refine_rounds + 1):
+        t0 = time.perf_counter()
+        # Measured times include one call's overhead; the DP adds it back as epsilon (Eq. 2).
+        work.placement = place(p.graph.producers, work.candidates, work.costs, work.eps,
+                               switch=work.switch, exact=rnd == 0 or work.placement.exact)
+        dp_s += time.perf_counter() - t0
+        if rnd == 0:
+            _carve(p, work, measurer)
+        if rnd == p.options.refine_rounds:
+            break
+        t0 = time.perf_counter()
+        refined = refine(measurer, work.placement, work.candidates, work.raw, work.eps,
+                         p.backends, budget_s=refine_s)
+        refine_s = max(0.0, refine_s - (time.perf_counter() - t0))
+        p.report.close_calls = refined.close_calls
+        if refined.raw == work.raw:
+            break  # no cost changed: the DP would answer the same
+        work.raw = refined.raw
+    return dp_s
+
+
+def _carve(p: Placing, work: OpLevel, measurer) -> None:
     """Regions cut around the TVM kernels that beat the library inside a chosen region
-    (``placer.carve.carved_regions``): measured, added to ``candidates`` (in place) and placed
-    again. Returns (placement, raw costs, DP costs)."""
+    (``placer.carve.carved_regions``): measured, added to ``work``'s candidates and costs,
+    and placed again (``work.placement`` when that is cheaper)."""
     cuts: list = []
-    new = carved_regions(graph, placement.groups, candidates, costs, eps, backends, cuts=cuts)
+    graph, placement = p.graph, work.placement
+    new = carved_regions(graph, placement.groups, work.candidates, work.costs, work.eps,
+                         p.backends, cuts=cuts)
     if not new:
-        return placement, raw, costs
-    raw = {**raw, **measurer.costs(graph, new, backends)}
-    candidates += new
-    costs = {c: max(0.0, v - eps[c.backend]) for c, v in raw.items()}
-    again = place(graph.producers, candidates, costs, eps, switch=switch, exact=placement.exact)
-    cut_ms = {id(cut): cut.cost(candidates, costs, eps) for cut in cuts}
+        return
+    work.raw = {**work.raw, **measurer.costs(graph, new, p.backends)}
+    work.candidates += new
+    costs, eps = work.costs, work.eps
+    again = place(graph.producers, work.candidates, costs, eps, switch=work.switch,
+                  exact=placement.exact)
+    cut_ms = {id(cut): cut.cost(work.candidates, costs, eps) for cut in cuts}
     best = min(cuts, key=lambda cut: cut_ms[id(cut)] - kernel_cost(cut.region, costs, eps))
     found = {"around": ["+".join(graph.nodes[i].op_name.removeprefix("relax.")
                                  for i in sorted(c.nodes)) for c in best.winners],
              "region_ms": kernel_cost(best.region, costs, eps), "cut_ms": cut_ms[id(best)],
              "tvm_ms": sum(kernel_cost(c, costs, eps) for c in best.winners)}
-    report.carved = {"pieces": len(new), "cuts": len(cuts),
-                     "estimated_ms": [placement.cost, again.cost], "best_cut": found}
+    p.report.carved = {"pieces": len(new), "cuts": len(cuts),
+                       "estimated_ms": [placement.cost, again.cost], "best_cut": found}
     logger.info("carved %d region(s) around winning TVM kernels: estimated %.3f -> %.3f ms; "
                 "best cut: %.3f ms for a region of %.3f ms (TVM kernels %.3f ms of it)",
                 len(new), placement.cost, again.cost, found["cut_ms"], found["region_ms"],
                 found["tvm_ms"])
-    return (again if again.cost <= placement.cost else placement), raw, costs
+    if again.cost <= placement.cost:
+        work.placement = again
 
 
-def _graph_level(graph, placement, backends, target, report, options: SearchOptions):
-    libs = {n: b for n, b in backends.items() if b.kind == "graph"}
+def _calibrated(p: Placing, work: OpLevel) -> Placement:
+    """The op-level placement after ``options.calibrate_rounds`` rounds of in-context
+    calibration (``placer.calibrate``: run it whole, fit the library regions' costs to what
+    they take in place), when it has a library group to calibrate."""
+    if p.options.calibrate_rounds <= 0 or not any(p.backends[g.backend].is_external
+                                                  for g in work.placement.groups):
+        return work.placement
+    t0 = time.perf_counter()
+    cal = calibrate(p.graph, work.candidates, work.costs, work.eps, work.switch,
+                    work.placement, placement_runner(p.graph, p.backends, p.target),
+                    rounds=p.options.calibrate_rounds, on_round=p.options.on_calibration)
+    p.report.calibration = cal.history
+    p.report.estimated_ms = cal.placement.cost
+    p.report.times["calibrate"] = time.perf_counter() - t0
+    return cal.placement
+
+
+def _graph_level(p: Placing, placement):
+    """The graph-level evolutionary search (``placer.graph_level``) from ``placement``: its
+    best placement when that beat the seed end to end, else ``placement``."""
+    report = p.report
+    libs = {n: b for n, b in p.backends.items() if b.kind == "graph"}
     if not libs:
         logger.warning("--graph-level: no graph library among the backends (%s); skipped",
-                       ", ".join(backends))
+                       ", ".join(p.backends))
         report.graph_level = {"skipped": "no graph library among the backends"}
         return placement
     t0 = time.perf_counter()
-    gl = GraphLevelSearch(graph, placement, libs,
-                          latency_evaluator(graph, backends, target, options.accuracy))
-    res = gl.run(budget_s=options.budget, on_generation=options.on_generation)
+    gl = GraphLevelSearch(p.graph, placement, libs,
+                          latency_evaluator(p.graph, p.backends, p.target, p.options.accuracy))
+    res = gl.run(budget_s=p.options.budget, on_generation=p.options.on_generation)
     report.times["graph-level"] = time.perf_counter() - t0
     report.graph_level = {"libraries": sorted(libs), "genes": gl.n_genes,
                           "eligible_groups": len(gl.eligible), "seed_ms": res.seed_ms,

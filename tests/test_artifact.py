@@ -65,14 +65,15 @@ def model_path(tmp_path_factory):
 def _favour(mp, backend: str) -> None:
     """The op-level search answers with ``backend`` wherever it has a candidate (cost 1e-3
     against 1 for TVM's, no per-call overhead), measuring nothing."""
+    from collage_tvm.build import OpLevel
     from collage_tvm.candidates import generate_candidates
     from collage_tvm.placer.op_level import place
 
-    def op_level(graph, backends, target, cost_db, options, report):
-        cands = generate_candidates(graph, backends.values())
+    def op_level(p):
+        cands = generate_candidates(p.graph, p.backends.values())
         costs = {c: (1e-3 if c.backend == backend else 1.0) for c in cands}
-        eps = {b: 0.0 for b in backends}
-        return place(graph.producers, cands, costs, eps), cands, costs, eps, {}
+        eps = {b: 0.0 for b in p.backends}
+        return OpLevel(place(p.graph.producers, cands, costs, eps), cands, costs, eps, {})
 
     mp.setattr(importlib.import_module("collage_tvm.build"), "_op_level", op_level)
 

@@ -53,3 +53,11 @@ def test_interleaved_lets_what_the_function_before_left_behind_settle():
     dirty = interleaved({"spinner": spinner, "victim": victim}, rounds=3, min_ms=5.0,
                         settle_s=0.0)
     assert dirty["victim"] > 3.0, dirty  # the pause is what keeps it fair
+
+
+def test_interleaved_counts_the_batches_an_earlier_call_kept():
+    samples = {"quick": [100.0] * 10}
+    ms = interleaved({"quick": lambda: None}, rounds=3, min_ms=1.0, settle_s=0.0,
+                     samples=samples)
+    assert len(samples["quick"]) == 13
+    assert ms["quick"] == 100.0  # the median of all 13: ten of them from before

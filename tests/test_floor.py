@@ -194,6 +194,7 @@ def test_close_builds_meet_again_in_more_rounds_and_the_runoff_decides(monkeypat
     again in ``RUNOFF_ROUNDS`` rounds, and those figures decide; a build far behind, one
     with wrong outputs and one outside the budget stay out of it."""
     calls = []
+    monkeypatch.setattr(ns, "RUNOFF_ROUNDS", 15)  # (tests/conftest.py sets 7)
 
     def clock(fns, rounds=7, **kw):
         calls.append((set(fns), rounds))
@@ -208,6 +209,12 @@ def test_close_builds_meet_again_in_more_rounds_and_the_runoff_decides(monkeypat
     assert results["a"] == {"ms": 1.0, "first_ms": 1.04, "match": True, "runoff": True}
     assert results["b"]["ms"] == 1.05 and results["b"]["first_ms"] == 1.0
     assert results["far"] == {"ms": 1.5, "match": True}
+    # the batches the re-timing took count: only the rounds missing are timed
+    calls.clear()
+    ns._runoff({"a": {"ms": 1.0, "match": True}, "b": {"ms": 1.01, "match": True}},
+               {"a": None, "b": None}, set(), tvm.target.Target("llvm"),
+               {"a": [1.0] * 7, "b": [1.01] * 7})
+    assert calls == [({"a", "b"}, ns.RUNOFF_ROUNDS - 7)]
     # one close build alone: nothing to run off
     calls.clear()
     ns._runoff({"a": {"ms": 1.0, "match": True}, "far": {"ms": 1.5, "match": True}},

@@ -7,7 +7,7 @@ import pytest
 import tvm
 
 import collage_tvm
-from collage_tvm.build import (OUTSIDE_BUDGET, BuildReport, _within_budget, open_db,
+from collage_tvm.build import (OUTSIDE_BUDGET, BuildReport, Placing, _within_budget, open_db,
                                resolve_backends)
 from collage_tvm.check import graph_lib_groups, never_slower
 from collage_tvm.graph import DataflowGraph
@@ -148,8 +148,8 @@ def test_a_build_whose_error_breaks_the_budget_is_not_shipped(tmp_path):
     options = SearchOptions(backends=("tvm", "noisy_bf16"), accuracy="bf16", isolate=False,
                             progress=False, calibrate_rounds=0, refine_rounds=0,
                             compare=False, graph_level=False)
-    placed, placed_graph = _within_budget(graph, noisy, backends, target,
-                                          open_db(str(tmp_path / "c.db")), options, report)
+    placed, placed_graph = _within_budget(
+        Placing(graph, backends, target, open_db(str(tmp_path / "c.db")), options, report), noisy)
     assert placed_graph is graph and all(g.backend == "tvm" for g in placed.groups)
     assert not report.comparison[OUTSIDE_BUDGET]["match"] and "f32" in report.shipped
     assert report.comparison[OUTSIDE_BUDGET]["rel_err"] == pytest.approx(0.1, rel=0.05)

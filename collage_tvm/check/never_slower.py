@@ -226,11 +226,13 @@ def _retime(results, runs, outside, target) -> None:
                   default=math.inf)
     contenders = {n: runs[n] for n in runs
                   if results[n]["match"] and results[n]["ms"] <= 2 * fastest}
+    samples: dict = {}  # name -> ms of each batch
     if len(contenders) > 1:
-        for name, ms in interleaved(contenders, sync=device_sync(target)).items():
+        for name, ms in interleaved(contenders, sync=device_sync(target),
+                                    samples=samples).items():
             results[name].setdefault("first_ms", results[name]["ms"])
             results[name]["ms"] = ms
-    _runoff(results, runs, outside, target)
+    _runoff(results, runs, outside, target, samples)
 
 
 # The runoff (``_runoff``): contenders within this share of the fastest after the re-timing,
@@ -239,12 +241,13 @@ RUNOFF_MARGIN = 0.10
 RUNOFF_ROUNDS = 15
 
 
-def _runoff(results, runs, outside, target) -> None:
+def _runoff(results, runs, outside, target, samples: dict | None = None) -> None:
     """The contenders within ``RUNOFF_MARGIN`` of the fastest are timed once more, side by
-    side, in ``RUNOFF_ROUNDS`` rounds: the verdict between close builds rests on the median
-    of more rounds than one noisy stretch of a shared machine can swing (the same two
-    builds, timed in seven rounds, have changed places by 10% between two runs of the check
-    on a 2-vCPU VM). Their "ms" become the runoff's; "runoff" marks them."""
+    side, until each has ``RUNOFF_ROUNDS`` batches (``samples``: name -> the batches the
+    re-timing took, counted in): the verdict between close builds rests on the median of
+    more rounds than one noisy stretch of a shared machine can swing (the same two builds,
+    timed in seven rounds, have changed places by 10% between two runs of the check on a
+    2-vCPU VM). Their "ms" become the median of all their batches; "runoff" marks them."""
     ok = {n: results[n]["ms"] for n in runs if results[n]["match"] and n not in outside}
     if not ok:
         return
@@ -252,7 +255,12 @@ def _runoff(results, runs, outside, target) -> None:
     close = {n: runs[n] for n, ms in ok.items() if ms <= (1 + RUNOFF_MARGIN) * fastest}
     if len(close) < 2:
         return
-    for name, ms in interleaved(close, rounds=RUNOFF_ROUNDS, sync=device_sync(target)).items():
+    samples = {n: list((samples or {}).get(n, ())) for n in close}
+    rounds = RUNOFF_ROUNDS - min(len(s) for s in samples.values())
+    if rounds <= 0:
+        return
+    for name, ms in interleaved(close, rounds=rounds, sync=device_sync(target),
+                                samples=samples).items():
         results[name].setdefault("first_ms", results[name]["ms"])
         results[name]["ms"] = ms
         results[name]["runoff"] = True

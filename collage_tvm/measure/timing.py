@@ -168,14 +168,16 @@ SETTLE_S = 0.05
 
 
 def interleaved(fns: dict, rounds: int = 7, min_ms: float = 200.0, sync=None,
-                settle_s: float | None = None) -> dict:
+                settle_s: float | None = None, samples: dict | None = None) -> dict:
     """Median ms per call of each function, timed in alternating rounds (noise hits all alike).
 
     Each batch starts after a pause of ``settle_s`` and with one untimed call: whatever the
     function before it left behind (a library's thread pool still spinning on every core,
     the cache full of other weights) would otherwise slow down whichever function always
     comes next. Each round starts one function further along, so that slow drift of the
-    machine does not favour the first or the last. ``settle_s``: ``SETTLE_S`` unless given."""
+    machine does not favour the first or the last. ``settle_s``: ``SETTLE_S`` unless given.
+    ``samples``: name -> the ms per call of each batch, kept from an earlier call (extended
+    in place with this call's; the median is over them all)."""
     settle_s = SETTLE_S if settle_s is None else settle_s
     for fn in fns.values():  # warm-up
         fn()
@@ -185,7 +187,9 @@ def interleaved(fns: dict, rounds: int = 7, min_ms: float = 200.0, sync=None,
         t0 = _done(sync)
         fn()
         number[name] = max(1, int(min_ms / max((_done(sync) - t0) * 1e3, 1e-3)))
-    samples: dict = {n: [] for n in fns}
+    samples = {} if samples is None else samples
+    for n in fns:
+        samples.setdefault(n, [])
     names = list(fns)
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
@@ -196,7 +200,7 @@ def interleaved(fns: dict, rounds: int = 7, min_ms: float = 200.0, sync=None,
             for _ in range(number[name]):
                 fn()
             samples[name].append((_done(sync) - t0) * 1e3 / number[name])
-    return {n: statistics.median(s) for n, s in samples.items()}
+    return {n: statistics.median(samples[n]) for n in fns}
 
 
 # ---------------------------------------------------------------- the machine's other work
