@@ -234,3 +234,29 @@ def test_in_child_runs_a_function_in_a_fresh_process_and_a_dead_one_is_a_clear_e
         suites.in_child(os._exit, 3)
     with pytest.raises(ZeroDivisionError):  # an exception comes back as itself
         suites.in_child(divmod, 1, 0)
+
+
+def test_frameworks_timed_on_a_busy_machine_are_timed_again_and_the_quietest_counts(
+        monkeypatch):
+    """The retry looks at the load alone: the quietest timing counts even where its figures
+    are worse for Collage."""
+    from collage_tvm.measure import timing
+    from collage_tvm.tools import bench
+
+    loads = iter([0.40, 0.05, 0.30])
+    figures = iter([{"collage": 1.0, "onnxruntime": 2.0}, {"collage": 1.0, "onnxruntime": 0.9}])
+
+    def exit_(self, *exc):
+        self.share = next(loads)
+
+    def frameworks(*args, **kwargs):
+        return {fw: {"ms": ms, "match": True} for fw, ms in next(figures).items()}
+
+    monkeypatch.setattr(timing.OtherLoad, "__exit__", exit_)
+    monkeypatch.setattr(bench, "torch_frameworks", frameworks)
+    monkeypatch.setattr(suites, "checked_model", lambda make, name: (None,) * 5)
+    monkeypatch.setattr(suites, "BUSY_PAUSE_S", 0.0)
+    row = suites.framework_row(None, "m", "m.onnx", None)
+    assert row["frameworks_loads"] == [0.40, 0.05]  # quiet on the second try: no third
+    assert row["frameworks_other_load"] == 0.05
+    assert row["frameworks"]["onnxruntime"]["ms"] == 0.9 and row["vs_best_f32"] == 0.9

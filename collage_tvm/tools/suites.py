@@ -755,17 +755,40 @@ def framework_row(make, name: str, onnx_path: str, executable, rtol: float = 1e-
     "ms": nan, "match": False}}, "best_f32": (name, ms) of the fastest correct one of
     ``F32_FRAMEWORKS`` (None: none), "vs_best_f32": its ms / Collage's, "vs_openvino_default":
     OpenVINO default's ms / Collage's (None where one is missing), "threads"}."""
-    from ..measure.timing import OtherLoad
+    import time
+
+    from ..measure.timing import BUSY_SHARE, OtherLoad
     from ..target import host_cores
     from .bench import torch_frameworks
 
     model, inputs, _, _, _ = checked_model(make, name)
-    with OtherLoad() as load:
-        rows = torch_frameworks(model, inputs, onnx_path, executable,
-                                _framework_check(rtol, atol), label=name, control=CONTROL)
+    tries = []  # (the share of the CPU other processes took, the rows), one per timing
+    for attempt in range(1 + BUSY_RETRIES):
+        if attempt:
+            print(f"  {name}: other processes took {tries[-1][0]:.0%} of the CPU while the "
+                  f"frameworks were timed: timing them again in {BUSY_PAUSE_S:.0f} s",
+                  flush=True)
+            time.sleep(BUSY_PAUSE_S)
+        with OtherLoad() as load:
+            rows = torch_frameworks(model, inputs, onnx_path, executable,
+                                    _framework_check(rtol, atol), label=name, control=CONTROL)
+        tries.append((load.share, rows))
+        if not load.share > BUSY_SHARE:  # (nan: not measurable here; one timing)
+            break
+    share, rows = min(tries, key=lambda t: t[0] if math.isfinite(t[0]) else math.inf)
     rows = {fw: {"precision": "f32", **r} if "error" not in r else r for fw, r in rows.items()}
-    return {"frameworks": rows, **versus(rows), "threads": host_cores(),
-            "frameworks_other_load": load.share}
+    out = {"frameworks": rows, **versus(rows), "threads": host_cores(),
+           "frameworks_other_load": share}
+    if len(tries) > 1:
+        out["frameworks_loads"] = [t[0] for t in tries]
+    return out
+
+
+# A row's frameworks timed while other processes took more than ``BUSY_SHARE`` of the CPU
+# are timed again, up to this many times, after a pause of ``BUSY_PAUSE_S``; the quietest
+# timing counts (whatever its figures: the choice looks at the load alone).
+BUSY_RETRIES = 2
+BUSY_PAUSE_S = 10.0
 
 
 def _framework_check(rtol: float, atol: float):
