@@ -7,12 +7,12 @@ stages together; each stage lives in its own package and knows nothing of the la
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
 import os
 import time
-import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np

@@ -219,19 +219,15 @@ def _timing(r: dict, groups) -> dict:
 
 def _retime(results, runs, outside, target) -> None:
     """The contenders (correct, within 2x of the fastest) are timed again in alternating
-    rounds, so the machine's drifting load hits them alike: on a shared 2-core machine one
-    build timed after another differed by up to 40% from the same build re-timed. (Builds
-    that are the same placement as another have no run of their own.)"""
-    fastest = min((results[n]["ms"] for n in runs if results[n]["match"] and n not in outside),
-                  default=math.inf)
+    rounds, so the machine's drifting load hits them alike: one build timed after another
+    can land far from the same build re-timed beside it on a shared machine. (Builds that
+    are the same placement as another have no run of their own.) Then the runoff."""
+    fastest = min(_correct_ms(results, runs, outside).values(), default=math.inf)
     contenders = {n: runs[n] for n in runs
                   if results[n]["match"] and results[n]["ms"] <= 2 * fastest}
     samples: dict = {}  # name -> ms of each batch
     if len(contenders) > 1:
-        for name, ms in interleaved(contenders, sync=device_sync(target),
-                                    samples=samples).items():
-            results[name].setdefault("first_ms", results[name]["ms"])
-            results[name]["ms"] = ms
+        _time_again(results, contenders, target, samples=samples)
     _runoff(results, runs, outside, target, samples)
 
 
@@ -245,25 +241,35 @@ def _runoff(results, runs, outside, target, samples: dict | None = None) -> None
     """The contenders within ``RUNOFF_MARGIN`` of the fastest are timed once more, side by
     side, until each has ``RUNOFF_ROUNDS`` batches (``samples``: name -> the batches the
     re-timing took, counted in): the verdict between close builds rests on the median of
-    more rounds than one noisy stretch of a shared machine can swing (the same two builds,
-    timed in seven rounds, have changed places by 10% between two runs of the check on a
-    2-vCPU VM). Their "ms" become the median of all their batches; "runoff" marks them."""
-    ok = {n: results[n]["ms"] for n in runs if results[n]["match"] and n not in outside}
-    if not ok:
-        return
-    fastest = min(ok.values())
+    more rounds than one noisy stretch of a shared machine can swing (the commit that added
+    it has the figures). Their "ms" become the median of all their batches; "runoff" marks
+    them."""
+    ok = _correct_ms(results, runs, outside)
+    fastest = min(ok.values(), default=math.inf)
     close = {n: runs[n] for n, ms in ok.items() if ms <= (1 + RUNOFF_MARGIN) * fastest}
     if len(close) < 2:
         return
-    samples = {n: list((samples or {}).get(n, ())) for n in close}
+    samples = {n: (samples or {}).get(n, []) for n in close}
     rounds = RUNOFF_ROUNDS - min(len(s) for s in samples.values())
     if rounds <= 0:
         return
-    for name, ms in interleaved(close, rounds=rounds, sync=device_sync(target),
-                                samples=samples).items():
+    _time_again(results, close, target, rounds=rounds, samples=samples)
+    for name in close:
+        results[name]["runoff"] = True
+
+
+def _correct_ms(results, runs, outside) -> dict:
+    """name -> ms of the builds with a run whose outputs match, those outside the accuracy
+    budget left out: the ones that can be shipped."""
+    return {n: results[n]["ms"] for n in runs if results[n]["match"] and n not in outside}
+
+
+def _time_again(results, fns: dict, target, **kw) -> None:
+    """``fns`` (name -> run) timed side by side (``interleaved``, ``kw`` passed on): their
+    "ms" become these figures, the first kept as "first_ms"."""
+    for name, ms in interleaved(fns, sync=device_sync(target), **kw).items():
         results[name].setdefault("first_ms", results[name]["ms"])
         results[name]["ms"] = ms
-        results[name]["runoff"] = True
 
 
 def _ship(verdict, best, builds, op_level, others, floors) -> None:
@@ -327,9 +333,7 @@ def _narrow(runs: dict, results: dict, outputs: dict, builds: dict, accuracy, ta
         results[name].update(accuracy.check_seeds(outputs[name], outputs[ref]))
     correct = {n: runs[n] for n in runs if results[n]["match"]}
     if len(correct) > 1:
-        for name, ms in interleaved(correct, sync=device_sync(target)).items():
-            results[name].setdefault("first_ms", results[name]["ms"])
-            results[name]["ms"] = ms
+        _time_again(results, correct, target)
     keep = min(correct, key=lambda n: results[n]["ms"], default=None)
     freed = [n for n in runs if n != keep]
     for name in freed:

@@ -153,7 +153,7 @@ def frameworks(name: str, size: str, onnx_path: str, collage_executable, accurac
 
 
 # Rounds of ``torch_frameworks``' interleaved timing: each figure is the median of this many
-# batches (in seven, two runs of one row have landed up to 14% apart on a 2-vCPU VM).
+# batches (seven left two runs of one row far apart on a noisy machine).
 FRAMEWORK_ROUNDS = 15
 
 

@@ -739,6 +739,13 @@ GOAL = 0.97  # issue #33: Collage at least 0.97x the best f32 framework's speed 
 CLEAR_WIN = 1.03  # a row where Collage beats every f32 framework by 3% or more
 
 
+# A row's frameworks timed while other processes took more than ``BUSY_SHARE`` of the CPU
+# are timed again, up to this many times, after a pause of ``BUSY_PAUSE_S``; the quietest
+# timing counts (whatever its figures: the choice looks at the load alone).
+BUSY_RETRIES = 2
+BUSY_PAUSE_S = 10.0
+
+
 def framework_row(make, name: str, onnx_path: str, executable, rtol: float = 1e-3,
                   atol: float = 1e-4) -> dict:
     """The shipped Collage build ``executable`` of ``make(name)`` beside the user's ONNX file
@@ -782,13 +789,6 @@ def framework_row(make, name: str, onnx_path: str, executable, rtol: float = 1e-
     if len(tries) > 1:
         out["frameworks_loads"] = [t[0] for t in tries]
     return out
-
-
-# A row's frameworks timed while other processes took more than ``BUSY_SHARE`` of the CPU
-# are timed again, up to this many times, after a pause of ``BUSY_PAUSE_S``; the quietest
-# timing counts (whatever its figures: the choice looks at the load alone).
-BUSY_RETRIES = 2
-BUSY_PAUSE_S = 10.0
 
 
 def _framework_check(rtol: float, atol: float):
