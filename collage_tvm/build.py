@@ -701,7 +701,8 @@ def _final_check(p: Placing, placement, floors: dict, op_level=None, others=None
     (the placement to ship, the graph its groups refer to)."""
     report = p.report
     verdict = never_slower(p.graph, placement, p.backends, p.target, op_level,
-                           accuracy=p.options.accuracy, others=others, floors=floors)
+                           accuracy=p.options.accuracy, others=others, floors=floors,
+                           tvm_floor_ms=(report.lean or {}).get("tvm_alone_ms"))
     report.shipped, report.comparison = verdict.shipped, verdict.comparison
     report.whole_model = {}
     if verdict.floor:
@@ -869,9 +870,13 @@ def _carve(p: Placing, work: OpLevel, measurer) -> None:
 def _calibrated(p: Placing, work: OpLevel) -> Placement:
     """The op-level placement after ``options.calibrate_rounds`` rounds of in-context
     calibration (``placer.calibrate``: run it whole, fit the library regions' costs to what
-    they take in place), when it has a library group to calibrate."""
-    if p.options.calibrate_rounds <= 0 or not any(p.backends[g.backend].is_external
-                                                  for g in work.placement.groups):
+    they take in place), when it has a library group to calibrate and a context: one group,
+    the whole model on one library, runs in place as it was measured alone (what a round
+    would read there is the machine's noise, and it moved the DP off a whole-model
+    placement onto another library's)."""
+    groups = work.placement.groups
+    if p.options.calibrate_rounds <= 0 or len(groups) < 2 \
+            or not any(p.backends[g.backend].is_external for g in groups):
         return work.placement
     t0 = time.perf_counter()
     cal = calibrate(p.graph, work.candidates, work.costs, work.eps, work.switch,

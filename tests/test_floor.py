@@ -86,6 +86,24 @@ def test_the_model_file_whole_on_each_graph_library_is_a_contender(model_path, t
     assert set(comp["tvm-only"]["ops"]) == {"tvm"} and "ops" not in comp["onnxruntime (model file)"]
 
 
+def test_a_hopeless_tvm_alone_is_not_built_and_a_library_build_is_the_reference(
+        model_path, tmp_path, monkeypatch):
+    # The search found TVM alone takes at least far past what a build must beat to be timed
+    # (an untuned ResNet-50: seconds to build and to run once): tvm-only is not built, and
+    # the outputs are checked against a whole-model library build instead.
+    lean = importlib.import_module("collage_tvm.placer.lean")
+    monkeypatch.setattr(lean, "_alone", lambda *a, **kw: 1e9)
+    res = _search(model_path, tmp_path)
+    comp = res.report.comparison
+    assert comp["tvm-only"]["skipped"] and "not built" in comp["tvm-only"]["error"], comp
+    refs = [n for n, r in comp.items() if r.get("reference") and "same_as" not in r]
+    assert refs and refs[0] in ("onnxruntime", "onnxruntime (model file)"), comp
+    assert comp["collage"]["match"] and comp["onnxruntime (model file)"]["match"], comp
+    monkeypatch.undo()  # a TVM alone that can come near: built, and the reference
+    again = _search(model_path, tmp_path / "again")
+    assert again.report.comparison["tvm-only"].get("reference"), again.report.comparison
+
+
 def test_the_model_file_ships_when_it_is_the_fastest_and_the_log_remembers(model_path, tmp_path,
                                                                             monkeypatch):
     import onnxruntime as ort

@@ -235,3 +235,25 @@ def test_a_lib_plus_tvm_build_doing_tvm_only_s_work_is_not_built_when_tvm_only_w
     assert _hopeless_like_tvm_only(graph, dnnl, hopeless, cutoff=40.0) is None
     timed = {"tvm-only": {"ms": 500.0}}  # tvm-only was timed in full: build them all
     assert _hopeless_like_tvm_only(graph, mkl, timed, cutoff=40.0) is None
+    # tvm-only itself not built (its floor was past the cutoff): the floor is the rate.
+    unbuilt = {"tvm-only": {"ms": math.inf, "skipped": True, "floor_ms": 500.0}}
+    assert "FLOPs" in _hopeless_like_tvm_only(graph, mkl, unbuilt, cutoff=40.0)
+
+
+def test_what_tvm_alone_takes_at_least_is_below_what_it_takes():
+    # The DP over TVM's candidates alone, on measured costs and floors: a lower bound of the
+    # full-measure TVM-alone placement (the roofline keeps to its floors here), and close to
+    # it when the DP measured TVM's candidates; the final check skips building tvm-only
+    # only past its cutoff.
+    from collage_tvm.check.never_slower import _tvm_only_hopeless
+
+    graph, backends, candidates, table = _problem(blocks=3)
+    raw, rep = lean_costs(FakeMeasurer(table), graph, candidates, backends, EPS, switch={})
+    mine = [c for c in candidates if c.backend == "tvm"]
+    full = place(graph.producers, mine,
+                 {c: max(0.0, table[c] - EPS["tvm"]) for c in mine}, EPS).cost
+    assert 0 < rep.tvm_alone_ms <= full + 1e-12
+    assert _tvm_only_hopeless(rep.tvm_alone_ms, cutoff=rep.tvm_alone_ms / 2)
+    assert _tvm_only_hopeless(rep.tvm_alone_ms, cutoff=2 * rep.tvm_alone_ms) is None
+    assert _tvm_only_hopeless(math.inf, cutoff=1.0) is None  # no cover: unknown, built
+    assert _tvm_only_hopeless(rep.tvm_alone_ms, cutoff=None) is None  # collage failed

@@ -57,7 +57,8 @@ class Verdict:
 
 def never_slower(graph, placement: Placement, backends: dict, target,
                  op_level: Placement | None = None, accuracy=None,
-                 others: dict | None = None, floors: dict | None = None) -> Verdict:
+                 others: dict | None = None, floors: dict | None = None,
+                 tvm_floor_ms: float | None = None) -> Verdict:
     """Time the placement end to end beside every single-backend build; ship the fastest.
 
     Builds: "tvm-only" (TVM's own fusion); "<lib>+tvm" for each external op library (its
@@ -67,7 +68,11 @@ def never_slower(graph, placement: Placement, backends: dict, target,
     (graph, placement) on another graph of the same model (the unrewritten one when the
     rewrites changed it: ``Verdict.graph`` says which graph the shipped one is on); and
     ``floors``: name -> ``Floor``, the user's model file run whole by a graph library (one
-    that wins ships as ``Verdict.floor``). Outputs are checked
+    that wins ships as ``Verdict.floor``). ``tvm_floor_ms``: the least TVM alone can take by
+    the search's measurements (``placer.lean``); past the cutoff a build must beat to be
+    timed (``SLOW_BUILD_FACTOR`` times collage's), tvm-only is not built (an untuned TVM build
+    of a big model takes seconds to build and run once) and another build is the reference
+    (``_reference``). Outputs are checked
     against tvm-only (f32): per element (rtol 1e-3) under the strict budget; under another
     ``accuracy`` (``precision.Accuracy``) on the random inputs of ``CHECK_SEEDS``, each
     build within the budget, its error against f32 reported ("rel_err": of the scale).
@@ -78,11 +83,12 @@ def never_slower(graph, placement: Placement, backends: dict, target,
     builds, graph_of = _builds(graph, placement, backends, op_level, others or {}, floors)
     with OtherLoad() as load:
         results, outputs, runs = _time_builds(builds, graph_of, floors, backends, target,
-                                              accuracy, weight_bytes(graph))
-        ref = _reference(results, builds)
+                                              accuracy, weight_bytes(graph), tvm_floor_ms)
+        ref = _reference(results, builds, floors)
         for name, out in outputs.items():
             results[name].update(_budget_of(name, floors, accuracy).check_seeds(
                 out, outputs[ref]))
+        results[ref]["reference"] = True  # what the others' outputs were checked against
         outside = {n for n, f in floors.items() if f.budget is not None}
         _retime(results, runs, outside, target)
     results = {n: (dict(results[results[n]["same_as"]], same_as=results[n]["same_as"])
@@ -126,7 +132,8 @@ def _builds(graph, placement, backends, op_level, others, floors) -> tuple[dict,
     return builds, graph_of
 
 
-def _time_builds(builds, graph_of, floors, backends, target, accuracy, weights):
+def _time_builds(builds, graph_of, floors, backends, target, accuracy, weights,
+                 tvm_floor_ms=None):
     """Build and time each contender once, keep its outputs (on the check's seeds too) and
     its run. Collage first: its time sets the cutoff beyond which a build is timed once
     only (an untuned TVM build of a big model can take minutes per run). A build that is
@@ -143,12 +150,15 @@ def _time_builds(builds, graph_of, floors, backends, target, accuracy, weights):
             logger.info("end to end: %s is the same placement as %s", name, same)
             continue
         if len(runs) > 1 and memory_short(weights):
-            _narrow(runs, results, outputs, builds, accuracy, target)
-        why = _hopeless_like_tvm_only(graph_of[name], builds[name], results, cutoff)
+            _narrow(runs, results, outputs, builds, accuracy, target, floors)
+        why = (_tvm_only_hopeless(tvm_floor_ms, cutoff) if name == "tvm-only" else
+               _hopeless_like_tvm_only(graph_of[name], builds[name], results, cutoff))
         if why:
             logger.info("end to end: %s not built: %s", name, why)
             results[name] = {"ms": math.inf, "match": False, "max_err": math.nan,
                              "error": f"not built: {why}", "skipped": True}
+            if name == "tvm-only":
+                results[name]["floor_ms"] = tvm_floor_ms
             continue
         t_build = time.perf_counter()
         try:
@@ -183,21 +193,32 @@ def _time_builds(builds, graph_of, floors, backends, target, accuracy, weights):
 HOPELESS_SHARE = 0.9
 
 
+def _tvm_only_hopeless(tvm_floor_ms, cutoff) -> str | None:
+    """Why tvm-only need not be built, or None: the least the search found TVM alone can
+    take is past ``cutoff``."""
+    if tvm_floor_ms is None or cutoff is None or not math.isfinite(tvm_floor_ms) \
+            or not tvm_floor_ms > cutoff:
+        return None
+    return (f"TVM alone takes at least {tvm_floor_ms:.0f} ms by the search's measurements "
+            f"and floors, past the {cutoff:.0f} ms a build must beat to be timed")
+
+
 def _hopeless_like_tvm_only(graph, groups, results: dict, cutoff) -> str | None:
     """Why a "<lib>+tvm" build cannot win without building it, or None: tvm-only was
-    hopeless (timed once, past ``cutoff``), and the build's TVM kernels do most of its work
-    (``HOPELESS_SHARE`` of the FLOPs), enough to take longer than ``cutoff`` at tvm-only's
-    rate (an untuned TVM build of a big model takes seconds to build and run once; a
-    library's few matrix products do not change that)."""
+    hopeless (timed once past ``cutoff``, or not built: its floor was past it), and the
+    build's TVM kernels do most of its work (``HOPELESS_SHARE`` of the FLOPs), enough to
+    take longer than ``cutoff`` at tvm-only's rate (an untuned TVM build of a big model takes
+    seconds to build and run once; a library's few matrix products do not change that)."""
     tvm_only = results.get("tvm-only", {})
-    if groups is None or cutoff is None or not tvm_only.get("timed_once") \
+    tvm_ms = tvm_only["ms"] if tvm_only.get("timed_once") else tvm_only.get("floor_ms")
+    if groups is None or cutoff is None or tvm_ms is None \
             or not any(g.backend == "tvm" for g in groups) \
             or all(g.backend == "tvm" for g in groups):
         return None
     flops = [node_flops(n) for n in graph.nodes]
     total = sum(flops)
     on_tvm = sum(flops[i] for g in groups if g.backend == "tvm" for i in g.nodes)
-    estimate = tvm_only["ms"] * on_tvm / max(total, 1)
+    estimate = tvm_ms * on_tvm / max(total, 1)
     if on_tvm < HOPELESS_SHARE * total or estimate <= cutoff:
         return None
     return (f"its TVM kernels do {on_tvm / max(total, 1):.1%} of the model's FLOPs: about "
@@ -218,13 +239,17 @@ def _timing(r: dict, groups) -> dict:
 
 
 def _retime(results, runs, outside, target) -> None:
-    """The contenders (correct, within 2x of the fastest) are timed again in alternating
+    """The contenders (correct, within 2x of the fastest; outside the accuracy budget, within
+    ``RUNOFF_MARGIN``) are timed again in alternating
     rounds, so the machine's drifting load hits them alike: one build timed after another
     can land far from the same build re-timed beside it on a shared machine. (Builds that
     are the same placement as another have no run of their own.) Then the runoff."""
     fastest = min(_correct_ms(results, runs, outside).values(), default=math.inf)
+    # A build outside the budget is timed for its advice alone (``_advise``): when it is
+    # not even close to faster, timing it again tells nothing.
     contenders = {n: runs[n] for n in runs
-                  if results[n]["match"] and results[n]["ms"] <= 2 * fastest}
+                  if results[n]["match"] and results[n]["ms"] <= (
+                      (1 + RUNOFF_MARGIN) if n in outside else 2) * fastest}
     samples: dict = {}  # name -> ms of each batch
     if len(contenders) > 1:
         _time_again(results, contenders, target, samples=samples)
@@ -323,12 +348,13 @@ def memory_short(weights: int) -> bool:
     return _available() < 2 * weights + (1 << 30)
 
 
-def _narrow(runs: dict, results: dict, outputs: dict, builds: dict, accuracy, target) -> None:
+def _narrow(runs: dict, results: dict, outputs: dict, builds: dict, accuracy, target,
+            floors: dict) -> None:
     """Memory is short (a model of gigabytes of weights, ViT-H/14): the builds held so far
     are timed side by side now, and all but the fastest correct one are freed. A freed
     build keeps its times and is marked ``lost_to`` the one kept (it cannot be shipped);
     the one kept meets the next builds side by side as usual."""
-    ref = _reference(results, builds)
+    ref = _reference(results, builds, floors)
     for name in runs:
         results[name].update(accuracy.check_seeds(outputs[name], outputs[ref]))
     correct = {n: runs[n] for n in runs if results[n]["match"]}
@@ -358,18 +384,22 @@ def _whole_library_builds(builds: dict) -> list:
     return [n for n, groups in builds.items() if groups and all(g.backend == n for g in groups)]
 
 
-def _reference(results: dict, builds: dict) -> str:
+def _reference(results: dict, builds: dict, floors: dict | None = None) -> str:
     """The build whose outputs the others are checked against: tvm-only (or the build it is
     the same placement as: a model Collage places wholly on TVM kernels), or, where TVM
-    alone failed to build or run (an operator TVM cannot compile that a library runs), the
-    first whole-model graph-library build that ran, else the first other single-backend
-    build that ran."""
+    alone failed to build or run (an operator TVM cannot compile that a library runs) or was
+    not built (hopeless), the first whole-model graph-library build that ran, else the
+    user's model file on a graph library at f32, else the first other single-backend build
+    that ran."""
     tvm_only = results["tvm-only"]
     if "error" not in tvm_only:
         return tvm_only.get("same_as", "tvm-only")
-    others = [n for n in builds if n != "tvm-only" and not n.startswith("collage")]
+    floors = floors or {}
+    f32_files = [n for n, f in floors.items() if f.budget is None]
+    others = [n for n in builds if n != "tvm-only" and not n.startswith("collage")
+              and n not in floors]
     whole = _whole_library_builds(builds)
-    for name in whole + [n for n in others if n not in whole]:
+    for name in whole + f32_files + [n for n in others if n not in whole]:
         if name in results and "error" not in results[name]:
             return results[name].get("same_as", name)
     raise RuntimeError(f"TVM alone cannot build this model ({tvm_only['error']}) and no "

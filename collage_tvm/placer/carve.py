@@ -35,6 +35,10 @@ def carved_regions(graph: DataflowGraph, groups, candidates, costs: dict, epsilo
     consecutive nodes is convex, as in ``_regions``), where the cut can win by estimate: its
     pieces charged the region's time in proportion to the libraries' single-op times of their
     nodes, plus the winners' own times, plus a call per extra piece, below the region's time.
+    A library's single-op time never measured (a lean search skips what cannot win: its
+    cost is infinite) counts as nothing, in a winner's saving and in the region's shares: a
+    TVM kernel wins only against what the libraries were measured to take, and a region with
+    no measured single-op time is not cut.
     Returns the candidates not in ``candidates``, to be measured and placed again; each cut
     offered is appended to ``cuts`` (``Cut``)."""
     def w(c) -> float:
@@ -45,10 +49,14 @@ def carved_regions(graph: DataflowGraph, groups, candidates, costs: dict, epsilo
         if backends[c.backend].is_external:
             best_ext[c.nodes] = min(best_ext.get(c.nodes, math.inf), w(c))
 
+    def single(i) -> float:  # unknown (a lean search skipped it) counts as nothing
+        t = best_ext.get(frozenset([i]), math.inf)
+        return t if math.isfinite(t) else 0.0
+
     def lib_cost(nodes) -> float:  # the libraries' own candidate, else their single ops
-        if nodes in best_ext:
+        if math.isfinite(best_ext.get(nodes, math.inf)):
             return best_ext[nodes]
-        return sum(best_ext.get(frozenset([i]), math.inf) for i in nodes)
+        return sum(single(i) for i in nodes)
 
     seen = set(candidates)
     out: list = []
@@ -69,19 +77,20 @@ def carved_regions(graph: DataflowGraph, groups, candidates, costs: dict, epsilo
             if not c.nodes & taken:
                 picked.append(c)
                 taken |= c.nodes
-        share = sum(best_ext.get(frozenset([i]), math.inf) for i in g.nodes)
+        share = sum(single(i) for i in g.nodes)
+        if not share > 0:
+            continue  # no single-op time to share the region's out by: no estimate
         ways = ([picked] if len(picked) > 1 else []) + [[c] for c in picked[:max_per_region]]
         for cut in ways:
             nodes = frozenset().union(*(c.nodes for c in cut))
             runs = _runs(graph, sorted(g.nodes - nodes))
             # Worth measuring only if it can win by estimate: the pieces charged the region's
             # time in proportion to the libraries' single-op times of their nodes.
-            if math.isfinite(share) and share > 0:
-                kept = sum(best_ext.get(frozenset([i]), math.inf) for r in runs for i in r)
-                est = (w(g) * kept / share + sum(w(c) for c in cut)
-                       + epsilon.get(g.backend, 0.0) * (len(runs) - 1))
-                if not est < w(g):
-                    continue
+            kept = sum(single(i) for r in runs for i in r)
+            est = (w(g) * kept / share + sum(w(c) for c in cut)
+                   + epsilon.get(g.backend, 0.0) * (len(runs) - 1))
+            if not est < w(g):
+                continue
             pieces = [Candidate(g.backend, frozenset(run), g.label) for run in runs]
             if cuts is not None:
                 cuts.append(Cut(g, list(cut), pieces))

@@ -62,6 +62,10 @@ class LeanReport:
     lower_ms: float = 0.0   # the DP's answer on floors when the loop stopped
     upper_ms: float = math.inf  # the best cover of measured candidates then
     stopped: str = ""       # "measured": the DP chose measured candidates only; "gap"
+    # The DP's answer over TVM's candidates alone, on measured costs and floors: the least
+    # TVM alone can take, as far as the floors hold (the final check need not build a TVM
+    # alone that cannot come near the others: ``never_slower``'s ``tvm_floor_ms``)
+    tvm_alone_ms: float = math.inf
     per_backend: dict = field(default_factory=dict)  # backend -> [measured or known, skipped]
 
     def as_dict(self) -> dict:
@@ -199,7 +203,21 @@ def lean_costs(measurer, graph, candidates: list, backends: dict, eps: dict, swi
         floors_at_measure.update({c: est[c] for c in todo})
         rep.measured += _measure(measurer, graph, todo, backends, raw, floors, same)
     _finish(rep, candidates, raw, eps, floors_at_measure)
+    rep.tvm_alone_ms = _alone(graph, [c for c in candidates if c.backend == "tvm"], raw, floors,
+                              eps)
     return {c: raw.get(c, math.inf) for c in candidates}, rep
+
+
+def _alone(graph, mine: list, raw: dict, floors: Floors, eps: dict) -> float:
+    """The DP's cost over TVM's candidates ``mine`` alone, each at its measured time or else
+    its floor (nodes none covers at 0, as the search keeps them on TVM; ``inf``: no cover)."""
+    est = {c: (max(0.0, raw[c] - eps.get(c.backend, 0.0)) if c in raw else floors.floor(c))
+           for c in mine}
+    try:
+        est, _ = ensure_cover(len(graph), mine, est)
+        return place(graph.producers, mine, est, eps).cost
+    except ValueError:  # no executable cover
+        return math.inf
 
 
 def _same_function(measurer, graph, candidates: list, backends: dict) -> dict:

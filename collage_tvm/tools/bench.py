@@ -642,14 +642,15 @@ def markdown(results: dict) -> str:
             r = m[level]
             comp = r["comparison"]
             lines += [f"### {m['model']}, Collage {level} (shipped: {r['shipped']})", "",
-                      "| build | latency ms | relative to Collage | matches tvm-only |",
+                      "| build | latency ms | relative to Collage | outputs match the reference |",
                       "|---|---:|---:|---|"]
             base = comp.get("collage", {}).get("ms", math.nan)
             for n, c in comp.items():
                 same = f" (same placement as {c['same_as']})" if c.get("same_as") else ""
                 same += note(c.get("cuda_graph"))
-                lines.append(f"| {n}{same} | {c['ms']:.3f} | {c['ms'] / base:.2f}x | "
-                             f"{'yes' if c['match'] else 'NO'} |")
+                same += " (the reference)" if c.get("reference") else ""
+                match = "yes" if c["match"] else "not built" if c.get("skipped") else "NO"
+                lines.append(f"| {n}{same} | {c['ms']:.3f} | {c['ms'] / base:.2f}x | {match} |")
             t = r["times"]
             lines += ["", "Search: " + ", ".join(f"{k} {v:.1f} s" for k, v in t.items()), ""]
         if "frameworks" in m:
