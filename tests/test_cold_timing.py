@@ -102,3 +102,44 @@ def test_other_load_counts_other_processes_busy_beside_a_timing():
             p.kill()
             p.wait()
     assert load.share > 0.5 and load.busy, load.share
+
+
+class _SleepVM:
+    """A stand-in for a built candidate: ``main`` sleeps ``ms``; ``time_evaluator`` times it
+    as TVM's does (``repeat`` samples of ``number`` calls, seconds per call)."""
+
+    def __init__(self, ms: float):
+        import time
+
+        self.sleep = lambda: time.sleep(ms / 1e3)
+        self.batches = []
+
+    def __getitem__(self, name):
+        return lambda *args: self.sleep()
+
+    def time_evaluator(self, name, dev, number=1, repeat=1):
+        import time
+
+        def run(*args):
+            out = []
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                for _ in range(number):
+                    self.sleep()
+                out.append((time.perf_counter() - t0) / number)
+            self.batches.append(repeat)
+            return type("R", (), {"results": out})()
+        return run
+
+
+def test_a_long_call_is_timed_in_short_batches():
+    # A call past LONG_MS (a library region of a large model) needs fewer samples to settle
+    # its median: batches of LONG_REPEAT; a short one keeps batches of 5.
+    from collage_tvm.measure import timing
+
+    long_vm, short_vm = _SleepVM(2 * timing.LONG_MS), _SleepVM(0.05)
+    ms, _, extra = time_main(long_vm, [], tvm.cpu())
+    assert ms >= 2 * timing.LONG_MS * 0.9 and long_vm.batches
+    assert set(long_vm.batches) == {timing.LONG_REPEAT} and extra["repeats"] <= 4 * 3
+    time_main(short_vm, [], tvm.cpu())
+    assert set(short_vm.batches) == {5}

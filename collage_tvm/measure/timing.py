@@ -32,11 +32,20 @@ class _Flush:
         self.buf += 1
 
 
+#: A call at least this long (ms, warm) is timed in batches of ``LONG_REPEAT`` samples: each
+#: sample is then one call that already spans many of the machine's scheduling ticks, and a
+#: library region of a large model (tens of ms, weights flushed before each call) cost
+#: most of its measuring time in samples beyond what settled its median.
+LONG_MS = 5.0
+LONG_REPEAT = 3
+
+
 def time_main(vm, args, dev, cutoff_ms: float | None = None, target_ms: float = 1.0,
               repeat: int = 5, max_batches: int = 4, sync=None,
               flush_bytes: int = 0, run=None) -> tuple[float, str | None, dict]:
     """Median ms of ``vm["main"](*args)``: warm-up, then batches of ``repeat`` samples of
-    about ``target_ms`` each until two medians agree (3%).
+    about ``target_ms`` each until two medians agree (3%); a call of ``LONG_MS`` or more:
+    batches of ``LONG_REPEAT``.
 
     A first run slower than ``cutoff_ms`` is hopeless: its time is returned at once. The
     samples are sized on a warm call: the first call of a fresh build (a session's lazy
@@ -61,12 +70,17 @@ def time_main(vm, args, dev, cutoff_ms: float | None = None, target_ms: float = 
     if cutoff_ms is not None and first_ms > cutoff_ms:
         return first_ms, f"cut short: first run {first_ms:.3f} ms > cutoff {cutoff_ms:.3f} ms", {
             "repeats": 1}
+    t0 = _done(sync)
     call()  # second warm-up: caches, lazy init in libraries
+    warm_ms = (_done(sync) - t0) * 1e3
     number = 1
     if replay is not None or not flush_bytes:  # samples of many calls, sized on a warm one
         t0 = _done(sync)
         call()
-        number = max(1, int(target_ms / max((_done(sync) - t0) * 1e3, 1e-3)))
+        warm_ms = (_done(sync) - t0) * 1e3
+        number = max(1, int(target_ms / max(warm_ms, 1e-3)))
+    if warm_ms >= LONG_MS:
+        repeat = min(repeat, LONG_REPEAT)
     if replay is not None:
         def evaluator():
             out = []

@@ -76,7 +76,7 @@ class Floors:
     """The floor of each candidate not yet measured (module docstring)."""
 
     def __init__(self, graph, candidates: list, eps: dict, slack: float = SLACK,
-                 parts_slack: float = PARTS_SLACK):
+                 parts_slack: float = PARTS_SLACK, relative: tuple = ()):
         self.eps, self.parts_slack = eps, parts_slack
         self.features = {c: work(graph, c.nodes) for c in candidates}
         self.roof = Roofline(slack)
@@ -88,6 +88,13 @@ class Floors:
         self.least: dict = {}
         # (backend, node) -> measured groups waiting for that single-node time: [(c, time)]
         self.waiting: dict = {}
+        # The backends whose single operators are not measured first (TVM), and for each of
+        # them and each kind of heavy operators (their op names), the least ratio of a measured
+        # group's time to what its heavy operators take alone on the fastest backend
+        # (``relative_floor``): (backend, kinds) -> ratio
+        self.relative_to, self.relative = set(relative), {}
+        self.kinds = {c: tuple(sorted({graph.nodes[i].op_name for i in self.heavy[c]}))
+                      for c in candidates}
 
     @property
     def share(self) -> dict:
@@ -116,6 +123,11 @@ class Floors:
                 self._share_of(group, t)
         elif self.heavy[c]:
             self._share_of(c, max(0.0, own))
+        if c.backend in self.relative_to and self.heavy[c]:
+            best = sum(self.anywhere.get(i, math.inf) for i in self.heavy[c])
+            if 0 < best < math.inf:
+                key = (c.backend, self.kinds[c])
+                self.relative[key] = min(self.relative.get(key, math.inf), max(0.0, own) / best)
 
     def _share_of(self, c, t: float) -> None:
         """The share of its parts the group ``c`` took (``t`` ms) lowers its backend's;
@@ -147,8 +159,37 @@ class Floors:
             return None
         return factor * (sum(best) + self.eps.get(c.backend, 0.0))
 
+    def relative_floor(self, c) -> float:
+        """For a backend whose single operators are not measured first (TVM): ``RATIO_MARGIN``
+        of the least ratio a measured group of it with the same kinds of heavy operators took
+        to the fastest single-operator times of those, times those of ``c`` (0 until one was
+        measured). An untuned TVM convolution measured 20-100x a library's: its other
+        convolutions are not worth building one by one to learn that again; its matrix
+        product may be close to the library's, and says nothing of them."""
+        ratio = self.relative.get((c.backend, self.kinds[c]), math.inf)
+        best = sum(self.anywhere.get(i, math.inf) for i in self.heavy[c])
+        if not (math.isfinite(ratio) and self.heavy[c] and math.isfinite(best)):
+            return 0.0
+        return RATIO_MARGIN * ratio * best
+
+    def probe_first(self, todo: list, probes: int = 2) -> list:
+        """``todo`` less the groups of a backend ``relative_floor`` serves whose kind of
+        heavy operators has no measured ratio yet beyond the first ``probes`` of each: those
+        are measured first, and the DP asked again with the ratio they give (the rest come
+        back in a later round if they can still win)."""
+        seen: dict = {}
+        out = []
+        for c in todo:
+            key = (c.backend, self.kinds[c])
+            if c.backend in self.relative_to and self.heavy[c] and key not in self.relative:
+                seen[key] = seen.get(key, 0) + 1
+                if seen[key] > probes:
+                    continue
+            out.append(c)
+        return out
+
     def floor(self, c) -> float:
-        low = self.roof.floor(c.backend, *self.features[c])
+        low = max(self.roof.floor(c.backend, *self.features[c]), self.relative_floor(c))
         parts = [self.single.get((c.backend, i), math.inf) for i in self.heavy[c]]
         parts = [p for p in parts if math.isfinite(p)]
         return max(low, self.share_of(c.backend) * sum(parts)) if parts else low
@@ -163,7 +204,8 @@ def lean_costs(measurer, graph, candidates: list, backends: dict, eps: dict, swi
     once the measured candidates' best cover is within it of the floors' lower bound
     (``None``: only when the DP chooses measured candidates)."""
     rep = LeanReport(candidates=len(candidates))
-    floors = Floors(graph, candidates, eps, slack, parts_slack)
+    floors = Floors(graph, candidates, eps, slack, parts_slack,
+                    relative=tuple(n for n, b in backends.items() if not b.is_external))
     same = _same_function(measurer, graph, candidates, backends)
     raw = measurer.known(graph, candidates, backends)
     rep.known = len(raw)
@@ -200,6 +242,8 @@ def lean_costs(measurer, graph, candidates: list, backends: dict, eps: dict, swi
             logger.warning("lean measuring: %d DP rounds; measuring every candidate left",
                            max_rounds)
             todo = [c for c in candidates if c not in raw]
+        else:
+            todo = floors.probe_first(todo)
         floors_at_measure.update({c: est[c] for c in todo})
         rep.measured += _measure(measurer, graph, todo, backends, raw, floors, same)
     _finish(rep, candidates, raw, eps, floors_at_measure)
