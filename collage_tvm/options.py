@@ -60,8 +60,8 @@ class SearchOptions:
     # output scale) or a tolerance. In the key when not strict.
     accuracy: object = field(default="f32", metadata={"key": lambda v: v.key()})
     # Measure only what the op-level DP can still choose on the floors of the rest
-    # (``placer.lean``; the default: ResNet-50 from an empty cost DB in 111 s instead of
-    # 348 s, docs/BENCHMARKS.md "Search time"); False: measure every candidate before the
+    # (``placer.lean``; the default: docs/BENCHMARKS.md "Search time" has what it saves);
+    # False: measure every candidate before the
     # DP, as the paper does. In the key when off (a log written before it was the default,
     # by a search that measured everything, still answers: its placement is the one the
     # floors approximate).

@@ -167,13 +167,9 @@ def test_a_region_holding_too_many_weights_is_not_offered(monkeypatch):
     assert sizes() and max(sizes()) < len(graph)
 
 
-def test_regions_are_cut_around_a_tvm_kernel_that_beats_the_library_inside_them():
-    # Regions come at even ranges of the topological order only: once the DP runs the model
-    # as one library region, a TVM kernel that wins a node inside it (a tuned convolution)
-    # can take that node only if someone offers the region's pieces around it. Fake costs:
-    # a test of the search, not of the libraries.
-    from collage_tvm.placer.carve import carved_regions
-    from collage_tvm.placer.op_level import place
+def _relus_and_a_library():
+    """(graph of 12 ReLUs, backends TVM and an external graph library "lib" taking every
+    node, their candidates): a stage for fake cost tables."""
     from collage_tvm.registry import Backend, PatternRule
 
     xv = relax.Var("x", relax.TensorType((1, 16), "float32"))
@@ -186,12 +182,22 @@ def test_regions_are_cut_around_a_tvm_kernel_that_beats_the_library_inside_them(
             out = bb.emit_output(y)
         bb.emit_func_output(out)
     graph = DataflowGraph(bb.get()["main"])
-    n = len(graph)
     lib = Backend(name="lib", kind="graph", lowering="never.lowered:Lowering",  # external
                   rules=[PatternRule(valid_op=lambda node: True, regions=1)])
     tvm_b = get_backend("tvm")
-    backends = {"lib": lib, "tvm": tvm_b}
-    cands = generate_candidates(graph, [tvm_b, lib])
+    return graph, {"lib": lib, "tvm": tvm_b}, generate_candidates(graph, [tvm_b, lib])
+
+
+def test_regions_are_cut_around_a_tvm_kernel_that_beats_the_library_inside_them():
+    # Regions come at even ranges of the topological order only: once the DP runs the model
+    # as one library region, a TVM kernel that wins a node inside it (a tuned convolution)
+    # can take that node only if someone offers the region's pieces around it. Fake costs:
+    # a test of the search, not of the libraries.
+    from collage_tvm.placer.carve import carved_regions
+    from collage_tvm.placer.op_level import place
+
+    graph, backends, cands = _relus_and_a_library()
+    n = len(graph)
     whole = frozenset(range(n))
 
     def cost(c, tvm_at_6):
@@ -234,24 +240,9 @@ def test_carving_counts_a_library_time_never_measured_as_unknown_not_as_infinite
 
     from collage_tvm.placer.carve import carved_regions
     from collage_tvm.placer.op_level import place
-    from collage_tvm.registry import Backend, PatternRule
 
-    xv = relax.Var("x", relax.TensorType((1, 16), "float32"))
-    bb = relax.BlockBuilder()
-    with bb.function("main", [xv]):
-        with bb.dataflow():
-            y = xv
-            for _ in range(12):
-                y = bb.emit(relax.op.nn.relu(y))
-            out = bb.emit_output(y)
-        bb.emit_func_output(out)
-    graph = DataflowGraph(bb.get()["main"])
+    graph, backends, cands = _relus_and_a_library()
     n = len(graph)
-    lib = Backend(name="lib", kind="graph", lowering="never.lowered:Lowering",
-                  rules=[PatternRule(valid_op=lambda node: True, regions=1)])
-    tvm_b = get_backend("tvm")
-    backends = {"lib": lib, "tvm": tvm_b}
-    cands = generate_candidates(graph, [tvm_b, lib])
 
     def cost(c):
         (i,) = c.nodes if len(c.nodes) == 1 else (None,)
