@@ -128,6 +128,11 @@ def test_a_row_below_the_goal_by_no_more_than_its_a_a_spread_is_within_noise():
     assert "**0.95x (onnxruntime; A/A 6%)**" in text and '"A/A": the same ONNX file' in text
     assert "3 below 0.97x (close, far, none), 2 of them by more than their A/A control's " \
         "spread (far, none)" in text
+    # every row below beyond its control: said too (it once read as if none had one)
+    text = suites.markdown("torchvision", [far, _row("fine", 1.0)])
+    assert "1 below 0.97x (far), 1 of them by more than their A/A control's spread" in text
+    # rows without a control: nothing said of one
+    assert "A/A control" not in suites.markdown("torchvision", [none])
 
 
 def test_a_row_timed_on_a_busy_machine_says_so():

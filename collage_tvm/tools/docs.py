@@ -96,9 +96,10 @@ def suite_summary(docs: list) -> str:
 
 def _below(st: dict) -> str:
     """How many rows are below the goal, and how many of them by more than their A/A
-    control's spread where some are within it (``suites.within_noise``)."""
+    control's spread where the rows have one (``suites.within_noise``)."""
     below, beyond = st["below"], st["below_beyond_noise"]
-    return str(len(below)) + (f" ({len(beyond)} beyond A/A noise)" if beyond != below else "")
+    said = below and (beyond != below or st.get("controlled"))
+    return str(len(below)) + (f" ({len(beyond)} beyond A/A noise)" if said else "")
 
 
 def optimize_report(doc: dict) -> str:

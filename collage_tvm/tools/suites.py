@@ -1090,6 +1090,9 @@ def suite_stats(rows: list, key: str = "vs_best_f32") -> dict | None:
     return {"rows": len(counted), "median": statistics.median(v for _, v in counted),
             "worst": min(counted, key=lambda mv: mv[1]), "below": below,
             "below_beyond_noise": [m for m in below if not within_noise(shipped[m], key)],
+            # the rows carry an A/A control: the count beyond it is worth saying even when
+            # it is every row below
+            "controlled": any(shipped[m].get("aa_spread") is not None for m, _ in counted),
             "wins": wins, "mixed": mixed, "mixed_wins": [m for m in wins if m in mixed]}
 
 
@@ -1114,7 +1117,8 @@ def _summary(rows: list, key: str, what: str, other: str) -> str:
             + (f", {len(st['below_beyond_noise'])} of them by more than their A/A control's "
                "spread" + (f" ({', '.join(st['below_beyond_noise'])})"
                            if st["below_beyond_noise"] else "")
-               if st["below_beyond_noise"] != below else "")
+               if below and (st["below_beyond_noise"] != below or st.get("controlled"))
+               else "")
             + f"; Collage beats {'every ' if other.endswith('framework') else ''}{other} by 3% "
             f"or more on {len(wins)}"
             + (f": {', '.join(wins)}" if wins else "")
