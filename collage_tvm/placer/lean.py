@@ -124,7 +124,7 @@ class Floors:
         elif self.heavy[c]:
             self._share_of(c, max(0.0, own))
         if c.backend in self.relative_to and self.heavy[c]:
-            best = sum(self.anywhere.get(i, math.inf) for i in self.heavy[c])
+            best = self.fastest_parts(c)
             if 0 < best < math.inf:
                 key = (c.backend, self.kinds[c])
                 self.relative[key] = min(self.relative.get(key, math.inf), max(0.0, own) / best)
@@ -154,10 +154,15 @@ class Floors:
     def cutoff(self, c, factor: float) -> float | None:
         """``factor`` times the least its heavy operators take alone on any backend: past
         that a first run cannot win (None: no heavy operator, or one not yet measured)."""
-        best = [self.anywhere.get(n, math.inf) for n in self.heavy[c]]
-        if not best or not all(math.isfinite(b) for b in best):
+        best = self.fastest_parts(c)
+        if not self.heavy[c] or not math.isfinite(best):
             return None
-        return factor * (sum(best) + self.eps.get(c.backend, 0.0))
+        return factor * (best + self.eps.get(c.backend, 0.0))
+
+    def fastest_parts(self, c) -> float:
+        """What ``c``'s heavy operators take alone on the fastest backend, together (``inf``
+        while one is not measured anywhere)."""
+        return sum(self.anywhere.get(i, math.inf) for i in self.heavy[c])
 
     def relative_floor(self, c) -> float:
         """For a backend whose single operators are not measured first (TVM): ``RATIO_MARGIN``
@@ -167,7 +172,7 @@ class Floors:
         convolutions are not worth building one by one to learn that again; its matrix
         product may be close to the library's, and says nothing of them."""
         ratio = self.relative.get((c.backend, self.kinds[c]), math.inf)
-        best = sum(self.anywhere.get(i, math.inf) for i in self.heavy[c])
+        best = self.fastest_parts(c)
         if not (math.isfinite(ratio) and self.heavy[c] and math.isfinite(best)):
             return 0.0
         return RATIO_MARGIN * ratio * best

@@ -98,8 +98,7 @@ def _below(st: dict) -> str:
     """How many rows are below the goal, and how many of them by more than their A/A
     control's spread where the rows have one (``suites.within_noise``)."""
     below, beyond = st["below"], st["below_beyond_noise"]
-    said = below and (beyond != below or st.get("controlled"))
-    return str(len(below)) + (f" ({len(beyond)} beyond A/A noise)" if said else "")
+    return str(len(below)) + (f" ({len(beyond)} beyond A/A noise)" if st["say_beyond"] else "")
 
 
 def optimize_report(doc: dict) -> str:

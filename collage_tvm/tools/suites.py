@@ -1087,12 +1087,14 @@ def suite_stats(rows: list, key: str = "vs_best_f32") -> dict | None:
     wins = [m for m, v in counted if v >= CLEAR_WIN]
     mixed = [m for m, _ in counted if is_mixed(shipped[m])]
     below = [m for m, v in counted if v < GOAL]
+    beyond = [m for m in below if not within_noise(shipped[m], key)]
     return {"rows": len(counted), "median": statistics.median(v for _, v in counted),
             "worst": min(counted, key=lambda mv: mv[1]), "below": below,
-            "below_beyond_noise": [m for m in below if not within_noise(shipped[m], key)],
-            # the rows carry an A/A control: the count beyond it is worth saying even when
-            # it is every row below
-            "controlled": any(shipped[m].get("aa_spread") is not None for m, _ in counted),
+            "below_beyond_noise": beyond,
+            # whether to say how many rows below are beyond their A/A control: some are
+            # within it, or the rows carry one (then even when it is every row below)
+            "say_beyond": bool(below) and (beyond != below or any(
+                shipped[m].get("aa_spread") is not None for m, _ in counted)),
             "wins": wins, "mixed": mixed, "mixed_wins": [m for m in wins if m in mixed]}
 
 
@@ -1117,8 +1119,7 @@ def _summary(rows: list, key: str, what: str, other: str) -> str:
             + (f", {len(st['below_beyond_noise'])} of them by more than their A/A control's "
                "spread" + (f" ({', '.join(st['below_beyond_noise'])})"
                            if st["below_beyond_noise"] else "")
-               if below and (st["below_beyond_noise"] != below or st.get("controlled"))
-               else "")
+               if st["say_beyond"] else "")
             + f"; Collage beats {'every ' if other.endswith('framework') else ''}{other} by 3% "
             f"or more on {len(wins)}"
             + (f": {', '.join(wins)}" if wins else "")
