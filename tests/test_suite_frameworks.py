@@ -265,3 +265,39 @@ def test_frameworks_timed_on_a_busy_machine_are_timed_again_and_the_quietest_cou
     assert row["frameworks_loads"] == [0.40, 0.05]  # quiet on the second try: no third
     assert row["frameworks_other_load"] == 0.05
     assert row["frameworks"]["onnxruntime"]["ms"] == 0.9 and row["vs_best_f32"] == 0.9
+
+
+def test_the_figures_close_to_collage_are_timed_on_with_the_a_a_control(monkeypatch):
+    """The row's runoff times on what is within its margin of Collage's figure (either side)
+    and the A/A control with ONNX Runtime; the far ones keep their first figure. A fake
+    ``interleaved`` gives the figures (no clock read)."""
+    from collage_tvm.measure import timing
+    from collage_tvm.tools import bench
+
+    first = {"collage": 10.0, "onnxruntime": 9.5, suites.CONTROL: 12.0, "openvino": 10.8,
+             "pytorch": 30.0, "openvino (default)": 5.0}
+    calls = []
+
+    def fake(fns, rounds, samples=None, **kw):
+        calls.append((set(fns), rounds))
+        for n in fns:
+            samples.setdefault(n, []).extend([first[n] * (1 if len(calls) == 1 else 0.5)]
+                                             * rounds)
+        return {n: first[n] * (1 if len(calls) == 1 else 0.5) for n in fns}
+
+    monkeypatch.setattr(timing, "interleaved", fake)
+    extra: dict = {}
+    runs = {n: (lambda: None) for n in first}
+    ms = bench._framework_times(runs, extra, control=suites.CONTROL)
+    assert calls[0] == (set(first), bench.FRAMEWORK_ROUNDS)
+    close = {"collage", "onnxruntime", "openvino", suites.CONTROL}
+    assert calls[1] == (close, bench.ROW_RUNOFF_ROUNDS - bench.FRAMEWORK_ROUNDS)
+    for n in first:
+        assert ms[n] == (first[n] / 2 if n in close else first[n]), n
+        assert extra[n]["rounds"] == (bench.ROW_RUNOFF_ROUNDS if n in close
+                                      else bench.FRAMEWORK_ROUNDS), n
+    # nothing close to Collage: no runoff
+    calls.clear()
+    first.update(onnxruntime=20.0, openvino=20.0)
+    bench._framework_times(runs, {}, control=suites.CONTROL)
+    assert len(calls) == 1
