@@ -61,11 +61,39 @@ def _export(res, args) -> None:
 
 def _report(args, res, t0) -> int:
     """What ``optimize`` prints about its search and build; the exit code."""
-    from .measure.cuda_graph import note
-    from .measure.timing import BUSY_SHARE
-    from .placement import placement_record
-
     rep = res.report
+    _print_search(rep)
+    print(f"\ncollage: {rep.summary()}; took {time.perf_counter() - t0:.1f} s "
+          f"({', '.join(f'{k} {v:.1f} s' for k, v in rep.times.items())})")
+    _print_conditions(rep)
+    if rep.whole_model and not rep.whole_model.get("floor"):
+        print(f"TVM cannot import this model ({rep.whole_model['why']}): it runs wholly on "
+              f"{rep.whole_model['backend']}, no placement to search, write or show")
+        return 0
+    if rep.floor:
+        print(f"  the model file was not run whole by a graph library: {rep.floor}")
+    if res.graph is None and not rep.whole_model:
+        print("the whole model was compiled by TVM alone: no placement to write or show")
+        return 0
+    if rep.whole_model:
+        print(f"\nshipped: the model file run whole by {rep.whole_model['backend']} "
+              f"({rep.whole_model['why']}); no placement of Collage's beat it"
+              + (" (no placement to write to --output)" if args.output else ""))
+    elif args.output:
+        from .placement import placement_record
+
+        with open(args.output, "w") as f:
+            json.dump(placement_record(res.placement, res.graph, args.target, rep.comparison,
+                                       rep.shipped, rep.graph_level),
+                      f, indent=1)
+        print(f"placement written to {args.output}")
+    if res.graph is not None:
+        _print_ops(res)
+    return _print_comparison(rep) if rep.comparison else 0
+
+
+def _print_search(rep) -> None:
+    """The op level's close calls and switching costs, the rewrites, the graph level."""
     if rep.close_calls:
         print(f"close calls of the op-level DP: {rep.close_calls} alternative covers within 75% "
               f"({rep.side_by_side} sets re-timed side by side in this run)")
@@ -89,8 +117,11 @@ def _report(args, res, t0) -> int:
               f"({gl['invalid']} invalid); stopped by {gl['stopped']}")
         for reason in gl.get("invalid_reasons", [])[:3]:
             print(f"  invalid: {reason}")
-    print(f"\ncollage: {rep.summary()}; took {time.perf_counter() - t0:.1f} s "
-          f"({', '.join(f'{k} {v:.1f} s' for k, v in rep.times.items())})")
+
+
+def _print_conditions(rep) -> None:
+    """Tuning records, the accuracy budget, backends skipped, failures, operators kept on
+    TVM."""
     if rep.tuning:
         print(f"  TVM's kernels built with {rep.tuning['records']} tuning records from "
               f"{rep.tuning['path']} (--no-tuning builds them untuned)")
@@ -104,64 +135,55 @@ def _report(args, res, t0) -> int:
     if rep.kept_on_tvm:
         print(f"  kept on TVM (nothing else could run or time them): "
               f"{', '.join(sorted(set(rep.kept_on_tvm)))}")
-    if rep.whole_model and not rep.whole_model.get("floor"):
-        print(f"TVM cannot import this model ({rep.whole_model['why']}): it runs wholly on "
-              f"{rep.whole_model['backend']}, no placement to search, write or show")
-        return 0
-    if rep.floor:
-        print(f"  the model file was not run whole by a graph library: {rep.floor}")
-    if res.graph is None and not rep.whole_model:
-        print("the whole model was compiled by TVM alone: no placement to write or show")
-        return 0
-    if rep.whole_model:
-        print(f"\nshipped: the model file run whole by {rep.whole_model['backend']} "
-              f"({rep.whole_model['why']}); no placement of Collage's beat it"
-              + (" (no placement to write to --output)" if args.output else ""))
-    elif args.output:
-        with open(args.output, "w") as f:
-            json.dump(placement_record(res.placement, res.graph, args.target, rep.comparison,
-                                       rep.shipped, rep.graph_level),
-                      f, indent=1)
-        print(f"placement written to {args.output}")
-    if res.graph is not None:
-        _print_ops(res)
-    if rep.comparison:
-        print(f"\n{'build':<26}{'latency ms':>12}{'vs collage':>12}  matches the reference")
-        base = rep.comparison.get("collage", {}).get("ms", math.nan)
-        for name, r in rep.comparison.items():
-            if r.get("error"):
-                print(f"{name:<26}{'not built' if r.get('skipped') else 'failed':>12}{'':>12}"
-                      f"  {r['error']}")
-                continue
-            same = f"  (same placement as {r['same_as']})" if r.get("same_as") else ""
-            same += "  (timed once: >10x slower)" if r.get("timed_once") else ""
-            same += note(r.get("cuda_graph"))
-            rel = (f", {r['rel_err']:.1e} of the scale" if "rel_err" in r and rep.precision
-                   else "")  # rep.precision: set under a budget other than strict f32
-            if math.isnan(r["ms"]):  # checked for accuracy, not timed (no --compare)
-                print(f"{name:<26}{'not timed':>12}{'':>12}  {'yes' if r['match'] else 'NO'} "
-                      f"(max err {r['max_err']:.2e}{rel})")
-                continue
-            if r.get("outside_budget"):
-                same += f"  (outside the budget: {r['outside_budget']}, not shipped)"
-            if r.get("ops") and name.startswith("collage"):  # what the searched ones place where
-                same += "  [" + ", ".join(f"{b} {n} ops" for b, n in sorted(r["ops"].items())) + "]"
-            print(f"{name:<26}{r['ms']:>12.3f}{r['ms'] / base:>11.2f}x  "
-                  f"{'yes' if r['match'] else 'NO'} (max err {r['max_err']:.2e}{rel}){same}")
-        if rep.shipped != "collage":
-            print(f"shipped: {rep.shipped} (faster than the collage placement in this run)")
-        if rep.other_load > BUSY_SHARE:
-            print(f"unsure: other processes took {100 * rep.other_load:.0f}% of the CPU while "
-                  "these were timed; the next build of this model times them again")
-        elif rep.rechecked:
-            print("the placement log's earlier verdict (timed beside other work) was checked "
-                  "again here")
-        for name, r in rep.comparison.items():
-            if r.get("advice"):
-                print(f"faster at a looser precision: {name}, {r['advice']}")
-        return 0 if all(r["match"] for n, r in rep.comparison.items()
-                        if n in ("collage", rep.shipped)) else 1
-    return 0
+
+
+def _print_comparison(rep) -> int:
+    """The final check's table and verdict; the exit code (1 when the shipped build's
+    outputs do not match the reference)."""
+    from .measure.timing import BUSY_SHARE
+
+    print(f"\n{'build':<26}{'latency ms':>12}{'vs collage':>12}  matches the reference")
+    base = rep.comparison.get("collage", {}).get("ms", math.nan)
+    for name, r in rep.comparison.items():
+        _print_build(name, r, base, bool(rep.precision))
+    if rep.shipped != "collage":
+        print(f"shipped: {rep.shipped} (faster than the collage placement in this run)")
+    if rep.other_load > BUSY_SHARE:
+        print(f"unsure: other processes took {100 * rep.other_load:.0f}% of the CPU while "
+              "these were timed; the next build of this model times them again")
+    elif rep.rechecked:
+        print("the placement log's earlier verdict (timed beside other work) was checked "
+              "again here")
+    for name, r in rep.comparison.items():
+        if r.get("advice"):
+            print(f"faster at a looser precision: {name}, {r['advice']}")
+    return 0 if all(r["match"] for n, r in rep.comparison.items()
+                    if n in ("collage", rep.shipped)) else 1
+
+
+def _print_build(name: str, r: dict, base: float, budget: bool) -> None:
+    """One row of the final check's table (``budget``: a budget other than strict f32, so
+    the error relative to the scale is shown)."""
+    from .measure.cuda_graph import note
+
+    if r.get("error"):
+        print(f"{name:<26}{'not built' if r.get('skipped') else 'failed':>12}{'':>12}"
+              f"  {r['error']}")
+        return
+    same = f"  (same placement as {r['same_as']})" if r.get("same_as") else ""
+    same += "  (timed once: >10x slower)" if r.get("timed_once") else ""
+    same += note(r.get("cuda_graph"))
+    rel = f", {r['rel_err']:.1e} of the scale" if "rel_err" in r and budget else ""
+    if math.isnan(r["ms"]):  # checked for accuracy, not timed (no --compare)
+        print(f"{name:<26}{'not timed':>12}{'':>12}  {'yes' if r['match'] else 'NO'} "
+              f"(max err {r['max_err']:.2e}{rel})")
+        return
+    if r.get("outside_budget"):
+        same += f"  (outside the budget: {r['outside_budget']}, not shipped)"
+    if r.get("ops") and name.startswith("collage"):  # what the searched ones place where
+        same += "  [" + ", ".join(f"{b} {n} ops" for b, n in sorted(r["ops"].items())) + "]"
+    print(f"{name:<26}{r['ms']:>12.3f}{r['ms'] / base:>11.2f}x  "
+          f"{'yes' if r['match'] else 'NO'} (max err {r['max_err']:.2e}{rel}){same}")
 
 
 def _run(args) -> int:

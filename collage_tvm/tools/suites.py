@@ -739,11 +739,16 @@ GOAL = 0.97  # issue #33: Collage at least 0.97x the best f32 framework's speed 
 CLEAR_WIN = 1.03  # a row where Collage beats every f32 framework by 3% or more
 
 
-# A row's frameworks timed while other processes took more than ``BUSY_SHARE`` of the CPU
-# are timed again, up to this many times, after a pause of ``BUSY_PAUSE_S``; the quietest
-# timing counts (whatever its figures: the choice looks at the load alone).
+# A row's frameworks timed while other processes took more than ``BUSY_SHARE`` of the CPU,
+# or whose A/A control landed more than ``AA_NOISY`` from ONNX Runtime's figure, are timed
+# again, up to this many times, after a pause of ``BUSY_PAUSE_S``; the quietest timing
+# counts (whatever its figures: the choice looks at the load and the A/A spread alone).
+# The A/A control sees what /proc/stat cannot: a VM's host busy with other guests (a
+# 512x512 matmul here ran 1.1-24 ms within one half minute while this machine's own CPU
+# counters showed it idle).
 BUSY_RETRIES = 2
 BUSY_PAUSE_S = 10.0
+AA_NOISY = 0.03
 
 
 def framework_row(make, name: str, onnx_path: str, executable, rtol: float = 1e-3,
@@ -764,31 +769,58 @@ def framework_row(make, name: str, onnx_path: str, executable, rtol: float = 1e-
     OpenVINO default's ms / Collage's (None where one is missing), "threads"}."""
     import time
 
-    from ..measure.timing import BUSY_SHARE, OtherLoad
+    from ..measure.timing import OtherLoad
     from ..target import host_cores
     from .bench import torch_frameworks
 
     model, inputs, _, _, _ = checked_model(make, name)
-    tries = []  # (the share of the CPU other processes took, the rows), one per timing
+    tries = []  # (the share of the CPU other processes took, A/A spread, rows), per timing
     for attempt in range(1 + BUSY_RETRIES):
         if attempt:
-            print(f"  {name}: other processes took {tries[-1][0]:.0%} of the CPU while the "
-                  f"frameworks were timed: timing them again in {BUSY_PAUSE_S:.0f} s",
-                  flush=True)
+            print(f"  {name}: {_noise_text(*tries[-1][:2])} while the frameworks were "
+                  f"timed: timing them again in {BUSY_PAUSE_S:.0f} s", flush=True)
             time.sleep(BUSY_PAUSE_S)
         with OtherLoad() as load:
             rows = torch_frameworks(model, inputs, onnx_path, executable,
                                     _framework_check(rtol, atol), label=name, control=CONTROL)
-        tries.append((load.share, rows))
-        if not load.share > BUSY_SHARE:  # (nan: not measurable here; one timing)
+        tries.append((load.share, versus(rows)["aa_spread"], rows))
+        if not _noisy(*tries[-1][:2]):  # (load nan: not measurable here)
             break
-    share, rows = min(tries, key=lambda t: t[0] if math.isfinite(t[0]) else math.inf)
+    share, _, rows = min(tries, key=lambda t: _noise_key(*t[:2]))
     rows = {fw: {"precision": "f32", **r} if "error" not in r else r for fw, r in rows.items()}
     out = {"frameworks": rows, **versus(rows), "threads": host_cores(),
            "frameworks_other_load": share}
     if len(tries) > 1:
         out["frameworks_loads"] = [t[0] for t in tries]
+        out["frameworks_aa_spreads"] = [t[1] for t in tries]
     return out
+
+
+def _noisy(share: float, aa: float | None) -> bool:
+    from ..measure.timing import BUSY_SHARE
+
+    return share > BUSY_SHARE or (aa is not None and aa > AA_NOISY)
+
+
+def _noise_key(share: float, aa: float | None) -> tuple:
+    """The order of the quietest timing first: within the load limit, then the smallest
+    A/A spread, then the least load."""
+    from ..measure.timing import BUSY_SHARE
+
+    load = share if math.isfinite(share) else math.inf
+    return (not share <= BUSY_SHARE and math.isfinite(share), aa if aa is not None else 0.0,
+            load)
+
+
+def _noise_text(share: float, aa: float | None) -> str:
+    from ..measure.timing import BUSY_SHARE
+
+    said = []
+    if share > BUSY_SHARE:
+        said.append(f"other processes took {share:.0%} of the CPU")
+    if aa is not None and aa > AA_NOISY:
+        said.append(f"the A/A control landed {aa:.0%} from ONNX Runtime's figure")
+    return " and ".join(said)
 
 
 def _framework_check(rtol: float, atol: float):

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import re
+import weakref
 
 import tvm
 
@@ -81,6 +82,7 @@ class TuningDB:
                 json.dump(_meta(target), f, indent=1)
         self.database = ms.database.JSONDatabase(work_dir=self.path)
         self._signatures: dict = {}
+        _LIVE.add(self)
 
     def __len__(self) -> int:
         return len(self.database)
@@ -186,24 +188,33 @@ def open_tuning_db(path, target, create: bool = False) -> TuningDB | None:
 
 
 # ----------------------------------------------------------------- the active database
-# Every TVM build of a search applies the same records: the build sets the database once
-# (``use_tuning_db``) and the compile step reads it (``active_database``); a measuring child
-# process gets its path through ``candidate_vm`` and opens it once.
+# Every TVM build of a search applies the same records: the build makes the database
+# MetaSchedule's current one (``use_tuning_db``: ``with database:``, as MetaSchedule's own
+# tuning and ``MetaScheduleApplyDatabase`` use it) and the compile step asks which TuningDB
+# that is (``active_database``); a measuring child process gets its path through
+# ``candidate_vm`` and opens it once.
 
-_ACTIVE: list = []
+_LIVE: "weakref.WeakSet[TuningDB]" = weakref.WeakSet()  # every TuningDB of this process
 _OPENED: dict = {}  # path -> TuningDB, in a process that was handed paths
 
 
 def active_database() -> TuningDB | None:
-    """The tuning database of the build in progress, else None (untuned)."""
-    return _ACTIVE[-1] if _ACTIVE else None
+    """The TuningDB whose records MetaSchedule applies now (``Database.current()``), else
+    None (untuned, or a MetaSchedule database that is not a TuningDB's)."""
+    from tvm.s_tir import meta_schedule as ms
+
+    current = ms.database.Database.current()
+    if current is None:
+        return None
+    return next((db for db in list(_LIVE) if db.database.same_as(current)), None)
 
 
 class use_tuning_db:  # noqa: N801 - used as a context manager, like tvm's ``with target:``
-    """``with use_tuning_db(db_or_path, target):`` TVM builds inside apply ``db``'s records.
-    ``None`` leaves the active database as it is. A path names the active database when it
-    is that one (measuring in this process: the records as the build sees them now), else
-    the copy this process opened from it first (a measuring child, one per search)."""
+    """``with use_tuning_db(db_or_path, target):`` TVM builds inside apply ``db``'s records:
+    its MetaSchedule database is the current one. ``None`` leaves the current database as
+    it is. A path names the active database when it is that one (measuring in this process:
+    the records as the build sees them now), else the copy this process opened from it
+    first (a measuring child, one per search)."""
 
     def __init__(self, db, target=None):
         if isinstance(db, (str, os.PathLike)):
@@ -216,13 +227,16 @@ class use_tuning_db:  # noqa: N801 - used as a context manager, like tvm's ``wit
                     _OPENED[path] = open_tuning_db(path, target)
                 db = _OPENED[path]
         self.db = db
+        self._entered = None
 
     def __enter__(self):
         if self.db is not None:
-            _ACTIVE.append(self.db)
+            self._entered = self.db.database  # the one entered is the one left (a reload
+            self._entered.__enter__()         # inside replaces ``db.database``)
         return self.db
 
     def __exit__(self, *exc):
-        if self.db is not None:
-            _ACTIVE.pop()
+        if self._entered is not None:
+            self._entered.__exit__(*exc)
+            self._entered = None
         return False
