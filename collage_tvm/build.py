@@ -702,7 +702,7 @@ def _final_check(p: Placing, placement, floors: dict, op_level=None, others=None
     report = p.report
     verdict = never_slower(p.graph, placement, p.backends, p.target, op_level,
                            accuracy=p.options.accuracy, others=others, floors=floors,
-                           tvm_floor_ms=(report.lean or {}).get("tvm_alone_ms"))
+                           alone_ms=(report.lean or {}).get("alone_ms"))
     report.shipped, report.comparison = verdict.shipped, verdict.comparison
     report.whole_model = {}
     if verdict.floor:

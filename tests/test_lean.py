@@ -241,22 +241,29 @@ def test_a_lib_plus_tvm_build_doing_tvm_only_s_work_is_not_built_when_tvm_only_w
 
 
 def test_what_tvm_alone_takes_at_least_is_below_what_it_takes():
-    # The DP over TVM's candidates alone, on measured costs and floors: a lower bound of the
-    # full-measure TVM-alone placement (the roofline keeps to its floors here), and close to
-    # it when the DP measured TVM's candidates; the final check skips building tvm-only
-    # only past its cutoff.
-    from collage_tvm.check.never_slower import _tvm_only_hopeless
+    # The DP over TVM's candidates alone (and over an op library's with TVM's), on measured
+    # costs and floors: a lower bound of the full-measure single-backend placement (the
+    # roofline keeps to its floors here); the final check skips building one only past
+    # ALONE_FACTOR times the placement's first time.
+    from collage_tvm.check.never_slower import (ALONE_FACTOR, SLOW_BUILD_FACTOR,
+                                                _hopeless_by_estimate)
 
     graph, backends, candidates, table = _problem(blocks=3)
     raw, rep = lean_costs(FakeMeasurer(table), graph, candidates, backends, EPS, switch={})
-    mine = [c for c in candidates if c.backend == "tvm"]
-    full = place(graph.producers, mine,
-                 {c: max(0.0, table[c] - EPS["tvm"]) for c in mine}, EPS).cost
-    assert 0 < rep.tvm_alone_ms <= full + 1e-12
-    assert _tvm_only_hopeless(rep.tvm_alone_ms, cutoff=rep.tvm_alone_ms / 2)
-    assert _tvm_only_hopeless(rep.tvm_alone_ms, cutoff=2 * rep.tvm_alone_ms) is None
-    assert _tvm_only_hopeless(math.inf, cutoff=1.0) is None  # no cover: unknown, built
-    assert _tvm_only_hopeless(rep.tvm_alone_ms, cutoff=None) is None  # collage failed
+    for build, names in (("tvm-only", ("tvm",)), ("dnnl+tvm", ("dnnl", "tvm"))):
+        mine = [c for c in candidates if c.backend in names]
+        full = place(graph.producers, mine,
+                     {c: max(0.0, table[c] - EPS[c.backend]) for c in mine}, EPS).cost
+        assert 0 < rep.alone_ms[build] <= full + 1e-12, build
+    assert rep.alone_ms["tvm-only"] == rep.tvm_alone_ms
+    assert set(rep.alone_ms) == {"tvm-only", "dnnl+tvm"}  # onnxruntime: a graph library
+    est = rep.tvm_alone_ms
+    first = est / ALONE_FACTOR  # the placement's first time; the cutoff is 10x it
+    assert _hopeless_by_estimate(est, cutoff=SLOW_BUILD_FACTOR * first * 0.99)
+    assert _hopeless_by_estimate(est, cutoff=SLOW_BUILD_FACTOR * first * 1.01) is None
+    assert _hopeless_by_estimate(math.inf, cutoff=1.0) is None  # no cover: unknown, built
+    assert _hopeless_by_estimate(est, cutoff=None) is None  # collage failed
+    assert _hopeless_by_estimate(None, cutoff=1.0) is None  # no estimate (--no-lean)
 
 
 def test_tvm_far_slower_than_the_libraries_is_measured_a_few_times_not_everywhere(monkeypatch):

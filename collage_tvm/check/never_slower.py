@@ -58,7 +58,7 @@ class Verdict:
 def never_slower(graph, placement: Placement, backends: dict, target,
                  op_level: Placement | None = None, accuracy=None,
                  others: dict | None = None, floors: dict | None = None,
-                 tvm_floor_ms: float | None = None) -> Verdict:
+                 alone_ms: dict | None = None) -> Verdict:
     """Time the placement end to end beside every single-backend build; ship the fastest.
 
     Builds: "tvm-only" (TVM's own fusion); "<lib>+tvm" for each external op library (its
@@ -68,10 +68,11 @@ def never_slower(graph, placement: Placement, backends: dict, target,
     (graph, placement) on another graph of the same model (the unrewritten one when the
     rewrites changed it: ``Verdict.graph`` says which graph the shipped one is on); and
     ``floors``: name -> ``Floor``, the user's model file run whole by a graph library (one
-    that wins ships as ``Verdict.floor``). ``tvm_floor_ms``: the least TVM alone can take by
-    the search's measurements (``placer.lean``); past the cutoff a build must beat to be
-    timed (``SLOW_BUILD_FACTOR`` times collage's), tvm-only is not built (an untuned TVM build
-    of a big model takes seconds to build and run once) and another build is the reference
+    that wins ships as ``Verdict.floor``). ``alone_ms``: single-backend build name ->
+    the least it can take by the search's measurements and floors (``placer.lean``: tvm-only,
+    "<lib>+tvm" of the op libraries); one past ``ALONE_FACTOR`` times collage's first time
+    is not built (it could not win: an untuned TVM build of a big model takes seconds to
+    build and run once), and where that is tvm-only another build is the reference
     (``_reference``). Outputs are checked
     against tvm-only (f32): per element (rtol 1e-3) under the strict budget; under another
     ``accuracy`` (``precision.Accuracy``) on the random inputs of ``CHECK_SEEDS``, each
@@ -83,7 +84,7 @@ def never_slower(graph, placement: Placement, backends: dict, target,
     builds, graph_of = _builds(graph, placement, backends, op_level, others or {}, floors)
     with OtherLoad() as load:
         results, outputs, runs = _time_builds(builds, graph_of, floors, backends, target,
-                                              accuracy, weight_bytes(graph), tvm_floor_ms)
+                                              accuracy, weight_bytes(graph), alone_ms or {})
         ref = _reference(results, builds, floors)
         for name, out in outputs.items():
             results[name].update(_budget_of(name, floors, accuracy).check_seeds(
@@ -133,7 +134,7 @@ def _builds(graph, placement, backends, op_level, others, floors) -> tuple[dict,
 
 
 def _time_builds(builds, graph_of, floors, backends, target, accuracy, weights,
-                 tvm_floor_ms=None):
+                 alone_ms=None):
     """Build and time each contender once, keep its outputs (on the check's seeds too) and
     its run. Collage first: its time sets the cutoff beyond which a build is timed once
     only (an untuned TVM build of a big model can take minutes per run). A build that is
@@ -151,14 +152,14 @@ def _time_builds(builds, graph_of, floors, backends, target, accuracy, weights,
             continue
         if len(runs) > 1 and memory_short(weights):
             _narrow(runs, results, outputs, builds, accuracy, target, floors)
-        why = (_tvm_only_hopeless(tvm_floor_ms, cutoff) if name == "tvm-only" else
-               _hopeless_like_tvm_only(graph_of[name], builds[name], results, cutoff))
+        why = (_hopeless_by_estimate((alone_ms or {}).get(name), cutoff)
+               or _hopeless_like_tvm_only(graph_of[name], builds[name], results, cutoff))
         if why:
             logger.info("end to end: %s not built: %s", name, why)
             results[name] = {"ms": math.inf, "match": False, "max_err": math.nan,
                              "error": f"not built: {why}", "skipped": True}
-            if name == "tvm-only":
-                results[name]["floor_ms"] = tvm_floor_ms
+            if (alone_ms or {}).get(name) is not None:
+                results[name]["floor_ms"] = alone_ms[name]
             continue
         t_build = time.perf_counter()
         try:
@@ -193,14 +194,24 @@ def _time_builds(builds, graph_of, floors, backends, target, accuracy, weights,
 HOPELESS_SHARE = 0.9
 
 
-def _tvm_only_hopeless(tvm_floor_ms, cutoff) -> str | None:
-    """Why tvm-only need not be built, or None: the least the search found TVM alone can
-    take is past ``cutoff``."""
-    if tvm_floor_ms is None or cutoff is None or not math.isfinite(tvm_floor_ms) \
-            or not tvm_floor_ms > cutoff:
+# A single-backend build that by the search's measurements and floors takes at least this
+# many times the placement's first time is not built (``_hopeless_by_estimate``): the
+# re-timing takes the builds within 2x of the fastest, so it could not win; a margin over
+# that for the estimate's noise.
+ALONE_FACTOR = 2.5
+
+
+def _hopeless_by_estimate(estimate, cutoff) -> str | None:
+    """Why a single-backend build need not be built, or None: the least the search found it
+    can take (``estimate``) is past ``ALONE_FACTOR`` times collage's first time (``cutoff``
+    is ``SLOW_BUILD_FACTOR`` times that; None: collage failed, build everything)."""
+    if estimate is None or cutoff is None or not math.isfinite(estimate):
         return None
-    return (f"TVM alone takes at least {tvm_floor_ms:.0f} ms by the search's measurements "
-            f"and floors, past the {cutoff:.0f} ms a build must beat to be timed")
+    first = cutoff / SLOW_BUILD_FACTOR
+    if not estimate > ALONE_FACTOR * first:
+        return None
+    return (f"it takes at least {estimate:.1f} ms by the search's measurements and floors, "
+            f"over {ALONE_FACTOR:g}x the placement's {first:.1f} ms")
 
 
 def _hopeless_like_tvm_only(graph, groups, results: dict, cutoff) -> str | None:
