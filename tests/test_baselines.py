@@ -61,3 +61,22 @@ def test_interleaved_counts_the_batches_an_earlier_call_kept():
                      samples=samples)
     assert len(samples["quick"]) == 13
     assert ms["quick"] == 100.0  # the median of all 13: ten of them from before
+
+
+def test_interleaved_gives_no_function_the_same_predecessor_every_round(monkeypatch):
+    # What a function leaves behind beyond the pause (a pool still spinning, its weights in
+    # the cache) lands on whichever batch comes next: with rounds that only rotate, that is
+    # the same function every round. Each round's order is shuffled: every function follows
+    # more than one other, and several start a round.
+    log = []
+    monkeypatch.setattr(time, "sleep", lambda s: log.append("|"))  # the pause before a batch
+    names = ["a", "b", "c", "d"]
+    rounds = 24
+    interleaved({n: (lambda n=n: log.append(n)) for n in names}, rounds=rounds, min_ms=0.5)
+    timed = [b for b in "".join(log).split("|")[1:]]  # one string of calls per batch
+    order = [b[0] for b in timed]
+    assert len(order) == rounds * len(names) and all(set(b) == {b[0]} for b in timed)
+    for n in names:  # no function follows one other in most of its batches
+        before = [order[i - 1] for i in range(1, len(order)) if order[i] == n]
+        assert max(before.count(m) for m in set(before)) < 0.6 * len(before), (n, before)
+    assert len({order[k * len(names)] for k in range(rounds)}) >= 3, order

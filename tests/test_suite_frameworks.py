@@ -245,23 +245,8 @@ def test_frameworks_timed_on_a_busy_machine_are_timed_again_and_the_quietest_cou
         monkeypatch):
     """The retry looks at the load alone: the quietest timing counts even where its figures
     are worse for Collage."""
-    from collage_tvm.measure import timing
-    from collage_tvm.tools import bench
-
-    loads = iter([0.40, 0.05, 0.30])
-    figures = iter([{"collage": 1.0, "onnxruntime": 2.0}, {"collage": 1.0, "onnxruntime": 0.9}])
-
-    def exit_(self, *exc):
-        self.share = next(loads)
-
-    def frameworks(*args, **kwargs):
-        return {fw: {"ms": ms, "match": True} for fw, ms in next(figures).items()}
-
-    monkeypatch.setattr(timing.OtherLoad, "__exit__", exit_)
-    monkeypatch.setattr(bench, "torch_frameworks", frameworks)
-    monkeypatch.setattr(suites, "checked_model", lambda make, name: (None,) * 5)
-    monkeypatch.setattr(suites, "BUSY_PAUSE_S", 0.0)
-    row = suites.framework_row(None, "m", "m.onnx", None)
+    row = _framework_row_timed(monkeypatch, [0.40, 0.05, 0.30], [
+        {"collage": 1.0, "onnxruntime": 2.0}, {"collage": 1.0, "onnxruntime": 0.9}])
     assert row["frameworks_loads"] == [0.40, 0.05]  # quiet on the second try: no third
     assert row["frameworks_other_load"] == 0.05
     assert row["frameworks"]["onnxruntime"]["ms"] == 0.9 and row["vs_best_f32"] == 0.9
@@ -326,17 +311,26 @@ def test_frameworks_whose_a_a_control_strays_are_timed_again_and_the_steadiest_c
     the A/A control: a timing whose control landed beyond ``AA_NOISY`` from ONNX Runtime's
     figure is retried, and the one with the smallest A/A spread counts (not the one best for
     Collage)."""
-    from collage_tvm.measure import timing
-    from collage_tvm.tools import bench
-
-    figures = iter([
+    row = _framework_row_timed(monkeypatch, [0.0] * 3, [
         {"collage": 1.0, "onnxruntime": 2.0, suites.CONTROL: 2.6},   # A/A 30%: again
         {"collage": 1.0, "onnxruntime": 0.9, suites.CONTROL: 0.93},  # 3.3%: again
         {"collage": 1.0, "onnxruntime": 1.5, suites.CONTROL: 1.2},   # 20%
     ])
+    assert row["frameworks_aa_spreads"] == pytest.approx([0.3, 0.0333, 0.2], abs=1e-3)
+    assert row["frameworks"]["onnxruntime"]["ms"] == 0.9 and row["vs_best_f32"] == 0.9
+    assert row["aa_spread"] == pytest.approx(0.0333, abs=1e-3)
+
+
+def _framework_row_timed(monkeypatch, loads: list, figures: list) -> dict:
+    """``suites.framework_row`` with each try's load (the share of the CPU other processes
+    took) and figures (framework -> ms) given, nothing timed."""
+    from collage_tvm.measure import timing
+    from collage_tvm.tools import bench
+
+    loads, figures = iter(loads), iter(figures)
 
     def exit_(self, *exc):
-        self.share = 0.0
+        self.share = next(loads)
 
     def frameworks(*args, **kwargs):
         return {fw: {"ms": ms, "match": True} for fw, ms in next(figures).items()}
@@ -345,7 +339,4 @@ def test_frameworks_whose_a_a_control_strays_are_timed_again_and_the_steadiest_c
     monkeypatch.setattr(bench, "torch_frameworks", frameworks)
     monkeypatch.setattr(suites, "checked_model", lambda make, name: (None,) * 5)
     monkeypatch.setattr(suites, "BUSY_PAUSE_S", 0.0)
-    row = suites.framework_row(None, "m", "m.onnx", None)
-    assert row["frameworks_aa_spreads"] == pytest.approx([0.3, 0.0333, 0.2], abs=1e-3)
-    assert row["frameworks"]["onnxruntime"]["ms"] == 0.9 and row["vs_best_f32"] == 0.9
-    assert row["aa_spread"] == pytest.approx(0.0333, abs=1e-3)
+    return suites.framework_row(None, "m", "m.onnx", None)

@@ -10,6 +10,7 @@ None on the CPU.
 """
 from __future__ import annotations
 
+import random
 import statistics
 import time
 
@@ -179,6 +180,7 @@ def time_side_by_side(runs: list, rounds: int = 9, target_ms: float = 2.0, sync=
 #: after another ONNX Runtime build of the same model was charged for that build's spinning
 #: threads beyond what one untimed call absorbs; ``tests/test_baselines.py`` shows the case).
 SETTLE_S = 0.05
+ORDER_SEED = 0  # ``interleaved``'s order of the functions in each round
 
 
 def interleaved(fns: dict, rounds: int = 7, min_ms: float = 200.0, sync=None,
@@ -187,9 +189,12 @@ def interleaved(fns: dict, rounds: int = 7, min_ms: float = 200.0, sync=None,
 
     Each batch starts after a pause of ``settle_s`` and with one untimed call: whatever the
     function before it left behind (a library's thread pool still spinning on every core,
-    the cache full of other weights) would otherwise slow down whichever function always
-    comes next. Each round starts one function further along, so that slow drift of the
-    machine does not favour the first or the last. ``settle_s``: ``SETTLE_S`` unless given.
+    the cache full of other weights) would otherwise slow down the function that comes
+    next. Each round runs the functions in a fresh order (shuffled, seeded: the same calls
+    time alike), so that what one function leaves behind beyond the pause does not fall on
+    the same other function every round (rounds that only started one function further
+    along kept each function's predecessor fixed), and slow drift of the machine favours
+    none. ``settle_s``: ``SETTLE_S`` unless given.
     ``samples``: name -> the ms per call of each batch, kept from an earlier call (extended
     in place with this call's; the median is over them all)."""
     settle_s = SETTLE_S if settle_s is None else settle_s
@@ -205,8 +210,10 @@ def interleaved(fns: dict, rounds: int = 7, min_ms: float = 200.0, sync=None,
     for n in fns:
         samples.setdefault(n, [])
     names = list(fns)
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+    order = random.Random(ORDER_SEED)
+    for _ in range(rounds):
+        order.shuffle(names)
+        for name in names:
             fn = fns[name]
             time.sleep(settle_s)  # the last batch's spinning threads go idle
             fn()  # lead-in, untimed
