@@ -245,7 +245,7 @@ def test_what_tvm_alone_takes_at_least_is_below_what_it_takes():
     # costs and floors: a lower bound of the full-measure single-backend placement (the
     # roofline keeps to its floors here); the final check skips building one only past
     # ALONE_FACTOR times the placement's first time.
-    from collage_tvm.check.never_slower import (ALONE_FACTOR, SLOW_BUILD_FACTOR,
+    from collage_tvm.check.never_slower import (ALONE_FACTOR, ALONE_MIN_MS, SLOW_BUILD_FACTOR,
                                                 _hopeless_by_estimate)
 
     graph, backends, candidates, table = _problem(blocks=3)
@@ -257,13 +257,15 @@ def test_what_tvm_alone_takes_at_least_is_below_what_it_takes():
         assert 0 < rep.alone_ms[build] <= full + 1e-12, build
     assert rep.alone_ms["tvm-only"] == rep.tvm_alone_ms
     assert set(rep.alone_ms) == {"tvm-only", "dnnl+tvm"}  # onnxruntime: a graph library
-    est = rep.tvm_alone_ms
+    est = max(rep.tvm_alone_ms, 2 * ALONE_MIN_MS)  # (the fake table's ms are tiny)
     first = est / ALONE_FACTOR  # the placement's first time; the cutoff is 10x it
     assert _hopeless_by_estimate(est, cutoff=SLOW_BUILD_FACTOR * first * 0.99)
     assert _hopeless_by_estimate(est, cutoff=SLOW_BUILD_FACTOR * first * 1.01) is None
     assert _hopeless_by_estimate(math.inf, cutoff=1.0) is None  # no cover: unknown, built
     assert _hopeless_by_estimate(est, cutoff=None) is None  # collage failed
     assert _hopeless_by_estimate(None, cutoff=1.0) is None  # no estimate (--no-lean)
+    # a build estimated under ALONE_MIN_MS is built whatever the ratio
+    assert _hopeless_by_estimate(0.9 * ALONE_MIN_MS, cutoff=1e-6) is None
 
 
 def test_tvm_far_slower_than_the_libraries_is_measured_a_few_times_not_everywhere(monkeypatch):

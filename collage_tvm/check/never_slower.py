@@ -199,16 +199,20 @@ HOPELESS_SHARE = 0.9
 # re-timing takes the builds within 2x of the fastest, so it could not win; a margin over
 # that for the estimate's noise.
 ALONE_FACTOR = 2.5
+# ... and at least this many ms: a build that quick costs little to build and time, and an
+# estimate (per-call overheads left out) is least sure where they are most of the time.
+ALONE_MIN_MS = 1.0
 
 
 def _hopeless_by_estimate(estimate, cutoff) -> str | None:
     """Why a single-backend build need not be built, or None: the least the search found it
     can take (``estimate``) is past ``ALONE_FACTOR`` times collage's first time (``cutoff``
-    is ``SLOW_BUILD_FACTOR`` times that; None: collage failed, build everything)."""
+    is ``SLOW_BUILD_FACTOR`` times that; None: collage failed, build everything) and past
+    ``ALONE_MIN_MS``."""
     if estimate is None or cutoff is None or not math.isfinite(estimate):
         return None
     first = cutoff / SLOW_BUILD_FACTOR
-    if not estimate > ALONE_FACTOR * first:
+    if not estimate > max(ALONE_FACTOR * first, ALONE_MIN_MS):
         return None
     return (f"it takes at least {estimate:.1f} ms by the search's measurements and floors, "
             f"over {ALONE_FACTOR:g}x the placement's {first:.1f} ms")
