@@ -84,7 +84,7 @@ def never_slower(graph, placement: Placement, backends: dict, target,
     builds, graph_of = _builds(graph, placement, backends, op_level, others or {}, floors)
     with OtherLoad() as load:
         results, outputs, runs = _time_builds(builds, graph_of, floors, backends, target,
-                                              accuracy, weight_bytes(graph), alone_ms or {})
+                                              accuracy, weight_bytes(graph), alone_ms)
         ref = _reference(results, builds, floors)
         for name, out in outputs.items():
             results[name].update(_budget_of(name, floors, accuracy).check_seeds(
@@ -141,6 +141,7 @@ def _time_builds(builds, graph_of, floors, backends, target, accuracy, weights,
     the same placement as an earlier one is recorded as ``same_as`` it. Returns (results,
     outputs, runs)."""
     seeds = CHECK_SEEDS[1:] if not accuracy.strict else ()
+    alone_ms = alone_ms or {}
     results, outputs, runs, seen = {}, {}, {}, {}
     cutoff = None
     for name in ["collage", "tvm-only"] + [n for n in builds if n not in ("collage", "tvm-only")]:
@@ -152,13 +153,13 @@ def _time_builds(builds, graph_of, floors, backends, target, accuracy, weights,
             continue
         if len(runs) > 1 and memory_short(weights):
             _narrow(runs, results, outputs, builds, accuracy, target, floors)
-        why = (_hopeless_by_estimate((alone_ms or {}).get(name), cutoff)
+        why = (_hopeless_by_estimate(alone_ms.get(name), cutoff)
                or _hopeless_like_tvm_only(graph_of[name], builds[name], results, cutoff))
         if why:
             logger.info("end to end: %s not built: %s", name, why)
             results[name] = {"ms": math.inf, "match": False, "max_err": math.nan,
                              "error": f"not built: {why}", "skipped": True}
-            if (alone_ms or {}).get(name) is not None:
+            if alone_ms.get(name) is not None:
                 results[name]["floor_ms"] = alone_ms[name]
             continue
         t_build = time.perf_counter()

@@ -63,11 +63,11 @@ class LeanReport:
     upper_ms: float = math.inf  # the best cover of measured candidates then
     stopped: str = ""       # "measured": the DP chose measured candidates only; "gap"
     # The DP's answer over TVM's candidates alone, on measured costs and floors: the least
-    # TVM alone can take, as far as the floors hold (the final check need not build a TVM
-    # alone that cannot come near the others: ``never_slower``'s ``tvm_floor_ms``)
+    # TVM alone can take, as far as the floors hold; ``alone_ms``: the same for each
+    # single-backend build of TVM or an op library the final check makes (build name -> ms:
+    # "tvm-only", "<lib>+tvm"), which need not be built where they cannot come near the
+    # others (``never_slower``'s ``alone_ms``)
     tvm_alone_ms: float = math.inf
-    # The same for each op library's single-backend build of the final check ("<lib>+tvm":
-    # the DP over that library's candidates and TVM's): build name -> ms
     alone_ms: dict = field(default_factory=dict)
     per_backend: dict = field(default_factory=dict)  # backend -> [measured or known, skipped]
 
@@ -255,19 +255,18 @@ def lean_costs(measurer, graph, candidates: list, backends: dict, eps: dict, swi
         floors_at_measure.update({c: est[c] for c in todo})
         rep.measured += _measure(measurer, graph, todo, backends, raw, floors, same)
     _finish(rep, candidates, raw, eps, floors_at_measure)
-    rep.tvm_alone_ms = _alone(graph, [c for c in candidates if c.backend == "tvm"], raw, floors,
-                              eps)
-    rep.alone_ms = {"tvm-only": rep.tvm_alone_ms}
-    for name, b in backends.items():
-        if b.is_external and b.kind == "op":
-            rep.alone_ms[f"{name}+tvm"] = _alone(
-                graph, [c for c in candidates if c.backend in (name, "tvm")], raw, floors, eps)
+    builds = {"tvm-only": ("tvm",), **{f"{n}+tvm": (n, "tvm") for n, b in backends.items()
+                                       if b.is_external and b.kind == "op"}}
+    rep.alone_ms = {build: _alone(graph, [c for c in candidates if c.backend in names], raw,
+                                  floors, eps) for build, names in builds.items()}
+    rep.tvm_alone_ms = rep.alone_ms["tvm-only"]
     return {c: raw.get(c, math.inf) for c in candidates}, rep
 
 
 def _alone(graph, mine: list, raw: dict, floors: Floors, eps: dict) -> float:
     """The DP's cost over the candidates ``mine`` alone (TVM's, or one library's and TVM's),
-    each at its measured time or else its floor (nodes none covers at 0, as the search keeps them on TVM; ``inf``: no cover)."""
+    each at its measured time or else its floor (nodes none covers at 0, as the search keeps
+    them on TVM; ``inf``: no cover)."""
     est = {c: (max(0.0, raw[c] - eps.get(c.backend, 0.0)) if c in raw else floors.floor(c))
            for c in mine}
     try:

@@ -156,12 +156,12 @@ def frameworks(name: str, size: str, onnx_path: str, collage_executable, accurac
 # batches (seven left two runs of one row far apart on a noisy machine).
 FRAMEWORK_ROUNDS = 15
 # The row's runoff (``_framework_times``): Collage's figure and those within
-# ``ROW_RUNOFF_MARGIN`` of it or of the fastest f32 framework are timed on, side by side,
-# until each is the median of ``ROW_RUNOFF_ROUNDS`` batches. Fifteen batches of a few-ms
-# model still swing by 5-10% on a shared VM (two sessions of one ONNX file, timed so,
-# landed 0.94-1.13x apart), and the row's verdict takes the fastest of several such
-# figures, which favours whichever drew the lucky stretch; the close ones are the ones
-# whose ratio the noise can turn.
+# ``ROW_RUNOFF_MARGIN`` of it, or of the fastest f32 framework where that one is ahead, are
+# timed on, side by side, until each is the median of ``ROW_RUNOFF_ROUNDS`` batches.
+# Fifteen batches of a few-ms model still swing by 5-10% on a shared VM (two sessions of one
+# ONNX file, timed so, landed 0.94-1.13x apart), and the row's verdict takes the fastest of
+# several such figures, which favours whichever drew the lucky stretch; the close ones are
+# the ones whose ratio the noise can turn.
 ROW_RUNOFF_MARGIN = 0.10
 ROW_RUNOFF_ROUNDS = 45
 
@@ -276,9 +276,9 @@ def _framework_times(runs: dict, extra: dict, control: str | None = None) -> dic
     """name -> ms of ``runs`` (name -> a call), timed interleaved ``FRAMEWORK_ROUNDS``
     rounds; then the runoff: Collage's figures ("collage", "collage (f32)") with every figure
     within ``ROW_RUNOFF_MARGIN`` of Collage's (either side) or, where the fastest f32 one is
-    ahead of Collage, of that one, timed
-    on together until each has ``ROW_RUNOFF_ROUNDS`` batches (the A/A ``control`` joins when
-    ONNX Runtime does, so it stays a control of the same timing). A figure is f32 unless
+    ahead of Collage, of that one, timed on together until each has ``ROW_RUNOFF_ROUNDS``
+    batches (the A/A ``control`` joins when ONNX Runtime does, so it stays a control of the
+    same timing). A figure is f32 unless
     ``extra[name]["precision"]`` says otherwise. ``extra[name]["rounds"]``: the batches
     behind each figure."""
     from collage_tvm.measure.timing import interleaved

@@ -807,9 +807,8 @@ def _noise_key(share: float, aa: float | None) -> tuple:
     A/A spread, then the least load."""
     from ..measure.timing import BUSY_SHARE
 
-    load = share if math.isfinite(share) else math.inf
-    return (not share <= BUSY_SHARE and math.isfinite(share), aa if aa is not None else 0.0,
-            load)
+    return (share > BUSY_SHARE, aa if aa is not None else 0.0,
+            share if math.isfinite(share) else math.inf)
 
 
 def _noise_text(share: float, aa: float | None) -> str:
