@@ -80,3 +80,55 @@ def test_interleaved_gives_no_function_the_same_predecessor_every_round(monkeypa
         before = [order[i - 1] for i in range(1, len(order)) if order[i] == n]
         assert max(before.count(m) for m in set(before)) < 0.6 * len(before), (n, before)
     assert len({order[k * len(names)] for k in range(rounds)}) >= 3, order
+
+
+def _clocked(monkeypatch, costs: dict, calls: dict):
+    """Functions that each advance a fake clock by their cost per call (ms, or a list of ms:
+    one per batch, the last repeated), and no pauses: ``interleaved`` without a real clock."""
+    from collage_tvm.measure import timing
+
+    clock = [0.0]
+    monkeypatch.setattr(timing, "_done", lambda sync: clock[0])
+    monkeypatch.setattr(time, "sleep", lambda s: None)
+
+    def fn(name):
+        def call():
+            calls[name] = calls.get(name, 0) + 1
+            cost = costs[name]
+            clock[0] += cost / 1e3
+        return call
+    return {n: fn(n) for n in costs}
+
+
+def test_interleaved_drops_a_function_that_lost_even_at_its_best(monkeypatch):
+    calls: dict = {}
+    fns = _clocked(monkeypatch, {"fast": 1.0, "close": 1.02, "slow": 1.3}, calls)
+    samples: dict = {}
+    dropped: set = set()
+    ms = interleaved(fns, rounds=10, min_ms=10.0, samples=samples, drop=0.05, dropped=dropped)
+    from collage_tvm.measure.timing import DROP_AFTER
+    assert dropped == {"slow"}
+    assert len(samples["slow"]) == DROP_AFTER  # timed no further once it lost at its best
+    assert len(samples["fast"]) == len(samples["close"]) == 10  # within the margin: all rounds
+    assert abs(ms["slow"] - 1.3) < 1e-6 and abs(ms["fast"] - 1.0) < 1e-6
+    # Without ``drop`` every function gets every round.
+    samples = {}
+    interleaved(fns, rounds=10, min_ms=10.0, samples=samples)
+    assert {len(s) for s in samples.values()} == {10}
+
+
+def test_interleaved_stops_when_one_function_is_left_and_only_leaders_set_the_bar(monkeypatch):
+    calls: dict = {}
+    fns = _clocked(monkeypatch, {"a": 1.0, "b": 2.0, "advice": 0.5}, calls)
+    samples: dict = {}
+    dropped: set = set()
+    interleaved(fns, rounds=10, min_ms=10.0, samples=samples, drop=0.05, dropped=dropped,
+                lead={"a", "b"})
+    # "advice" (faster, but not a contender) does not set the bar: "a" stays, "b" goes;
+    # "advice" is not dropped either, being the fastest. Two functions left: all rounds.
+    assert dropped == {"b"} and len(samples["a"]) == len(samples["advice"]) == 10
+    samples, dropped = {}, set()
+    interleaved({n: fns[n] for n in ("a", "b")}, rounds=10, min_ms=10.0, samples=samples,
+                drop=0.05, dropped=dropped)
+    from collage_tvm.measure.timing import DROP_AFTER
+    assert dropped == {"b"} and len(samples["a"]) == DROP_AFTER  # alone: nothing to compare

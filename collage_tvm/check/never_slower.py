@@ -268,7 +268,7 @@ def _retime(results, runs, outside, target) -> None:
                       (1 + RUNOFF_MARGIN) if n in outside else 2) * fastest}
     samples: dict = {}  # name -> ms of each batch
     if len(contenders) > 1:
-        _time_again(results, contenders, target, samples=samples)
+        _time_again(results, contenders, target, samples=samples, outside=outside)
     _runoff(results, runs, outside, target, samples)
 
 
@@ -287,7 +287,8 @@ def _runoff(results, runs, outside, target, samples: dict | None = None) -> None
     them."""
     ok = _correct_ms(results, runs, outside)
     fastest = min(ok.values(), default=math.inf)
-    close = {n: runs[n] for n, ms in ok.items() if ms <= (1 + RUNOFF_MARGIN) * fastest}
+    close = {n: runs[n] for n, ms in ok.items()
+             if ms <= (1 + RUNOFF_MARGIN) * fastest and not results[n].get("dropped")}
     if len(close) < 2:
         return
     samples = {n: (samples or {}).get(n, []) for n in close}
@@ -305,12 +306,30 @@ def _correct_ms(results, runs, outside) -> dict:
     return {n: results[n]["ms"] for n in runs if results[n]["match"] and n not in outside}
 
 
-def _time_again(results, fns: dict, target, **kw) -> None:
-    """``fns`` (name -> run) timed side by side (``interleaved``, ``kw`` passed on): their
-    "ms" become these figures, the first kept as "first_ms"."""
-    for name, ms in interleaved(fns, sync=device_sync(target), **kw).items():
+# A contender whose fastest batch (of ``timing.DROP_AFTER`` or more) is over this share
+# slower than the leader's median is timed no further (``interleaved``'s ``drop``): the
+# rounds go to the builds that can still win.
+DROP_MARGIN = 0.05
+
+
+def _time_again(results, fns: dict, target, samples: dict | None = None, outside=(),
+                **kw) -> None:
+    """``fns`` (name -> run) timed side by side (``interleaved``, ``kw`` passed on), a build
+    that lost even at its best timed no further (``DROP_MARGIN``; marked "dropped"): their
+    "ms" become these figures, the first kept as "first_ms"; "rounds": the batches each
+    figure is the median of. ``outside``: builds outside the accuracy budget (timed for the
+    advice; they do not set the bar the others are dropped by)."""
+    samples = {} if samples is None else samples
+    dropped: set = set()
+    for name, ms in interleaved(fns, sync=device_sync(target), samples=samples,
+                                drop=DROP_MARGIN, dropped=dropped,
+                                lead={n for n in fns if n not in outside}, **kw).items():
         results[name].setdefault("first_ms", results[name]["ms"])
         results[name]["ms"] = ms
+        if samples.get(name):
+            results[name]["rounds"] = len(samples[name])
+        if name in dropped:
+            results[name]["dropped"] = True
 
 
 def _ship(verdict, best, builds, op_level, others, floors) -> None:

@@ -183,8 +183,15 @@ SETTLE_S = 0.05
 ORDER_SEED = 0  # ``interleaved``'s order of the functions in each round
 
 
+#: ``interleaved(..., drop=...)``: a function whose fastest batch, once it has this many,
+#: is slower than the leader's median by more than the margin given is timed no further.
+DROP_AFTER = 4
+
+
 def interleaved(fns: dict, rounds: int = 7, min_ms: float = 200.0, sync=None,
-                settle_s: float | None = None, samples: dict | None = None) -> dict:
+                settle_s: float | None = None, samples: dict | None = None,
+                drop: float | None = None, dropped: set | None = None,
+                lead=None) -> dict:
     """Median ms per call of each function, timed in alternating rounds (noise hits all alike).
 
     Each batch starts after a pause of ``settle_s`` and with one untimed call: whatever the
@@ -196,7 +203,15 @@ def interleaved(fns: dict, rounds: int = 7, min_ms: float = 200.0, sync=None,
     along kept each function's predecessor fixed), and slow drift of the machine favours
     none. ``settle_s``: ``SETTLE_S`` unless given.
     ``samples``: name -> the ms per call of each batch, kept from an earlier call (extended
-    in place with this call's; the median is over them all)."""
+    in place with this call's; the median is over them all).
+    ``drop``: after each round, a function with ``DROP_AFTER`` batches or more whose fastest
+    batch is over ``1 + drop`` times the median of the leader (the lowest median) is timed
+    no further, and the rounds end when one function is left: a comparison needs no more
+    rounds for a function that even at its best lost (two functions that take the same
+    time each have a batch below the other's median in all but a few of 2**DROP_AFTER
+    orderings). Its median is over the batches it had; its name goes into ``dropped``.
+    ``lead``: the names that can be the leader (default: all; a build timed only to say how
+    it compares, outside an accuracy budget, must not set the bar the others are held to)."""
     settle_s = SETTLE_S if settle_s is None else settle_s
     for fn in fns.values():  # warm-up
         fn()
@@ -212,6 +227,8 @@ def interleaved(fns: dict, rounds: int = 7, min_ms: float = 200.0, sync=None,
     names = list(fns)
     order = random.Random(ORDER_SEED)
     for _ in range(rounds):
+        if drop is not None and len(names) < 2 <= len(fns):
+            break
         order.shuffle(names)
         for name in names:
             fn = fns[name]
@@ -221,7 +238,24 @@ def interleaved(fns: dict, rounds: int = 7, min_ms: float = 200.0, sync=None,
             for _ in range(number[name]):
                 fn()
             samples[name].append((_done(sync) - t0) * 1e3 / number[name])
+        if drop is not None:
+            lost = _lost(names, samples, drop, fns if lead is None else lead)
+            names = [n for n in names if n not in lost]
+            if dropped is not None:
+                dropped.update(lost)
     return {n: statistics.median(samples[n]) for n in fns}
+
+
+def _lost(names, samples: dict, drop: float, lead) -> set:
+    """The functions among ``names`` whose fastest of ``DROP_AFTER`` or more batches is over
+    ``1 + drop`` times the leader's median, the leader among ``names`` in ``lead``
+    (``interleaved``)."""
+    leaders = [statistics.median(samples[n]) for n in names if n in lead]
+    if not leaders:
+        return set()
+    leader = min(leaders)
+    return {n for n in names
+            if len(samples[n]) >= DROP_AFTER and min(samples[n]) > (1 + drop) * leader}
 
 
 # ---------------------------------------------------------------- the machine's other work
