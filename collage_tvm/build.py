@@ -43,7 +43,7 @@ from .placer.lean import lean_costs
 from .placer.op_level import ensure_cover, place
 from .precision import CHECK_SEEDS, cpu_precisions, parse_accuracy
 from .registry import get_backend, list_backends
-from .target import make_target
+from .target import device_fingerprint, make_target
 from .tuning import TuningDB, active_database, default_dir, open_tuning_db, use_tuning_db
 
 logger = logging.getLogger("collage_tvm")
@@ -87,6 +87,9 @@ class BuildReport:
     # ``measure.timing.BUSY_SHARE`` its verdict is logged as unsure and checked again.
     other_load: float = math.nan
     rechecked: bool = False  # the placement log's unsure verdict was checked again
+    # The RPC servers' device, where it is not this machine's (a search for a device of
+    # another kind): whole builds were not run here (``_unjudged``).
+    measured_elsewhere: str = ""
 
     def summary(self) -> str:
         if self.placement_from_log:
@@ -680,7 +683,10 @@ def _search(p: Placing, unrewritten=None, floors: dict | None = None) -> tuple:
     rewrite search's measurements), and ships it if it is faster. ``floors``: the user's
     model file whole on each graph library (``_floors``); one that wins is named in
     ``report.whole_model``."""
-    op_level = _calibrated(p, _op_level(p))
+    work = _op_level(p)
+    if p.report.measured_elsewhere:
+        return _unjudged(p, work.placement), p.graph
+    op_level = _calibrated(p, work)
     placement = _graph_level(p, op_level) if p.options.graph_level else op_level
     if p.options.compare:
         others = {}
@@ -694,6 +700,28 @@ def _search(p: Placing, unrewritten=None, floors: dict | None = None) -> tuple:
     if _reduced(placement, p.backends):
         return _within_budget(p, placement, floors)
     return placement, p.graph
+
+
+def _unjudged(p: Placing, placement):
+    """``placement`` as the op level placed it, for a search whose candidates were measured
+    on RPC servers of another kind than this machine (``report.measured_elsewhere``): the
+    calibration, the graph level and the final check run whole builds, and a build for that
+    device cannot run here (running them on the servers is not built yet), so they are left
+    out and the report says why."""
+    report = p.report
+    why = (f"the candidates were measured on the RPC servers' device "
+           f"({report.measured_elsewhere}), not on this machine ({device_fingerprint(p.target)})"
+           f", and whole builds are not yet run there")
+    logger.warning("%s: shipping the op-level placement by their measurements, unjudged end "
+                   "to end", why)
+    if p.options.graph_level:
+        report.graph_level = {"skipped": why}
+    if p.options.compare:
+        report.floor = f"the final check is off: {why}"
+    if _reduced(placement, p.backends):
+        logger.warning("reduced-precision groups in the placement: their outputs were not "
+                       "checked against f32 (that runs whole builds too)")
+    return placement
 
 
 def _final_check(p: Placing, placement, floors: dict, op_level=None, others=None) -> tuple:
@@ -762,6 +790,8 @@ def _op_level(p: Placing) -> OpLevel:
     tuning = active_database()
     measurer = Measurer.from_options(p.target, p.cost_db, candidate_vm_for(tuning), p.options,
                                      tuning=tuning)
+    if measurer.remote is not None and measurer.device != device_fingerprint(p.target):
+        p.report.measured_elsewhere = measurer.device
     try:
         work, measuring_s = _measured(p, measurer, candidates)
         # Re-timing close calls may take half as long again as measuring did, and at most

@@ -117,6 +117,8 @@ def _print_search(rep) -> None:
               f"({gl['invalid']} invalid); stopped by {gl['stopped']}")
         for reason in gl.get("invalid_reasons", [])[:3]:
             print(f"  invalid: {reason}")
+    elif gl.get("skipped"):
+        print(f"graph-level: skipped: {gl['skipped']}")
 
 
 def _print_conditions(rep) -> None:

@@ -208,3 +208,36 @@ def test_a_request_left_by_a_server_dying_on_the_last_one_goes_to_a_live_server(
     assert sorted(got) == [0, 1, 2] and all(r[0] == 1.0 for r in got.values())
     assert {r[2]["server"] for r in got.values()} == {"ok"}
     assert devices.requeued == 1 and [a for a, _ in devices.dropped] == ["dying"]
+
+
+def test_a_search_for_a_device_of_another_kind_does_not_judge_whole_builds_here(
+        tracker, tmp_path, monkeypatch):
+    """The servers' device is not this machine's (made so: the searching side's fingerprint
+    differs): calibration, the graph level and the final check run whole builds, which for
+    that device cannot run here. They are left out, the report says why, and the op-level
+    placement by the servers' measurements ships."""
+    import importlib
+
+    build = importlib.import_module("collage_tvm.build")  # the package's ``build`` is a function
+    monkeypatch.setattr(build, "device_fingerprint", lambda target: "another-cpu|64c|llvm:")
+
+    def judged_here(*a, **k):
+        raise AssertionError("a whole build was judged on the searching machine")
+
+    monkeypatch.setattr(build, "never_slower", judged_here)
+    monkeypatch.setattr(build, "calibrate", judged_here)
+    servers = _servers(tracker, 1)
+    try:
+        model = _model(tmp_path / "m.onnx")
+        res = collage_tvm.optimize(
+            model, "llvm", db=str(tmp_path / "c.db"), rpc_tracker=f"127.0.0.1:{tracker.port}",
+            rpc_key=KEY, placement_log=str(tmp_path / "p.json"),
+            **{**SEARCH, "graph_level": True, "compare": True, "calibrate_rounds": 1})
+        rep = res.report
+        assert rep.measured_elsewhere and rep.measured_elsewhere != "another-cpu|64c|llvm:"
+        assert "not on this machine" in rep.graph_level["skipped"]
+        assert rep.floor.startswith("the final check is off") and not rep.comparison
+        assert rep.distinct_measured > 4 and res.executable is not None
+    finally:
+        for s in servers:
+            s.terminate()
