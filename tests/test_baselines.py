@@ -82,27 +82,24 @@ def test_interleaved_gives_no_function_the_same_predecessor_every_round(monkeypa
     assert len({order[k * len(names)] for k in range(rounds)}) >= 3, order
 
 
-def _clocked(monkeypatch, costs: dict, calls: dict):
-    """Functions that each advance a fake clock by their cost per call (ms, or a list of ms:
-    one per batch, the last repeated), and no pauses: ``interleaved`` without a real clock."""
+def _clocked(monkeypatch, costs: dict):
+    """Functions that each advance a fake clock by their cost (ms) per call, and no pauses:
+    ``interleaved`` without a real clock."""
     from collage_tvm.measure import timing
 
     clock = [0.0]
     monkeypatch.setattr(timing, "_done", lambda sync: clock[0])
     monkeypatch.setattr(time, "sleep", lambda s: None)
 
-    def fn(name):
+    def fn(ms):
         def call():
-            calls[name] = calls.get(name, 0) + 1
-            cost = costs[name]
-            clock[0] += cost / 1e3
+            clock[0] += ms / 1e3
         return call
-    return {n: fn(n) for n in costs}
+    return {n: fn(ms) for n, ms in costs.items()}
 
 
 def test_interleaved_drops_a_function_that_lost_even_at_its_best(monkeypatch):
-    calls: dict = {}
-    fns = _clocked(monkeypatch, {"fast": 1.0, "close": 1.02, "slow": 1.3}, calls)
+    fns = _clocked(monkeypatch, {"fast": 1.0, "close": 1.02, "slow": 1.3})
     samples: dict = {}
     dropped: set = set()
     ms = interleaved(fns, rounds=10, min_ms=10.0, samples=samples, drop=0.05, dropped=dropped)
@@ -118,8 +115,7 @@ def test_interleaved_drops_a_function_that_lost_even_at_its_best(monkeypatch):
 
 
 def test_interleaved_stops_when_one_function_is_left_and_only_leaders_set_the_bar(monkeypatch):
-    calls: dict = {}
-    fns = _clocked(monkeypatch, {"a": 1.0, "b": 2.0, "advice": 0.5}, calls)
+    fns = _clocked(monkeypatch, {"a": 1.0, "b": 2.0, "advice": 0.5})
     samples: dict = {}
     dropped: set = set()
     interleaved(fns, rounds=10, min_ms=10.0, samples=samples, drop=0.05, dropped=dropped,
