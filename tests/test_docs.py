@@ -89,3 +89,18 @@ def test_the_summary_counts_rows_below_the_goal_beyond_their_a_a_spread():
             for m, x, aa in (("close", 0.95, 0.06), ("far", 0.90, 0.04), ("fine", 1.1, 0.01))]
     text = docs.suite_summary([{"suite": "torchvision", "machine": {"cpu": "X"}, "rows": rows}])
     assert "| 2 (1 beyond A/A noise) |" in text
+
+
+def test_the_gpu_table_sets_the_shipped_build_against_the_best_gpu_framework():
+    fw = {"pytorch (cuda)": {"ms": 3.0, "match": True},
+          "torch.compile": {"ms": 2.5, "match": True},
+          "torch.compile (cuda graphs)": {"ms": 1.5, "match": False},  # wrong: not the bar
+          "collage": {"ms": 2.0, "match": True}}
+    doc = {"machine": {"cpu": "X", "cores": 16, "gpu": "NVIDIA H100"}, "models": [{
+        "model": "m", "size": "paper", "frameworks": fw,
+        "two-level": {"shipped": "cudnn+tvm", "comparison": {
+            "collage": {"ms": 2.7, "ops": {"inductor": 5}}}}}]}
+    text = docs.gpu_table([doc])
+    assert "Machine: X, 16 cores, GPU NVIDIA H100" in text
+    assert ("| m | paper | inductor 5 (2.700) | cudnn+tvm | 2.000 | 3.000 | 2.500 | 1.500 "
+            "(wrong) | 1.25x | **NO** |") in text

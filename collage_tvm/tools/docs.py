@@ -18,6 +18,8 @@ named files (paths relative to the page's folder). Kinds:
   every build it timed, its latency, correctness and operators per backend.
 - ``call-tir-survey``: what TVM's ONNX importer writes as ``call_tir`` and what is raised
   (``tools.call_tir_survey``'s JSON).
+- ``gpu``: each ``bench --target cuda`` model of ``results.json`` files: the searched and the
+  shipped build beside PyTorch eager and ``torch.compile`` (default, CUDA graphs).
 - ``deploy``: each ``bench --deploy`` model of ``results.json`` files: saved, loaded in a
   fresh process beside an ONNX Runtime session, timed beside the in-process build.
 
@@ -174,6 +176,37 @@ def torch_compile_table(docs: list) -> str:
     return "\n".join(lines) + "\n"
 
 
+GPU_FRAMEWORKS = ("pytorch (cuda)", "torch.compile", "torch.compile (cuda graphs)")
+
+
+def gpu_table(docs: list) -> str:
+    """``bench --target cuda`` models: what the search placed and what shipped (the final
+    check's pick), beside PyTorch eager, ``torch.compile`` and ``torch.compile`` in CUDA
+    graphs (``reduce-overhead``), interleaved on the GPU after the search."""
+    lines, machines, rows = [], _machines(docs), []
+    for doc in docs:
+        for m in doc.get("models", []):
+            e, fw = m.get("two-level") or m.get("op-level") or {}, m.get("frameworks", {})
+            comparison = e.get("comparison") or {}
+            searched = comparison.get("collage", {})
+            ops = ", ".join(f"{b} {n}" for b, n in sorted(searched.get("ops", {}).items()))
+            others = [fw[f]["ms"] for f in GPU_FRAMEWORKS
+                      if f in fw and fw[f].get("match") and math.isfinite(fw[f].get("ms", math.nan))]
+            mine = fw.get("collage", {})
+            ok = all(r.get("match", True) for r in fw.values())
+            rows.append([m["model"], m.get("size", ""), f"{ops} ({searched.get('ms', math.nan):.3f})",
+                         _shipped_name(e), _ms(mine, 3)] + [_ms(fw.get(f), 3) for f in GPU_FRAMEWORKS]
+                        + [_x(min(others) / mine["ms"]) if others and mine.get("ms") else "",
+                           "yes" if ok else "**NO**"])
+    head = (["model", "size", "searched placement (ms)", "shipped", "Collage ms"]
+            + [f"{f} ms" for f in GPU_FRAMEWORKS] + ["Collage vs the best of them",
+                                                   "all outputs match PyTorch f32"])
+    lines += machines + ["", "| " + " | ".join(head) + " |", "|---|---|---|---|" + "---:|" * 5
+                         + "---|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
 SEARCH_STAGES = ("import", "measure", "second pass", "re-time", "calibrate", "graph-level",
                  "compare")
 
@@ -219,10 +252,10 @@ def search_time_table(docs: list) -> str:
 INTERLEAVED = ("collage", "onnxruntime", "openvino")
 
 
-def _ms(result) -> str:
+def _ms(result, digits: int = 2) -> str:
     if not result or not math.isfinite(result.get("ms", math.nan)):
         return ""
-    return f"{result['ms']:.2f}" + ("" if result.get("match", True) else " (wrong)")
+    return f"{result['ms']:.{digits}f}" + ("" if result.get("match", True) else " (wrong)")
 
 
 def _shipped_name(entry: dict) -> str:
@@ -247,7 +280,7 @@ def call_tir_table(doc: dict) -> str:
 KINDS = {"deploy": deploy_table, "search-time": search_time_table,
          "torch-compile": torch_compile_table, "suite-table": lambda docs: suite_table(docs[0]),
          "suite-summary": suite_summary, "optimize-report": lambda docs: optimize_report(docs[0]),
-         "call-tir-survey": lambda docs: call_tir_table(docs[0])}
+         "call-tir-survey": lambda docs: call_tir_table(docs[0]), "gpu": gpu_table}
 
 
 def render_page(text: str, folder: Path) -> str:

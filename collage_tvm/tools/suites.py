@@ -1045,6 +1045,7 @@ def machine_line(machine: dict) -> str:
     libs = [f"{k} {machine[k]}" for k in ("tvm", "onnxruntime", "openvino", "torch")
             if machine.get(k)]
     return (f"Machine: {machine.get('cpu', '?')}, {machine.get('cores', '?')} cores"
+            + (f", GPU {machine['gpu']}" if machine.get("gpu") else "")
             + (f"; {', '.join(libs)}" if libs else ""))
 
 
