@@ -396,20 +396,15 @@ def _analyse_bias(plan: _Plan, other, operand) -> None:
 
 # ----------------------------------------------------------------------------- kernel
 
-def _build(plan: _Plan, mkl: _Mkl, precision: str = "f32") -> Callable:
-    """Fix every GEMM argument but the three pointers; return the per-call function.
-    ``precision`` "bf16": A and B in bf16 (``cblas_gemm_bf16bf16f32``), C in f32."""
-    import tvm
-    import tvm_ffi
-
+def _gemm(plan: _Plan, mkl: _Mkl, precision: str, mode: str, batch: int) -> Callable:
+    """``gemm(a, b, c)``: the MKL call(s) of ``plan`` on the three pointers, every other
+    argument fixed. ``precision`` "bf16": A and B in bf16 (``cblas_gemm_bf16bf16f32``)."""
     lhs, rhs = plan.lhs, plan.rhs
     m, k = lhs.shape[-2], lhs.shape[-1]
     n = rhs.shape[-1]
     transb = CBLAS_TRANS if rhs.trans else CBLAS_NO_TRANS
     ldb = k if rhs.trans else n
     beta = 0.0 if plan.bias is None else 1.0
-    mode = _batch_mode(lhs.shape, rhs.shape)
-    batch = int(np.prod(plan.out_shape[:-2], dtype=np.int64))
     if precision == "bf16":
         gemm_bf16, stride_a = mkl.gemm_bf16, 0 if mode == "shared_a" else m * k
         rows = int(np.prod(lhs.shape[:-1], dtype=np.int64)) if mode == "fold" else m
@@ -433,6 +428,38 @@ def _build(plan: _Plan, mkl: _Mkl, precision: str = "f32") -> Callable:
         def gemm(a, b, c):
             batched(CBLAS_ROW_MAJOR, CBLAS_NO_TRANS, transb, m, n, k, 1.0, a, k, stride_a,
                     b, ldb, k * n, beta, c, n, m * n, batch)
+    return gemm
+
+
+def _allocator(out_shape, f32, dev) -> Callable:
+    """``alloc(shape, dtype, device, scope)``: what ``tvm.runtime.empty`` calls, without its
+    per-call argument conversions (~3 us); the public API on a TVM without it."""
+    import tvm
+
+    try:
+        from tvm.runtime import _ffi_api
+
+        alloc = _ffi_api.TVMTensorAllocWithScope
+        alloc(out_shape, f32, dev, None)
+        return alloc
+    except Exception:  # noqa: BLE001 - another TVM: the public API
+        def alloc(shape, dtype, device, scope):
+            return tvm.runtime.empty(shape, dtype, device)
+        return alloc
+
+
+def _build(plan: _Plan, mkl: _Mkl, precision: str = "f32") -> Callable:
+    """Fix every GEMM argument but the three pointers; return the per-call function.
+    ``precision`` "bf16": A and B in bf16 (``cblas_gemm_bf16bf16f32``), C in f32."""
+    import tvm
+    import tvm_ffi
+
+    lhs, rhs = plan.lhs, plan.rhs
+    m, k = lhs.shape[-2], lhs.shape[-1]
+    n = rhs.shape[-1]
+    mode = _batch_mode(lhs.shape, rhs.shape)
+    batch = int(np.prod(plan.out_shape[:-2], dtype=np.int64))
+    gemm = _gemm(plan, mkl, precision, mode, batch)
 
     # This thread's MKL thread count: 1 for a small GEMM, 0 (the global count) otherwise.
     # Changed only when it differs from the last kernel's (one ctypes call is ~0.6 us).
@@ -448,14 +475,7 @@ def _build(plan: _Plan, mkl: _Mkl, precision: str = "f32") -> Callable:
     nparams, param_shapes = plan.nparams, plan.param_shapes
     out_shape = tvm_ffi.Shape(list(plan.out_shape))
     f32, dev = tvm_ffi.dtype("float32"), tvm.cpu(0)
-    try:  # what tvm.runtime.empty calls, without its per-call argument conversions (~3 us)
-        from tvm.runtime import _ffi_api
-
-        alloc = _ffi_api.TVMTensorAllocWithScope
-        alloc(out_shape, f32, dev, None)
-    except Exception:  # noqa: BLE001 - another TVM: the public API
-        def alloc(shape, dtype, device, scope):
-            return tvm.runtime.empty(shape, dtype, device)
+    alloc = _allocator(out_shape, f32, dev)
 
     def run(*args):
         if len(args) != nparams:
