@@ -118,7 +118,8 @@ def test_a_placement_of_one_library_group_is_not_calibrated(setup, monkeypatch):
     build = importlib.import_module("collage_tvm.build")
     graph, backends, cands, costs = setup
     called = []
-    monkeypatch.setattr(build, "calibrate", lambda *a, **kw: called.append(1) or
+    monkeypatch.setattr(importlib.import_module("collage_tvm.placer.op_stage"), "calibrate",
+                        lambda *a, **kw: called.append(1) or
                         type("C", (), {"history": [], "placement": a[5]})())
     p = Placing(graph, backends, make_target("llvm"), None,
                 SearchOptions(calibrate_rounds=4), build.BuildReport(backends=[]))

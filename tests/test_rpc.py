@@ -225,7 +225,8 @@ def test_a_search_for_a_device_of_another_kind_does_not_judge_whole_builds_here(
         raise AssertionError("a whole build was judged on the searching machine")
 
     monkeypatch.setattr(build, "never_slower", judged_here)
-    monkeypatch.setattr(build, "calibrate", judged_here)
+    monkeypatch.setattr(importlib.import_module("collage_tvm.placer.op_stage"), "calibrate",
+                        judged_here)
     servers = _servers(tracker, 1)
     try:
         model = _model(tmp_path / "m.onnx")
