@@ -20,7 +20,7 @@ import tvm
 from tvm import relax
 
 from ._memory import release_memory
-from .check import (Floor, first_line, latency_evaluator, never_slower, ops_per_backend,
+from .check import (first_line, floor, latency_evaluator, never_slower, ops_per_backend,
                     outputs_on, tvm_reference)
 from .frontend import ModelError, dynamic_input, load_model, normalize_for_collage
 from .frontend.model_file import ModelFile, model_file
@@ -211,8 +211,7 @@ def _floors(user_file: ModelFile, backends: dict, target, accuracy, input_shapes
         return {}
     libs = {n: b for n, b in backends.items()
             if b.kind == "graph" and hasattr(b.get_lowering(), "compile")}
-    floors = {f"{n} (model file)": Floor(n, _floor_build(user_file, b, input_shapes, main,
-                                                          target))
+    floors = {f"{n} (model file)": floor(n, user_file, b, input_shapes, main, target)
               for n, b in libs.items()}
     if parse_accuracy(accuracy).strict:
         for name in list_backends():
@@ -220,26 +219,11 @@ def _floors(user_file: ModelFile, backends: dict, target, accuracy, input_shapes
             if (variant.variant_of in libs and variant.precision != "f32"
                     and variant.device == libs[variant.variant_of].device
                     and variant.available()[0]):
-                floors[f"{name} (model file)"] = Floor(
-                    name, _floor_build(user_file, variant, input_shapes, main, target),
-                    budget=variant.precision)
+                floors[f"{name} (model file)"] = floor(name, user_file, variant, input_shapes,
+                                                       main, target, budget=variant.precision)
     if not floors:
         report.floor = "no graph library among the backends runs a model file"
     return floors
-
-
-def _floor_build(user_file: ModelFile, backend, input_shapes, main, target):
-    """``Floor.build``: () -> the executable running the model file whole on ``backend``."""
-    from .byoc import release_with
-    from .byoc.whole import whole_model_module
-
-    def build():
-        mod = whole_model_module(user_file.load(), backend, input_shapes, like=main)
-        executable = compile_module(mod, target)
-        release_with(executable, mod)  # its session goes with the executable
-        return executable
-
-    return build
 
 
 def _floor_module(lib: str, user_file: ModelFile, input_shapes, graph) -> tvm.IRModule | None:
@@ -662,6 +646,8 @@ def _search(p: Placing, unrewritten=None, floors: dict | None = None) -> tuple:
     ``report.whole_model``."""
     work = _op_level(p)
     if p.report.measured_elsewhere:
+        if p.options.compare:
+            return _judged_there(p, work.placement, floors or {})
         return _unjudged(p, work.placement), p.graph
     op_level = _calibrated(p, work)
     placement = _graph_level(p, op_level) if p.options.graph_level else op_level
@@ -681,14 +667,15 @@ def _search(p: Placing, unrewritten=None, floors: dict | None = None) -> tuple:
 
 def _unjudged(p: Placing, placement):
     """``placement`` as the op level placed it, for a search whose candidates were measured
-    on RPC servers of another kind than this machine (``report.measured_elsewhere``): the
-    calibration, the graph level and the final check run whole builds, and a build for that
-    device cannot run here (running them on the servers is not built yet), so they are left
-    out and the report says why."""
+    on RPC servers of another kind than this machine (``report.measured_elsewhere``) and
+    whose final check is off or could not run on them (``_judged_there``): the calibration,
+    the graph level and the final check run whole builds, and a build for that device
+    cannot run here, so they are left out and the report says why."""
     report = p.report
     why = (f"the candidates were measured on the RPC servers' device "
            f"({report.measured_elsewhere}), not on this machine ({device_fingerprint(p.target)})"
-           f", and whole builds are not yet run there")
+           f", and whole builds are not run there "
+           f"({'the servers could not judge them' if p.options.compare else 'compare is off'})")
     logger.warning("%s: shipping the op-level placement by their measurements, unjudged end "
                    "to end", why)
     if p.options.graph_level:
@@ -701,13 +688,37 @@ def _unjudged(p: Placing, placement):
     return placement
 
 
-def _final_check(p: Placing, placement, floors: dict, op_level=None, others=None) -> tuple:
-    """``never_slower``'s verdict on ``placement``, written into the report. Returns
-    (the placement to ship, the graph its groups refer to)."""
+def _judged_there(p: Placing, placement, floors: dict) -> tuple:
+    """The final check of a search measured on RPC servers of another kind than this
+    machine, run on one of them (``check.remote``): ``placement`` (as the op level placed
+    it: the calibration and the graph level are not run there yet) beside the
+    single-backend builds and the user's model file on each graph library. Where no server
+    can judge, ``_unjudged``."""
+    from .check.remote import remote_judge
+
+    why = (f"the candidates were measured on the RPC servers' device "
+           f"({p.report.measured_elsewhere}); the calibration and the graph level are not "
+           f"run there yet")
+    if p.options.graph_level:
+        p.report.graph_level = {"skipped": why}
+    judge = remote_judge(p.options.rpc_tracker, p.options.rpc_key, p.graph, p.backends,
+                         p.target, p.options.accuracy, (p.report.lean or {}).get("alone_ms"))
+    try:
+        return _final_check(p, placement, floors, judge=judge)
+    except Exception as err:  # noqa: BLE001 - the op-level placement ships, unjudged
+        logger.warning("the final check on the RPC servers failed: %s", first_line(err))
+        return _unjudged(p, placement), p.graph
+
+
+def _final_check(p: Placing, placement, floors: dict, op_level=None, others=None,
+                 judge=None) -> tuple:
+    """``never_slower``'s verdict on ``placement``, written into the report (``judge``:
+    where the builds are judged, ``_judged_there``). Returns (the placement to ship, the
+    graph its groups refer to)."""
     report = p.report
     verdict = never_slower(p.graph, placement, p.backends, p.target, op_level,
                            accuracy=p.options.accuracy, others=others, floors=floors,
-                           alone_ms=(report.lean or {}).get("alone_ms"))
+                           alone_ms=(report.lean or {}).get("alone_ms"), judge=judge)
     report.shipped, report.comparison = verdict.shipped, verdict.comparison
     report.whole_model = {}
     if verdict.floor:

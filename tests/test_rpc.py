@@ -210,12 +210,9 @@ def test_a_request_left_by_a_server_dying_on_the_last_one_goes_to_a_live_server(
     assert devices.requeued == 1 and [a for a, _ in devices.dropped] == ["dying"]
 
 
-def test_a_search_for_a_device_of_another_kind_does_not_judge_whole_builds_here(
-        tracker, tmp_path, monkeypatch):
-    """The servers' device is not this machine's (made so: the searching side's fingerprint
-    differs): calibration, the graph level and the final check run whole builds, which for
-    that device cannot run here. They are left out, the report says why, and the op-level
-    placement by the servers' measurements ships."""
+def _elsewhere(monkeypatch):
+    """The servers' device made another kind than this machine (the searching side's
+    fingerprint differs), and any whole build run here an error."""
     import importlib
 
     build = importlib.import_module("collage_tvm.build")  # the package's ``build`` is a function
@@ -224,9 +221,20 @@ def test_a_search_for_a_device_of_another_kind_does_not_judge_whole_builds_here(
     def judged_here(*a, **k):
         raise AssertionError("a whole build was judged on the searching machine")
 
-    monkeypatch.setattr(build, "never_slower", judged_here)
+    monkeypatch.setattr(importlib.import_module("collage_tvm.check.never_slower"),
+                        "judge_builds", judged_here)
     monkeypatch.setattr(importlib.import_module("collage_tvm.placer.op_stage"), "calibrate",
                         judged_here)
+
+
+def test_a_search_for_a_device_of_another_kind_judges_whole_builds_on_a_server(
+        tracker, tmp_path, monkeypatch):
+    """Calibration, the graph level and the final check run whole builds, which for the
+    servers' device cannot run here: the final check runs on a server (the placement, the
+    single-backend builds, the model file on each graph library, checked and timed there),
+    the verdict is taken from its results; the calibration and the graph level are left
+    out and the report says why."""
+    _elsewhere(monkeypatch)
     servers = _servers(tracker, 1)
     try:
         model = _model(tmp_path / "m.onnx")
@@ -236,9 +244,46 @@ def test_a_search_for_a_device_of_another_kind_does_not_judge_whole_builds_here(
             **{**SEARCH, "graph_level": True, "compare": True, "calibrate_rounds": 1})
         rep = res.report
         assert rep.measured_elsewhere and rep.measured_elsewhere != "another-cpu|64c|llvm:"
-        assert "not on this machine" in rep.graph_level["skipped"]
-        assert rep.floor.startswith("the final check is off") and not rep.comparison
-        assert rep.distinct_measured > 4 and res.executable is not None
+        assert "not run there yet" in rep.graph_level["skipped"]
+        cmp = rep.comparison
+        assert {"collage", "tvm-only", "onnxruntime (model file)"} <= set(cmp), cmp
+        served = {r.get("server") for r in cmp.values()}
+        assert len(served) == 1 and None not in served, served  # all judged by one server
+        for name in ("collage", "tvm-only", "onnxruntime (model file)"):
+            r = cmp.get(cmp[name].get("same_as", name), cmp[name])
+            assert r["match"] and 0 < r["ms"] < 1e3, (name, r)
+        assert rep.shipped in cmp and cmp[rep.shipped]["ms"] == min(
+            r["ms"] for r in cmp.values() if r["match"] and "outside_budget" not in r)
+        assert not rep.floor and rep.distinct_measured > 4 and res.executable is not None
+    finally:
+        for s in servers:
+            s.terminate()
+
+
+def test_with_compare_off_or_no_server_to_judge_the_op_level_placement_ships_unjudged(
+        tracker, tmp_path, monkeypatch):
+    _elsewhere(monkeypatch)
+    import importlib
+
+    remote_check = importlib.import_module("collage_tvm.check.remote")
+
+    def no_server(*a, **k):
+        raise remote.RemoteError("every server died")
+
+    monkeypatch.setattr(remote_check, "RemoteDevices", no_server)
+    servers = _servers(tracker, 1)
+    try:
+        model = _model(tmp_path / "m.onnx")
+        for compare in (False, True):
+            res = collage_tvm.optimize(
+                model, "llvm", db=str(tmp_path / "c.db"),
+                rpc_tracker=f"127.0.0.1:{tracker.port}", rpc_key=KEY,
+                placement_log=str(tmp_path / f"p{compare}.json"),
+                **{**SEARCH, "graph_level": True, "compare": compare, "calibrate_rounds": 1})
+            rep = res.report
+            assert "not on this machine" in rep.graph_level["skipped"]
+            assert not rep.comparison and res.executable is not None
+            assert ("could not judge" if compare else "compare is off") in rep.graph_level["skipped"]
     finally:
         for s in servers:
             s.terminate()

@@ -2,8 +2,9 @@
 from .baselines import byoc_groups, graph_lib_groups, single_backend_builds
 from .evaluate import (compare_outputs, evaluate, first_line, latency_evaluator, outputs_on,
                        run_outputs, tvm_reference)
-from .never_slower import SLOW_BUILD_FACTOR, Floor, Verdict, never_slower, ops_per_backend
+from .never_slower import (SLOW_BUILD_FACTOR, Floor, Verdict, floor, never_slower,
+                           ops_per_backend)
 
 __all__ = ["byoc_groups", "graph_lib_groups", "single_backend_builds", "compare_outputs",
-           "evaluate", "first_line", "latency_evaluator", "outputs_on", "run_outputs", "tvm_reference", "SLOW_BUILD_FACTOR", "Floor", "Verdict",
+           "evaluate", "first_line", "latency_evaluator", "outputs_on", "run_outputs", "tvm_reference", "SLOW_BUILD_FACTOR", "Floor", "Verdict", "floor",
            "never_slower", "ops_per_backend"]

@@ -36,6 +36,25 @@ class Floor:
     backend: str
     build: Callable
     budget: object = None
+    # what ``build`` runs (``frontend.ModelFile``) and the input shapes the user gave: a
+    # floor judged on an RPC server is built there from them (``check.remote``)
+    user_file: object = None
+    input_shapes: dict | None = None
+
+
+def floor(name: str, user_file, backend, input_shapes, main, target, budget=None) -> Floor:
+    """The ``Floor`` running ``user_file`` (``frontend.ModelFile``) whole on ``backend``
+    (``registry.Backend``), its inputs and outputs those of ``main`` (TVM's import)."""
+    from ..byoc import compile_module, release_with
+    from ..byoc.whole import whole_model_module
+
+    def build():
+        mod = whole_model_module(user_file.load(), backend, input_shapes, like=main)
+        executable = compile_module(mod, target)
+        release_with(executable, mod)  # its session goes with the executable
+        return executable
+
+    return Floor(name, build, budget, user_file, input_shapes)
 
 
 @dataclass
@@ -58,7 +77,7 @@ class Verdict:
 def never_slower(graph, placement: Placement, backends: dict, target,
                  op_level: Placement | None = None, accuracy=None,
                  others: dict | None = None, floors: dict | None = None,
-                 alone_ms: dict | None = None) -> Verdict:
+                 alone_ms: dict | None = None, judge=None) -> Verdict:
     """Time the placement end to end beside every single-backend build; ship the fastest.
 
     Builds: "tvm-only" (TVM's own fusion); "<lib>+tvm" for each external op library (its
@@ -77,35 +96,32 @@ def never_slower(graph, placement: Placement, backends: dict, target,
     against tvm-only (f32): per element (rtol 1e-3) under the strict budget; under another
     ``accuracy`` (``precision.Accuracy``) on the random inputs of ``CHECK_SEEDS``, each
     build within the budget, its error against f32 reported ("rel_err": of the scale).
+    ``judge``: ``(builds, floors) -> (results, other_load)`` where the builds are judged
+    elsewhere (``remote_judge``: on the RPC servers of a search for another device), else
+    ``judge_builds`` here.
     """
     accuracy = parse_accuracy(accuracy)
     t0 = time.perf_counter()
     floors = floors or {}
     builds, graph_of = _builds(graph, placement, backends, op_level, others or {}, floors)
-    with OtherLoad() as load:
-        results, outputs, runs = _time_builds(builds, graph_of, floors, backends, target,
-                                              accuracy, weight_bytes(graph), alone_ms)
-        ref = _reference(results, builds, floors)
-        for name, out in outputs.items():
-            results[name].update(_budget_of(name, floors, accuracy).check_seeds(
-                out, outputs[ref]))
-        results[ref]["reference"] = True  # what the others' outputs were checked against
-        outside = {n for n, f in floors.items() if f.budget is not None}
-        _retime(results, runs, outside, target)
-    results = {n: (dict(results[results[n]["same_as"]], same_as=results[n]["same_as"])
-                   if "same_as" in results[n] else results[n])
-               for n in ["tvm-only", *builds] if n in results}
+    if judge is None:
+        results, share = judge_builds(builds, graph_of, floors, backends, target, accuracy,
+                                      alone_ms)
+    else:
+        results, share = judge(builds, floors)
+    outside = {n for n, f in floors.items() if f.budget is not None}
     verdict = Verdict(placement, "collage", results, time.perf_counter() - t0, graph,
-                      other_load=load.share)
+                      other_load=share)
     if verdict.unsure:
         logger.warning("end to end: other processes took %.0f%% of this machine's CPU while "
                        "the builds were timed: the verdict is unsure (the next build checks "
-                       "it again)", 100 * load.share)
+                       "it again)", 100 * share)
     for name in outside & set(results):
         results[name]["outside_budget"] = str(parse_accuracy(floors[name].budget))
     ok = {n: r for n, r in results.items()
           if r["match"] and "lost_to" not in r and n not in outside}
     if not ok:  # nothing agrees with the reference, not even itself: nothing to choose
+        ref = next((n for n, r in results.items() if r.get("reference")), "the reference")
         logger.warning("end to end: no build's outputs match %s's; keeping the placement", ref)
         return verdict
     best = min(ok, key=lambda n: ok[n]["ms"])
@@ -116,6 +132,30 @@ def never_slower(graph, placement: Placement, backends: dict, target,
                    ok[best]["ms"], results["collage"]["ms"], best)
     _ship(verdict, best, builds, op_level, others or {}, floors)
     return verdict
+
+
+def judge_builds(builds: dict, graph_of: dict, floors: dict, backends: dict, target,
+                 accuracy, alone_ms: dict | None = None) -> tuple[dict, float]:
+    """Build, check and time the contenders (``builds``: name -> groups on ``graph_of[name]``,
+    None for a ``floors`` entry) on this machine: (name -> result, the share of the CPU
+    other processes took meanwhile). The final check's measuring half (``never_slower``);
+    an RPC server runs it for a search on another kind of device (``measure.runner``)."""
+    accuracy = parse_accuracy(accuracy)
+    weights = max(weight_bytes(g) for g in {id(g): g for g in graph_of.values()}.values())
+    with OtherLoad() as load:
+        results, outputs, runs = _time_builds(builds, graph_of, floors, backends, target,
+                                              accuracy, weights, alone_ms)
+        ref = _reference(results, builds, floors)
+        for name, out in outputs.items():
+            results[name].update(_budget_of(name, floors, accuracy).check_seeds(
+                out, outputs[ref]))
+        results[ref]["reference"] = True  # what the others' outputs were checked against
+        outside = {n for n, f in floors.items() if f.budget is not None}
+        _retime(results, runs, outside, target)
+    results = {n: (dict(results[results[n]["same_as"]], same_as=results[n]["same_as"])
+                   if "same_as" in results[n] else results[n])
+               for n in ["tvm-only", *builds] if n in results}
+    return results, load.share
 
 
 def _builds(graph, placement, backends, op_level, others, floors) -> tuple[dict, dict]:

@@ -50,11 +50,13 @@ _worker = None
 def _measure(message: bytes) -> bytes:
     """``collage.measure``: the local worker's reply to one pickled request."""
     global _worker
-    from .worker import Worker
+    from .worker import _TIMEOUT_S, CALLBACK_TIMEOUT_S, Worker
 
     if _worker is None:
         _worker = Worker()
-    return pickle.dumps(_worker._ask(pickle.loads(message)))
+    request = pickle.loads(message)
+    _worker.timeout_s = CALLBACK_TIMEOUT_S if request[0] == "run_callback" else _TIMEOUT_S
+    return pickle.dumps(_worker._ask(request))
 
 
 def _whoami(target_json: str) -> str:

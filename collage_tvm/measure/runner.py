@@ -22,7 +22,8 @@ from .cuda_graph import capture
 from .timing import time_main, time_side_by_side, time_switch
 
 # What the worker may be asked to run (``Worker.call``).
-ENTRY_POINTS = ("measure_function", "measure_switch", "measure_side_by_side", "prebuild")
+ENTRY_POINTS = ("measure_function", "measure_switch", "measure_side_by_side", "prebuild",
+                "run_callback")
 
 # Built candidates kept for the next measurement of the same one (the second pass of the
 # library candidates, side-by-side re-timing): a build is 10-50 ms, as long as the timing.
@@ -179,3 +180,11 @@ def measure_side_by_side(funcs: list, target, build_vm, flush_bytes=0) -> tuple:
     (``flush_bytes``: with cold caches)."""
     runs = [_call(*_vm_and_args(f, b, target, build_vm, k), target) for f, b, k in funcs]
     return time_side_by_side(runs, sync=device_sync(target), flush_bytes=flush_bytes), None, {}
+
+
+def run_callback(funcs: list, target, build_vm, fn, *args) -> tuple:
+    """``fn(funcs, target, *args)``: the reply (result, reason, extra) of a later stage's work
+    where the measuring runs (the final check on an RPC server: ``check.remote.judge_here``),
+    ``fn`` coming in by pickle like ``build_vm`` (a reference, not its code); ``funcs``
+    carry the backends (their functions may be None)."""
+    return fn(funcs, target, *args)

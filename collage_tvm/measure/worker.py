@@ -21,6 +21,9 @@ import traceback
 from ..registry import Backend
 
 _TIMEOUT_S = 300.0
+# A later stage's work run where the measuring runs (``runner.run_callback``: the final
+# check of a search for another device, on an RPC server) builds and times whole models.
+CALLBACK_TIMEOUT_S = 3600.0
 
 
 def _serve() -> None:
@@ -58,7 +61,8 @@ def _serve() -> None:
             for name, lowering, func_json, key in entries:
                 if name not in backends:
                     backends[name] = Backend(name=name, lowering=lowering)
-                funcs.append((with_stand_ins(tvm.ir.load_json(func_json)["main"]),
+                funcs.append((None if func_json is None else
+                              with_stand_ins(tvm.ir.load_json(func_json)["main"]),
                               backends[name], key))
             reply = ("ok",) + tuple(getattr(runner, what)(funcs, target, build_vm, *extra))
         except BaseException as err:  # any failure is a cost of inf with a reason
