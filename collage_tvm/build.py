@@ -519,8 +519,22 @@ def recheck(state: SearchState) -> None:
                    "checking it again")
     floors = _floors(state.user_file, state.backends, state.target, state.options.accuracy,
                      state.input_shapes, state.graph.func, report)
+    p = state.placing()
+    judge = None
+    if p.options.rpc_tracker:  # judged where the search measured (``_judged_there``)
+        from .check.remote import remote_judge
+
+        judge = remote_judge(p.options.rpc_tracker, p.options.rpc_key, p.graph, p.backends,
+                             p.target, p.options.accuracy)
     with use_tuning_db(state.tuning):
-        placement, shipped_graph = _final_check(state.placing(), state.placement, floors)
+        try:
+            placement, shipped_graph = _final_check(p, state.placement, floors, judge=judge)
+        except Exception as err:  # noqa: BLE001 - the log's placement ships as it was
+            if judge is None:
+                raise
+            logger.warning("the RPC servers could not check the placement again (%s): "
+                           "shipping the placement log's", first_line(err))
+            return
     report.rechecked = True
     _log_verdict(state, placement, shipped_graph)
 

@@ -8,6 +8,7 @@ RPC servers on loopback (``collage_tvm.measure.remote``), real measurements.
   other server.
 - Clear errors: no server under the key, a tracker nobody answers, half the options.
 """
+import json
 import socket
 
 import numpy as np
@@ -255,6 +256,18 @@ def test_a_search_for_a_device_of_another_kind_judges_whole_builds_on_a_server(
         assert rep.shipped in cmp and cmp[rep.shipped]["ms"] == min(
             r["ms"] for r in cmp.values() if r["match"] and "outside_budget" not in r)
         assert not rep.floor and rep.distinct_measured > 4 and res.executable is not None
+        # The verdict marked unsure (as if timed beside other work): the next build checks
+        # it again on a server, not here.
+        log = json.loads((tmp_path / "p.json").read_text())
+        for record in log["placements"].values():
+            record["unsure"] = True
+        (tmp_path / "p.json").write_text(json.dumps(log))
+        again = collage_tvm.optimize(
+            model, "llvm", db=str(tmp_path / "c.db"), rpc_tracker=f"127.0.0.1:{tracker.port}",
+            rpc_key=KEY, placement_log=str(tmp_path / "p.json"),
+            **{**SEARCH, "graph_level": True, "compare": True, "calibrate_rounds": 1})
+        assert again.report.placement_from_log and again.report.rechecked
+        assert {r.get("server") for r in again.report.comparison.values()} == served
     finally:
         for s in servers:
             s.terminate()
