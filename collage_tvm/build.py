@@ -660,9 +660,7 @@ def _search(p: Placing, unrewritten=None, floors: dict | None = None) -> tuple:
     ``report.whole_model``."""
     work = _op_level(p)
     if p.report.measured_elsewhere:
-        if p.options.compare:
-            return _judged_there(p, work.placement, floors or {})
-        return _unjudged(p, work.placement), p.graph
+        return _judged_there(p, work.placement, floors or {})
     op_level = _calibrated(p, work)
     placement = _graph_level(p, op_level) if p.options.graph_level else op_level
     if p.options.compare:
@@ -680,19 +678,19 @@ def _search(p: Placing, unrewritten=None, floors: dict | None = None) -> tuple:
 
 
 def _unjudged(p: Placing, placement):
-    """``placement`` as the op level placed it, for a search whose candidates were measured
+    """``placement`` as the search placed it, for a search whose candidates were measured
     on RPC servers of another kind than this machine (``report.measured_elsewhere``) and
-    whose final check is off or could not run on them (``_judged_there``): the calibration,
-    the graph level and the final check run whole builds, and a build for that device
-    cannot run here, so they are left out and the report says why."""
+    whose final check is off or could not run on them (``_judged_there``): shipped
+    unjudged end to end, with the reason in the report (the graph level's too, where it
+    could not run there either)."""
     report = p.report
     why = (f"the candidates were measured on the RPC servers' device "
            f"({report.measured_elsewhere}), not on this machine ({device_fingerprint(p.target)})"
            f", and whole builds are not run there "
            f"({'the servers could not judge them' if p.options.compare else 'compare is off'})")
-    logger.warning("%s: shipping the op-level placement by their measurements, unjudged end "
-                   "to end", why)
-    if p.options.graph_level:
+    logger.warning("%s: shipping the placement by their measurements, unjudged end to end",
+                   why)
+    if p.options.graph_level and not report.graph_level:
         report.graph_level = {"skipped": why}
     if p.options.compare:
         report.floor = f"the final check is off: {why}"
@@ -703,23 +701,36 @@ def _unjudged(p: Placing, placement):
 
 
 def _judged_there(p: Placing, placement, floors: dict) -> tuple:
-    """The final check of a search measured on RPC servers of another kind than this
-    machine, run on one of them (``check.remote``): ``placement`` (as the op level placed
-    it: the calibration and the graph level are not run there yet) beside the
-    single-backend builds and the user's model file on each graph library. Where no server
-    can judge, ``_unjudged``."""
-    from .check.remote import remote_judge
+    """The graph level and the final check of a search measured on RPC servers of another
+    kind than this machine, run on them (``check.remote``): each placement the graph level
+    tries is built and timed on a server; the final check times the placement beside the
+    single-backend builds and the user's model file on each graph library on one. (The
+    calibration is not run there yet: the op-level placement is not calibrated.) Where no
+    server can judge, ``_unjudged``."""
+    from .check.remote import remote_evaluator, remote_judge
 
-    why = (f"the candidates were measured on the RPC servers' device "
-           f"({p.report.measured_elsewhere}); the calibration and the graph level are not "
-           f"run there yet")
+    op_level = placement
     if p.options.graph_level:
-        p.report.graph_level = {"skipped": why}
+        try:
+            evaluate = remote_evaluator(p.options.rpc_tracker, p.options.rpc_key, p.graph,
+                                        p.backends, p.target, p.options.accuracy,
+                                        placement.groups)
+        except Exception as err:  # noqa: BLE001 - the final check may still run
+            logger.warning("the graph level cannot run on the RPC servers: %s", first_line(err))
+            p.report.graph_level = {"skipped": f"no RPC server to run it: {first_line(err)}"}
+        else:
+            try:
+                placement = _graph_level(p, placement, evaluate)
+            finally:
+                evaluate.close()
+    if not p.options.compare:
+        return _unjudged(p, placement), p.graph
     judge = remote_judge(p.options.rpc_tracker, p.options.rpc_key, p.graph, p.backends,
                          p.target, p.options.accuracy, (p.report.lean or {}).get("alone_ms"))
     try:
-        return _final_check(p, placement, floors, judge=judge)
-    except Exception as err:  # noqa: BLE001 - the op-level placement ships, unjudged
+        return _final_check(p, placement, floors,
+                            op_level if placement is not op_level else None, judge=judge)
+    except Exception as err:  # noqa: BLE001 - the search's placement ships, unjudged
         logger.warning("the final check on the RPC servers failed: %s", first_line(err))
         return _unjudged(p, placement), p.graph
 
@@ -802,9 +813,11 @@ def _calibrated(p: Placing, work: OpLevel) -> Placement:
     return op_stage.calibrated(p, work, lambda: placement_runner(p.graph, p.backends, p.target))
 
 
-def _graph_level(p: Placing, placement):
+def _graph_level(p: Placing, placement, evaluate=None):
     """The graph-level evolutionary search (``placer.graph_level``) from ``placement``: its
-    best placement when that beat the seed end to end, else ``placement``."""
+    best placement when that beat the seed end to end, else ``placement``. ``evaluate``:
+    how a placement is judged (``check.remote.remote_evaluator``), else built and timed
+    here (``latency_evaluator``)."""
     report = p.report
     libs = {n: b for n, b in p.backends.items() if b.kind == "graph"}
     if not libs:
@@ -813,8 +826,8 @@ def _graph_level(p: Placing, placement):
         report.graph_level = {"skipped": "no graph library among the backends"}
         return placement
     t0 = time.perf_counter()
-    gl = GraphLevelSearch(p.graph, placement, libs,
-                          latency_evaluator(p.graph, p.backends, p.target, p.options.accuracy))
+    gl = GraphLevelSearch(p.graph, placement, libs, evaluate or latency_evaluator(
+        p.graph, p.backends, p.target, p.options.accuracy))
     res = gl.run(budget_s=p.options.budget, on_generation=p.options.on_generation)
     report.times["graph-level"] = time.perf_counter() - t0
     report.graph_level = {"libraries": sorted(libs), "genes": gl.n_genes,

@@ -160,6 +160,55 @@ def test_a_server_killed_mid_batch_loses_no_candidate(tracker, tmp_path):
             s.terminate()
 
 
+def test_the_graph_level_evaluates_placements_on_a_server(tracker, tmp_path, monkeypatch):
+    """``check.remote.remote_evaluator``: the graph level's placements built, checked against
+    the seed's outputs and timed on a server; the model travels once per measuring process
+    (the next request names it by its digest); a placement that cannot be built is
+    invalid there with the reason."""
+    import importlib
+
+    from collage_tvm.check import graph_lib_groups
+    from collage_tvm.frontend import load_model, normalize_for_collage
+    from collage_tvm.graph import DataflowGraph
+    from collage_tvm.placement import Candidate, single_ops
+    from collage_tvm.registry import get_backend
+    from collage_tvm.target import make_target
+
+    check_remote = importlib.import_module("collage_tvm.check.remote")
+    sent: list = []
+    message = check_remote._message
+
+    def recording(what, entries, target_json, build_vm, extra):
+        if extra[0] is check_remote.evaluate_here:
+            sent.append(extra[2] is not None)  # the model itself went along
+        return message(what, entries, target_json, build_vm, extra)
+
+    monkeypatch.setattr(check_remote, "_message", recording)
+    servers = _servers(tracker, 1)
+    try:
+        graph = DataflowGraph.from_module(normalize_for_collage(load_model(
+            _model(tmp_path / "m.onnx"))))
+        backends = {n: get_backend(n) for n in ("tvm", "onnxruntime")}
+        seed = single_ops(graph)
+        evaluate = check_remote.remote_evaluator(
+            f"127.0.0.1:{tracker.port}", KEY, graph, backends, make_target("llvm"), None, seed)
+        try:
+            ms_seed, why_seed = evaluate(seed)
+            ms_ort, why_ort = evaluate(graph_lib_groups(graph, backends["onnxruntime"]))
+            # a group whose nodes are not convex (the first and last only): no build
+            broken = [Candidate("onnxruntime", frozenset({0, len(graph) - 1}))] + [
+                Candidate("tvm", frozenset({i})) for i in range(1, len(graph) - 1)]
+            ms_bad, why_bad = evaluate(broken)
+        finally:
+            evaluate.close()
+        assert why_seed is None and why_ort is None and 0 < ms_seed < 1e3 and 0 < ms_ort < 1e3
+        assert ms_bad == float("inf") and why_bad
+        assert sent == [False, True, False, False], sent  # the model sent once, when asked
+    finally:
+        for s in servers:
+            s.terminate()
+
+
 def test_clear_errors(tracker):
     with pytest.raises(remote.RemoteError, match="no server is registered under the key"):
         remote.RemoteDevices(f"127.0.0.1:{tracker.port}", "nobody-here", "{}")
@@ -226,6 +275,7 @@ def _elsewhere(monkeypatch):
                         "judge_builds", judged_here)
     monkeypatch.setattr(importlib.import_module("collage_tvm.placer.op_stage"), "calibrate",
                         judged_here)
+    monkeypatch.setattr(build, "latency_evaluator", judged_here)
 
 
 def test_a_search_for_a_device_of_another_kind_judges_whole_builds_on_a_server(
@@ -245,7 +295,7 @@ def test_a_search_for_a_device_of_another_kind_judges_whole_builds_on_a_server(
             **{**SEARCH, "graph_level": True, "compare": True, "calibrate_rounds": 1})
         rep = res.report
         assert rep.measured_elsewhere and rep.measured_elsewhere != "another-cpu|64c|llvm:"
-        assert "not run there yet" in rep.graph_level["skipped"]
+        assert "skipped" not in rep.graph_level  # run on the server (or nothing to try)
         cmp = rep.comparison
         assert {"collage", "tvm-only", "onnxruntime (model file)"} <= set(cmp), cmp
         served = {r.get("server") for r in cmp.values()}
@@ -273,7 +323,7 @@ def test_a_search_for_a_device_of_another_kind_judges_whole_builds_on_a_server(
             s.terminate()
 
 
-def test_with_compare_off_or_no_server_to_judge_the_op_level_placement_ships_unjudged(
+def test_with_no_server_to_judge_the_placement_ships_unjudged(
         tracker, tmp_path, monkeypatch):
     _elsewhere(monkeypatch)
     import importlib
@@ -294,9 +344,9 @@ def test_with_compare_off_or_no_server_to_judge_the_op_level_placement_ships_unj
                 placement_log=str(tmp_path / f"p{compare}.json"),
                 **{**SEARCH, "graph_level": True, "compare": compare, "calibrate_rounds": 1})
             rep = res.report
-            assert "not on this machine" in rep.graph_level["skipped"]
+            assert "no RPC server to run it" in rep.graph_level["skipped"]
             assert not rep.comparison and res.executable is not None
-            assert ("could not judge" if compare else "compare is off") in rep.graph_level["skipped"]
+            assert ("could not judge" if compare else "--no-compare") in rep.floor, rep.floor
     finally:
         for s in servers:
             s.terminate()

@@ -13,13 +13,16 @@ times, are not run on the servers (yet).
 """
 from __future__ import annotations
 
+import hashlib
 import logging
+import math
 
 import tvm
 
 from ..measure.measurer import target_json
 from ..measure.remote import RemoteDevices, RemoteError
 from ..measure.worker import CALLBACK_TIMEOUT_S, _message
+from ..precision import parse_accuracy
 from ..registry import get_backend
 from .never_slower import floor, judge_builds
 
@@ -38,8 +41,7 @@ def remote_judge(tracker: str, key: str, graph, backends: dict, target, accuracy
         if any(groups is not None and any(n not in range(len(graph)) for g in groups
                                           for n in g.nodes) for groups in builds.values()):
             raise ValueError("a build's groups are not on the graph sent")
-        spec = {name: None if groups is None else [(g.backend, sorted(g.nodes))
-                                                   for g in groups]
+        spec = {name: None if groups is None else _spec(groups)
                 for name, groups in builds.items()}
         floor_spec = {name: (f.backend, None if f.budget is None else str(f.budget))
                       for name, f in floors.items()}
@@ -54,16 +56,10 @@ def remote_judge(tracker: str, key: str, graph, backends: dict, target, accuracy
                                " it is not among the contenders there", err)
                 floor_spec = {}
                 spec = {n: g for n, g in spec.items() if n not in floors}
-        libs = {**backends, **{n: get_backend(n) for n in {"tvm", *(f.backend for f in
-                                                                    floors.values())}
-                               if n not in backends}}
-        mod = tvm.IRModule({"main": graph.func})
-        for gv, func in graph.globals.items():
-            mod[gv] = func
-        message = _message("run_callback", [(b, None, None) for b in libs.values()],
-                           target_json(target), None,
-                           (judge_here, tvm.ir.save_json(mod), spec, floor_spec, model, shapes,
-                            str(accuracy), alone_ms))
+        libs = _with(backends, "tvm", *(f.backend for f in floors.values()))
+        message = _message("run_callback", _entries(libs), target_json(target), None,
+                           (judge_here, module_json(graph), spec, floor_spec, model, shapes,
+                            str(parse_accuracy(accuracy)), alone_ms))
         devices = RemoteDevices(tracker, key, target_json(target),
                                 timeout_s=CALLBACK_TIMEOUT_S + 60)
         try:
@@ -86,13 +82,9 @@ def judge_here(funcs: list, target, module_json: str, spec: dict, floor_spec: di
                model: bytes | None, input_shapes, accuracy: str, alone_ms) -> tuple:
     """The server's side of ``remote_judge`` (run by ``measure.runner.run_callback`` in the
     measuring child): (results, None, {"other_load": share})."""
-    from ..graph import DataflowGraph
-    from ..placement import Candidate
-
     backends = {b.name: b for _, b, _ in funcs}
-    graph = DataflowGraph.from_module(tvm.ir.load_json(module_json))
-    builds = {name: None if groups is None else [Candidate(b, frozenset(nodes), JUDGED)
-                                                 for b, nodes in groups]
+    graph = _graph(module_json)
+    builds = {name: None if groups is None else _groups(groups)
               for name, groups in spec.items()}
     floors = {}
     if floor_spec:
@@ -107,3 +99,88 @@ def judge_here(funcs: list, target, module_json: str, spec: dict, floor_spec: di
     results, share = judge_builds(builds, {n: graph for n in builds}, floors, backends,
                                   target, accuracy, alone_ms)
     return results, None, {"other_load": share}
+
+
+def remote_evaluator(tracker: str, key: str, graph, backends: dict, target, accuracy,
+                     seed_groups):
+    """The graph level's ``evaluate(groups) -> (ms, reason)`` (``latency_evaluator``) run
+    on the servers under ``key`` at ``tracker``; ``seed_groups``: the search's seed, whose
+    outputs are the reference there (a server's measuring child keeps the model and the
+    reference between requests; one that lacks them, new or restarted, is sent the model
+    again). ``.close()`` when the search is done."""
+    model = module_json(graph)
+    digest = hashlib.sha256(model.encode()).hexdigest()
+    devices = RemoteDevices(tracker, key, target_json(target), timeout_s=CALLBACK_TIMEOUT_S)
+    entries, seed = _entries(_with(backends, "tvm")), _spec(seed_groups)
+
+    def evaluate_groups(groups) -> tuple:
+        for sent in (None, model):
+            reply, reason, extra = devices.call(_message(
+                "run_callback", entries, target_json(target), None,
+                (evaluate_here, digest, sent, seed, _spec(groups), str(parse_accuracy(accuracy)))))
+            if reply != UNKNOWN:
+                break
+        if not isinstance(reply, tuple):
+            return math.inf, f"the RPC server {extra.get('server', '?')} failed: {reason}"
+        return reply
+
+    evaluate_groups.close = devices.close
+    return evaluate_groups
+
+
+UNKNOWN = "unknown model"  # ``evaluate_here``'s reply when it was not sent the model
+_evaluating: dict = {}  # in a measuring child: model digest -> its evaluator (the last one)
+
+
+def evaluate_here(funcs: list, target, digest: str, model: str | None, seed: list,
+                  groups: list, accuracy: str) -> tuple:
+    """The server's side of ``remote_evaluator``: ((ms, reason), None, {}), or ``UNKNOWN``
+    when this process has not the model ``digest`` and was not sent it."""
+    from .evaluate import latency_evaluator
+
+    evaluate = _evaluating.get(digest)
+    if evaluate is None:
+        if model is None:
+            return UNKNOWN, None, {}
+        _evaluating.clear()
+        graph = _graph(model)
+        evaluate = latency_evaluator(graph, {b.name: b for _, b, _ in funcs}, target, accuracy)
+        evaluate(_groups(seed))  # the seed first: its outputs are the reference
+        _evaluating[digest] = evaluate
+    return evaluate(_groups(groups)), None, {}
+
+
+def module_json(graph) -> str:
+    """``graph``'s function with the functions it calls, as a module in TVM's JSON (its
+    weights included)."""
+    mod = tvm.IRModule({"main": graph.func})
+    for gv, func in graph.globals.items():
+        mod[gv] = func
+    return tvm.ir.save_json(mod)
+
+
+def _graph(model: str):
+    from ..graph import DataflowGraph
+
+    return DataflowGraph.from_module(tvm.ir.load_json(model))
+
+
+def _with(backends: dict, *names) -> dict:
+    """``backends`` and the registered backends ``names`` it lacks."""
+    return {**backends, **{n: get_backend(n) for n in names if n not in backends}}
+
+
+def _entries(backends: dict) -> list:
+    """The worker's entries that carry ``backends`` (and no function)."""
+    return [(b, None, None) for b in backends.values()]
+
+
+def _spec(groups) -> list:
+    """Groups as they travel: (backend, node indices)."""
+    return [(g.backend, sorted(g.nodes)) for g in groups]
+
+
+def _groups(spec) -> list:
+    from ..placement import Candidate
+
+    return [Candidate(b, frozenset(nodes), JUDGED) for b, nodes in spec]
