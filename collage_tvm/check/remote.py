@@ -1,15 +1,23 @@
-"""The final check on the RPC servers, for a search measured on another kind of device
+"""Whole builds judged on the RPC servers, for a search measured on another kind of device
 (issue #35; ``measure.remote``).
 
 A search whose candidates were measured on servers of another kind than this machine
-cannot run its whole builds here: the final check (``never_slower``) sends them to one of
-the servers instead. The request carries the model's module with its weights, each build
-as groups of the graph's node indices, the floors as (library, accuracy budget) with the
-user's model file, and the accuracy budget; the server's measuring child rebuilds the graph
-(the same nodes in the same order), builds, checks and times the contenders exactly as the
-final check does here (``judge_builds``), and answers their results. The verdict is then
-taken here from them. The calibration and the graph level, which run whole builds many
-times, are not run on the servers (yet).
+cannot run its whole builds here; the graph level and the final check send them to the
+servers instead, through the measuring child of a server (``measure.runner.run_callback``,
+this module's functions pickled by reference):
+
+- ``remote_judge``, the final check (``never_slower``'s ``judge``): the model's module with
+  its weights, each contender as groups of the graph's node indices, the floors as
+  (library, accuracy budget) with the user's model file, and the accuracy budget go to one
+  server, which rebuilds the graph (the same nodes in the same order) and builds, checks and
+  times the contenders exactly as the final check does here (``judge_builds``); the verdict
+  is taken here from their results.
+- ``remote_evaluator``, the graph level's evaluator (``latency_evaluator``): each placement
+  built, checked against the seed's outputs and timed on a server, whose measuring child
+  keeps the model between requests (it travels once per process).
+
+The calibration, which runs the placement whole with each library call timed, is not run
+on the servers yet.
 """
 from __future__ import annotations
 
