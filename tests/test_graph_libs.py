@@ -275,6 +275,49 @@ def test_when_memory_is_short_the_final_check_holds_two_builds_and_ships_no_free
     assert len(kept) <= 2 and verdict.shipped in kept  # the last two met side by side
 
 
+def test_a_final_check_timed_beside_other_work_times_its_contenders_again(monkeypatch):
+    """Other processes took more than ``RETRY_SHARE`` of the CPU while the builds were timed
+    (faked here): the contenders within ``BUSY_FACTOR`` of the fastest are timed again after
+    a pause, the busy figures kept as "busy_ms", the verdict's load the second timing's. A
+    quiet timing is not repeated."""
+    import importlib
+
+    from collage_tvm.placement import Placement
+
+    ns = importlib.import_module("collage_tvm.check.never_slower")  # the name is a function too
+
+    lib = GRAPH_LIBS[0]
+    g = DataflowGraph(_two_output_func())
+    backends = {"tvm": get_backend("tvm"), lib: get_backend(lib)}
+    groups = [Candidate(lib, frozenset([0, 1, 2])), Candidate("tvm", frozenset([3])),
+              Candidate("tvm", frozenset([4]))]
+    shares: list = []
+
+    class Load:  # OtherLoad with the shares given
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.share = shares.pop(0)
+
+    factors: list = []
+    real = ns._retime
+    monkeypatch.setattr(ns, "OtherLoad", Load)
+    monkeypatch.setattr(ns, "BUSY_RETRY_S", 0.0)
+    monkeypatch.setattr(ns, "_retime", lambda *a, **k: (factors.append(k.get("factor", 2.0)),
+                                                        real(*a, **k))[1])
+    shares[:] = [0.12, 0.01]
+    busy = ns.never_slower(g, Placement(groups, 1.0), backends, make_target("llvm"))
+    assert factors == [2.0, ns.BUSY_FACTOR] and not shares
+    assert busy.other_load == 0.01 and not busy.unsure
+    again = [r for r in busy.comparison.values() if "busy_ms" in r]
+    assert len(again) >= 2 and all(r["match"] for r in again), busy.comparison
+    factors.clear()
+    shares[:] = [0.09]
+    quiet = ns.never_slower(g, Placement(groups, 1.0), backends, make_target("llvm"))
+    assert factors == [2.0] and not any("busy_ms" in r for r in quiet.comparison.values())
+
+
 def test_a_piece_of_a_model_is_timed_as_it_runs_in_place_not_as_the_whole_model():
     """Built alone for timing, a candidate is one group: it used to count as the whole model
     on its library, whose threads then spin between calls (onnxruntime), a speed it never

@@ -152,10 +152,42 @@ def judge_builds(builds: dict, graph_of: dict, floors: dict, backends: dict, tar
         results[ref]["reference"] = True  # what the others' outputs were checked against
         outside = {n for n, f in floors.items() if f.budget is not None}
         _retime(results, runs, outside, target)
+    share = load.share
+    if share > RETRY_SHARE and len(_correct_ms(results, runs, outside)) > 1:
+        share = _retime_when_busy(results, runs, outside, target, share)
     results = {n: (dict(results[results[n]["same_as"]], same_as=results[n]["same_as"])
                    if "same_as" in results[n] else results[n])
                for n in ["tvm-only", *builds] if n in results}
-    return results, load.share
+    return results, share
+
+
+# A final check timed while other processes took over ``RETRY_SHARE`` of the CPU times its
+# contenders again once, after ``BUSY_RETRY_S``, those within ``BUSY_FACTOR`` of the fastest
+# (wider than the first re-timing's 2x: a build timed in a busy stretch can read several
+# times its speed). Below ``BUSY_SHARE``, where a verdict counts as unsure: the timm suite's
+# vit_tiny_patch16_224 under --accuracy bf16 on the Xeon had 14% of the CPU go to other
+# guests while the model file on OpenVINO timed 29.3 ms against 21.6 for the import on ONNX
+# Runtime, which shipped; the row's interleaved timing then had 17.9 and 20.4. Across the
+# suites' rows so far, 2 of the 5 searched at 10-15% of other load were below 0.97x, 13 of
+# the 92 at under 5%.
+RETRY_SHARE = 0.10
+BUSY_RETRY_S = 10.0
+BUSY_FACTOR = 4.0
+
+
+def _retime_when_busy(results, runs, outside, target, share: float) -> float:
+    """The close contenders timed again after ``BUSY_RETRY_S`` (``_retime``, within
+    ``BUSY_FACTOR`` of the fastest, their earlier drops forgotten); their figures replace
+    the busy ones ("busy_ms" keeps those). Returns the share of the CPU others took then."""
+    logger.warning("end to end: other processes took %.0f%% of this machine's CPU while the "
+                   "builds were timed: timing them again in %.0f s", 100 * share, BUSY_RETRY_S)
+    time.sleep(BUSY_RETRY_S)
+    for name in runs:
+        results[name]["busy_ms"] = results[name]["ms"]
+        results[name].pop("dropped", None)
+    with OtherLoad() as load:
+        _retime(results, runs, outside, target, factor=BUSY_FACTOR)
+    return load.share
 
 
 def _builds(graph, placement, backends, op_level, others, floors) -> tuple[dict, dict]:
@@ -294,9 +326,9 @@ def _timing(r: dict, groups) -> dict:
     return out
 
 
-def _retime(results, runs, outside, target) -> None:
-    """The contenders (correct, within 2x of the fastest; outside the accuracy budget, within
-    ``RUNOFF_MARGIN``) are timed again in alternating
+def _retime(results, runs, outside, target, factor: float = 2.0) -> None:
+    """The contenders (correct, within ``factor`` of the fastest; outside the accuracy budget,
+    within ``RUNOFF_MARGIN``) are timed again in alternating
     rounds, so the machine's drifting load hits them alike: one build timed after another
     can land far from the same build re-timed beside it on a shared machine. (Builds that
     are the same placement as another have no run of their own.) Then the runoff."""
@@ -305,7 +337,7 @@ def _retime(results, runs, outside, target) -> None:
     # not even close to faster, timing it again tells nothing.
     contenders = {n: runs[n] for n in runs
                   if results[n]["match"] and results[n]["ms"] <= (
-                      (1 + RUNOFF_MARGIN) if n in outside else 2) * fastest}
+                      (1 + RUNOFF_MARGIN) if n in outside else factor) * fastest}
     samples: dict = {}  # name -> ms of each batch
     if len(contenders) > 1:
         _time_again(results, contenders, target, samples=samples, outside=outside)
