@@ -243,22 +243,29 @@ def test_a_model_protobuf_cannot_write_reaches_the_library_with_external_data(
     assert got["match"], got["max_err"]
 
 
-def test_when_memory_is_short_the_final_check_holds_two_builds_and_ships_no_freed_one(
-        monkeypatch):
-    """A model of gigabytes of weights: never-slower cannot keep every build alive to time
-    them together at the end. Each new build meets the fastest one kept so far side by side;
-    the others are freed and cannot be shipped."""
+def _final_check_case():
+    """(never_slower's module, a graph library, the two-output graph, its backends, the
+    ``Placement`` class, a placement: the library's region and two TVM kernels) for the
+    final check's tests."""
     import importlib
 
     from collage_tvm.placement import Placement
 
     ns = importlib.import_module("collage_tvm.check.never_slower")  # the name is a function too
-
     lib = GRAPH_LIBS[0]
     g = DataflowGraph(_two_output_func())
     backends = {"tvm": get_backend("tvm"), lib: get_backend(lib)}
     groups = [Candidate(lib, frozenset([0, 1, 2])), Candidate("tvm", frozenset([3])),
               Candidate("tvm", frozenset([4]))]
+    return ns, lib, g, backends, Placement, groups
+
+
+def test_when_memory_is_short_the_final_check_holds_two_builds_and_ships_no_freed_one(
+        monkeypatch):
+    """A model of gigabytes of weights: never-slower cannot keep every build alive to time
+    them together at the end. Each new build meets the fastest one kept so far side by side;
+    the others are freed and cannot be shipped."""
+    ns, lib, g, backends, Placement, groups = _final_check_case()
     held = []
     real = ns.interleaved
     monkeypatch.setattr(ns, "memory_short", lambda weights: True)
@@ -280,17 +287,7 @@ def test_a_final_check_timed_beside_other_work_times_its_contenders_again(monkey
     (faked here): the contenders within ``BUSY_FACTOR`` of the fastest are timed again after
     a pause, the busy figures kept as "busy_ms", the verdict's load the second timing's. A
     quiet timing is not repeated."""
-    import importlib
-
-    from collage_tvm.placement import Placement
-
-    ns = importlib.import_module("collage_tvm.check.never_slower")  # the name is a function too
-
-    lib = GRAPH_LIBS[0]
-    g = DataflowGraph(_two_output_func())
-    backends = {"tvm": get_backend("tvm"), lib: get_backend(lib)}
-    groups = [Candidate(lib, frozenset([0, 1, 2])), Candidate("tvm", frozenset([3])),
-              Candidate("tvm", frozenset([4]))]
+    ns, lib, g, backends, Placement, groups = _final_check_case()
     shares: list = []
 
     class Load:  # OtherLoad with the shares given
