@@ -29,7 +29,8 @@ from .graph.subgraph import function_key, given_inputs
 from .byoc import (candidate_vm, candidate_vm_for, compile_module, compile_placement,
                     lower_placement, placement_runner)
 from .measure.db import CostDB
-from .measure.measurer import COST_MODEL, Measurer
+from .measure.measurer import COST_MODEL, Measurer, target_json
+from .measure.remote import RemoteDevices, RemoteError
 from .measure.timing import BUSY_SHARE
 from .options import SearchOptions
 from .candidates import generate_candidates
@@ -365,6 +366,7 @@ class SearchState:
     key: str = ""                 # the placement log's key
     placement: Placement | None = None
     recheck: bool = False         # the log's verdict is unsure: the final check runs again
+    devices: RemoteDevices | None = None  # the RPC servers (``remote``)
     done: SearchResult | None = None
 
     def result(self, graph=None, placement=None, module=None, tuning=None) -> SearchResult:
@@ -375,7 +377,16 @@ class SearchState:
     def placing(self) -> Placing:
         """What the stages of a new placement share (``_search``)."""
         return Placing(self.graph, self.backends, self.target, self.cost_db, self.options,
-                       self.report)
+                       self.report, self.remote())
+
+    def remote(self) -> RemoteDevices | None:
+        """The RPC servers of ``options.rpc_tracker`` / ``rpc_key`` (None without them),
+        opened once: the rewrite search, the op level, the graph level and the final check
+        measure on the same sessions."""
+        if self.devices is None and self.options.rpc_tracker:
+            self.devices = RemoteDevices(self.options.rpc_tracker, self.options.rpc_key,
+                                         target_json(self.target))
+        return self.devices
 
     def imported(self) -> None:
         self.report.times["import"] = time.perf_counter() - self.t_start
@@ -393,6 +404,8 @@ def _search_model(model, target, options, db, placement_log, example_inputs, inp
         raise AssertionError("the last stage always finishes the search")
     finally:
         state.user_file.close()
+        if state.devices is not None:
+            state.devices.close()
 
 
 def start(model, target, options, example_inputs=None, input_shapes=None, **stores) -> SearchState:
@@ -519,18 +532,14 @@ def recheck(state: SearchState) -> None:
                    "checking it again")
     floors = _floors(state.user_file, state.backends, state.target, state.options.accuracy,
                      state.input_shapes, state.graph.func, report)
-    p = state.placing()
-    judge = None
-    if p.options.rpc_tracker:  # judged where the search measured (``_judged_there``)
-        from .check.remote import remote_judge
-
-        judge = remote_judge(p.options.rpc_tracker, p.options.rpc_key, p.graph, p.backends,
-                             p.target, p.options.accuracy)
+    remote = bool(state.options.rpc_tracker)  # judged where the search measured
     with use_tuning_db(state.tuning):
         try:
+            p = state.placing()
+            judge = _remote_judge(p) if remote else None  # as ``_judged_there``
             placement, shipped_graph = _final_check(p, state.placement, floors, judge=judge)
         except Exception as err:  # noqa: BLE001 - the log's placement ships as it was
-            if judge is None:
+            if not remote:
                 raise
             logger.warning("the RPC servers could not check the placement again (%s): "
                            "shipping the placement log's", first_line(err))
@@ -595,7 +604,7 @@ def _rewrite(state: SearchState) -> tvm.IRModule:
     mod, backends, options = state.mod, state.backends, state.options
     folded = fold_conv_affine(mod)
     measurer = Measurer.from_options(state.target, open_db(state.db), candidate_vm, options,
-                                     progress=False)
+                                     progress=False, remote=state.remote())
     try:
         eps = measurer.epsilon(backends.values())
         t_search = time.perf_counter()
@@ -646,6 +655,7 @@ class Placing:
     cost_db: CostDB
     options: SearchOptions
     report: BuildReport
+    devices: RemoteDevices | None = None  # the search's RPC servers (``SearchState.remote``)
 
     def on(self, **changed) -> Placing:
         return dataclasses.replace(self, **changed)
@@ -707,32 +717,34 @@ def _judged_there(p: Placing, placement, floors: dict) -> tuple:
     single-backend builds and the user's model file on each graph library on one. (The
     calibration is not run there yet: the op-level placement is not calibrated.) Where no
     server can judge, ``_unjudged``."""
-    from .check.remote import remote_evaluator, remote_judge
+    from .check.remote import remote_evaluator
 
     op_level = placement
     if p.options.graph_level:
         try:
-            evaluate = remote_evaluator(p.options.rpc_tracker, p.options.rpc_key, p.graph,
-                                        p.backends, p.target, p.options.accuracy,
-                                        placement.groups)
-        except Exception as err:  # noqa: BLE001 - the final check may still run
+            placement = _graph_level(p, placement, remote_evaluator(
+                p.devices, p.graph, p.backends, p.target, p.options.accuracy, placement.groups))
+        except RemoteError as err:  # the final check may still run
             logger.warning("the graph level cannot run on the RPC servers: %s", first_line(err))
             p.report.graph_level = {"skipped": f"no RPC server to run it: {first_line(err)}"}
-        else:
-            try:
-                placement = _graph_level(p, placement, evaluate)
-            finally:
-                evaluate.close()
+            placement = op_level
     if not p.options.compare:
         return _unjudged(p, placement), p.graph
-    judge = remote_judge(p.options.rpc_tracker, p.options.rpc_key, p.graph, p.backends,
-                         p.target, p.options.accuracy, (p.report.lean or {}).get("alone_ms"))
+    judge = _remote_judge(p)
     try:
         return _final_check(p, placement, floors,
                             op_level if placement is not op_level else None, judge=judge)
     except Exception as err:  # noqa: BLE001 - the search's placement ships, unjudged
         logger.warning("the final check on the RPC servers failed: %s", first_line(err))
         return _unjudged(p, placement), p.graph
+
+
+def _remote_judge(p: Placing):
+    """The final check's ``judge`` on the search's RPC servers (``check.remote``)."""
+    from .check.remote import remote_judge
+
+    return remote_judge(p.devices, p.graph, p.backends, p.target, p.options.accuracy,
+                        (p.report.lean or {}).get("alone_ms"))
 
 
 def _final_check(p: Placing, placement, floors: dict, op_level=None, others=None,
@@ -797,7 +809,7 @@ def _op_level(p: Placing) -> OpLevel:
     t0 = time.perf_counter()
     tuning = active_database()
     measurer = Measurer.from_options(p.target, p.cost_db, candidate_vm_for(tuning), p.options,
-                                     tuning=tuning)
+                                     tuning=tuning, remote=p.devices)
     if measurer.remote is not None and measurer.device != device_fingerprint(p.target):
         p.report.measured_elsewhere = measurer.device
     try:

@@ -104,3 +104,11 @@ def test_the_gpu_table_sets_the_shipped_build_against_the_best_gpu_framework():
     assert "Machine: X, 16 cores, GPU NVIDIA H100" in text
     assert ("| m | paper | inductor 5 (2.700) | cudnn+tvm | 2.000 | 3.000 | 2.500 | 1.500 "
             "(wrong) | 1.25x | **NO** |") in text
+
+
+def test_a_machine_line_names_the_cpu_generation_where_the_model_name_does_not():
+    from collage_tvm.tools.suites import machine_line
+
+    line = machine_line({"cpu": "AMD EPYC", "mcpu": "znver3", "cores": 2, "tvm": "0.27"})
+    assert line == "Machine: AMD EPYC (znver3), 2 cores; tvm 0.27"
+    assert machine_line({"cpu": "AMD EPYC", "cores": 2}) == "Machine: AMD EPYC, 2 cores"

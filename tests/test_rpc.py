@@ -170,6 +170,7 @@ def test_the_graph_level_evaluates_placements_on_a_server(tracker, tmp_path, mon
     from collage_tvm.check import graph_lib_groups
     from collage_tvm.frontend import load_model, normalize_for_collage
     from collage_tvm.graph import DataflowGraph
+    from collage_tvm.measure.measurer import target_json
     from collage_tvm.placement import Candidate, single_ops
     from collage_tvm.registry import get_backend
     from collage_tvm.target import make_target
@@ -190,17 +191,15 @@ def test_the_graph_level_evaluates_placements_on_a_server(tracker, tmp_path, mon
             _model(tmp_path / "m.onnx"))))
         backends = {n: get_backend(n) for n in ("tvm", "onnxruntime")}
         seed = single_ops(graph)
-        evaluate = check_remote.remote_evaluator(
-            f"127.0.0.1:{tracker.port}", KEY, graph, backends, make_target("llvm"), None, seed)
-        try:
-            ms_seed, why_seed = evaluate(seed)
-            ms_ort, why_ort = evaluate(graph_lib_groups(graph, backends["onnxruntime"]))
-            # a group whose nodes are not convex (the first and last only): no build
-            broken = [Candidate("onnxruntime", frozenset({0, len(graph) - 1}))] + [
-                Candidate("tvm", frozenset({i})) for i in range(1, len(graph) - 1)]
-            ms_bad, why_bad = evaluate(broken)
-        finally:
-            evaluate.close()
+        target = make_target("llvm")
+        devices = remote.RemoteDevices(f"127.0.0.1:{tracker.port}", KEY, target_json(target))
+        evaluate = check_remote.remote_evaluator(devices, graph, backends, target, None, seed)
+        ms_seed, why_seed = evaluate(seed)
+        ms_ort, why_ort = evaluate(graph_lib_groups(graph, backends["onnxruntime"]))
+        # a group whose nodes are not convex (the first and last only): no build
+        broken = [Candidate("onnxruntime", frozenset({0, len(graph) - 1}))] + [
+            Candidate("tvm", frozenset({i})) for i in range(1, len(graph) - 1)]
+        ms_bad, why_bad = evaluate(broken)
         assert why_seed is None and why_ort is None and 0 < ms_seed < 1e3 and 0 < ms_ort < 1e3
         assert ms_bad == float("inf") and why_bad
         assert sent == [False, True, False, False], sent  # the model sent once, when asked
@@ -283,9 +282,18 @@ def test_a_search_for_a_device_of_another_kind_judges_whole_builds_on_a_server(
     """Calibration, the graph level and the final check run whole builds, which for the
     servers' device cannot run here: the final check runs on a server (the placement, the
     single-backend builds, the model file on each graph library, checked and timed there),
-    the verdict is taken from its results; the calibration and the graph level are left
-    out and the report says why."""
+    the verdict is taken from its results; the graph level's placements are built and
+    timed there too; the calibration is left out. The search opens its sessions with the
+    servers once, for all of it."""
     _elsewhere(monkeypatch)
+    opened = []  # the searching side's sessions with the servers: once for the whole search
+    init = remote.RemoteDevices.__init__
+
+    def opening(self, *args, **kwargs):
+        opened.append(args)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(remote.RemoteDevices, "__init__", opening)
     servers = _servers(tracker, 1)
     try:
         model = _model(tmp_path / "m.onnx")
@@ -306,6 +314,7 @@ def test_a_search_for_a_device_of_another_kind_judges_whole_builds_on_a_server(
         assert rep.shipped in cmp and cmp[rep.shipped]["ms"] == min(
             r["ms"] for r in cmp.values() if r["match"] and "outside_budget" not in r)
         assert not rep.floor and rep.distinct_measured > 4 and res.executable is not None
+        assert len(opened) == 1, opened
         # The verdict marked unsure (as if timed beside other work): the next build checks
         # it again on a server, not here.
         log = json.loads((tmp_path / "p.json").read_text())
@@ -330,10 +339,10 @@ def test_with_no_server_to_judge_the_placement_ships_unjudged(
 
     remote_check = importlib.import_module("collage_tvm.check.remote")
 
-    def no_server(*a, **k):
+    def no_server(*a, **k):  # the servers measured, then died before any whole build
         raise remote.RemoteError("every server died")
 
-    monkeypatch.setattr(remote_check, "RemoteDevices", no_server)
+    monkeypatch.setattr(remote_check, "_ask", no_server)
     servers = _servers(tracker, 1)
     try:
         model = _model(tmp_path / "m.onnx")

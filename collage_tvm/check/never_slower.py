@@ -30,7 +30,7 @@ SLOW_BUILD_FACTOR = 10.0
 class Floor:
     """The user's model file run whole by one graph library: what they would run without
     Collage (DESIGN.md, "never slower"). ``build() -> executable``. ``budget``: the accuracy
-    budget it is judged by when the search's own does not allow its precision (timed for the
+    budget (``precision.Accuracy``) it is judged by when the search's own does not allow its precision (timed for the
     report only, never shipped: the report says what the flag would give)."""
 
     backend: str
@@ -54,7 +54,8 @@ def floor(name: str, user_file, backend, input_shapes, main, target, budget=None
         release_with(executable, mod)  # its session goes with the executable
         return executable
 
-    return Floor(name, build, budget, user_file, input_shapes)
+    return Floor(name, build, None if budget is None else parse_accuracy(budget), user_file,
+                 input_shapes)
 
 
 @dataclass
@@ -117,7 +118,7 @@ def never_slower(graph, placement: Placement, backends: dict, target,
                        "the builds were timed: the verdict is unsure (the next build checks "
                        "it again)", 100 * share)
     for name in outside & set(results):
-        results[name]["outside_budget"] = str(parse_accuracy(floors[name].budget))
+        results[name]["outside_budget"] = str(floors[name].budget)
     ok = {n: r for n, r in results.items()
           if r["match"] and "lost_to" not in r and n not in outside}
     if not ok:  # nothing agrees with the reference, not even itself: nothing to choose
@@ -139,8 +140,8 @@ def judge_builds(builds: dict, graph_of: dict, floors: dict, backends: dict, tar
     """Build, check and time the contenders (``builds``: name -> groups on ``graph_of[name]``,
     None for a ``floors`` entry) on this machine: (name -> result, the share of the CPU
     other processes took meanwhile). The final check's measuring half (``never_slower``);
-    an RPC server runs it for a search on another kind of device (``measure.runner``)."""
-    accuracy = parse_accuracy(accuracy)
+    an RPC server runs it for a search on another kind of device (``check.remote``).
+    ``accuracy``: the search's budget, a ``precision.Accuracy``."""
     weights = max(weight_bytes(g) for g in {id(g): g for g in graph_of.values()}.values())
     with OtherLoad() as load:
         results, outputs, runs = _time_builds(builds, graph_of, floors, backends, target,
@@ -430,7 +431,7 @@ def ops_per_backend(groups) -> dict:
 def _budget_of(name: str, floors: dict, accuracy):
     """The budget ``name``'s outputs are judged by: a floor's own when it has one."""
     floor = floors.get(name)
-    return parse_accuracy(floor.budget) if floor is not None and floor.budget else accuracy
+    return floor.budget if floor is not None and floor.budget is not None else accuracy
 
 
 def _advise(results: dict, outside: set, shipped_ms: float) -> None:

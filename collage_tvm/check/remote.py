@@ -39,10 +39,10 @@ logger = logging.getLogger("collage_tvm")
 JUDGED = "judged remotely"  # the label of the groups rebuilt on the server
 
 
-def remote_judge(tracker: str, key: str, graph, backends: dict, target, accuracy,
+def remote_judge(devices: RemoteDevices, graph, backends: dict, target, accuracy,
                  alone_ms: dict | None = None):
     """``never_slower``'s ``judge``: ``(builds, floors) -> (results, other_load)`` by one of
-    the servers under ``key`` at ``tracker``; each result names the server ("server").
+    the search's RPC servers (``devices``); each result names the server ("server").
     Raises ``measure.remote.RemoteError`` when no server answers or the judging failed."""
 
     def judge(builds: dict, floors: dict) -> tuple:
@@ -68,14 +68,9 @@ def remote_judge(tracker: str, key: str, graph, backends: dict, target, accuracy
         message = _message("run_callback", _entries(libs), target_json(target), None,
                            (judge_here, module_json(graph), spec, floor_spec, model, shapes,
                             str(parse_accuracy(accuracy)), alone_ms))
-        devices = RemoteDevices(tracker, key, target_json(target),
-                                timeout_s=CALLBACK_TIMEOUT_S + 60)
-        try:
-            logger.info("end to end: the builds go to an RPC server under %r (%s)", key,
-                        devices.device)
-            results, reason, extra = devices.call(message)
-        finally:
-            devices.close()
+        logger.info("end to end: the builds go to an RPC server under %r (%s)", devices.key,
+                    devices.device)
+        results, reason, extra = _ask(devices, message)
         if not isinstance(results, dict):
             raise RemoteError(f"the final check failed on the RPC server "
                               f"{extra.get('server', '?')}: {reason}")
@@ -105,25 +100,24 @@ def judge_here(funcs: list, target, module_json: str, spec: dict, floor_spec: di
             floors[name] = floor(lib, user_file, backends[lib], input_shapes, graph.func,
                                  target, budget)
     results, share = judge_builds(builds, {n: graph for n in builds}, floors, backends,
-                                  target, accuracy, alone_ms)
+                                  target, parse_accuracy(accuracy), alone_ms)
     return results, None, {"other_load": share}
 
 
-def remote_evaluator(tracker: str, key: str, graph, backends: dict, target, accuracy,
+def remote_evaluator(devices: RemoteDevices, graph, backends: dict, target, accuracy,
                      seed_groups):
     """The graph level's ``evaluate(groups) -> (ms, reason)`` (``latency_evaluator``) run
-    on the servers under ``key`` at ``tracker``; ``seed_groups``: the search's seed, whose
+    on the search's RPC servers (``devices``); ``seed_groups``: the search's seed, whose
     outputs are the reference there (a server's measuring child keeps the model and the
     reference between requests; one that lacks them, new or restarted, is sent the model
-    again). ``.close()`` when the search is done."""
+    again). Raises ``measure.remote.RemoteError`` when no server is left."""
     model = module_json(graph)
     digest = hashlib.sha256(model.encode()).hexdigest()
-    devices = RemoteDevices(tracker, key, target_json(target), timeout_s=CALLBACK_TIMEOUT_S)
     entries, seed = _entries(_with(backends, "tvm")), _spec(seed_groups)
 
     def evaluate_groups(groups) -> tuple:
         for sent in (None, model):
-            reply, reason, extra = devices.call(_message(
+            reply, reason, extra = _ask(devices, _message(
                 "run_callback", entries, target_json(target), None,
                 (evaluate_here, digest, sent, seed, _spec(groups), str(parse_accuracy(accuracy)))))
             if reply != UNKNOWN:
@@ -132,8 +126,13 @@ def remote_evaluator(tracker: str, key: str, graph, backends: dict, target, accu
             return math.inf, f"the RPC server {extra.get('server', '?')} failed: {reason}"
         return reply
 
-    evaluate_groups.close = devices.close
     return evaluate_groups
+
+
+def _ask(devices: RemoteDevices, message) -> tuple:
+    """A whole-build request's reply from one of ``devices``: given the time the server's
+    measuring child allows such a request, and a minute for the way there and back."""
+    return devices.call(message, timeout_s=CALLBACK_TIMEOUT_S + 60)
 
 
 UNKNOWN = "unknown model"  # ``evaluate_here``'s reply when it was not sent the model

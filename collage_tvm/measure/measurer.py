@@ -167,6 +167,7 @@ class Measurer:
         self.progress = progress
         self.cutoff_factor = cutoff_factor
         self.remote = remote
+        self._owns_remote = True  # ``close`` closes it (``from_options``: not one it was given)
         self.device = remote.device if remote is not None else device_fingerprint(target)
         self.target_json = target_json(target)
         self.build_jobs = max(0, int(build_jobs)) if remote is None else 0
@@ -196,22 +197,26 @@ class Measurer:
 
     @classmethod
     def from_options(cls, target, db: CostDB, build_vm, options, tuning=None,
-                     progress: bool | None = None) -> "Measurer":
+                     progress: bool | None = None, remote=None) -> "Measurer":
         """A measurer as ``options`` (``SearchOptions``) asks: in a child process or not,
         with a progress bar or not (``progress`` overrides), its build processes, and on
-        the RPC servers of ``options.rpc_tracker`` / ``rpc_key`` when given."""
-        remote = None
-        if options.rpc_tracker:
+        the RPC servers of ``options.rpc_tracker`` / ``rpc_key`` when given: ``remote``,
+        the search's ``remote.RemoteDevices`` (left open by ``close``), else sessions of
+        its own."""
+        owned = remote is None and bool(options.rpc_tracker)
+        if owned:
             from .remote import RemoteDevices
 
             remote = RemoteDevices(options.rpc_tracker, options.rpc_key, target_json(target))
         jobs = default_build_jobs(target) if options.build_jobs is None else options.build_jobs
-        return cls(target, db, build_vm, isolate=options.isolate,
-                   progress=options.progress if progress is None else progress,
-                   tuning=tuning, build_jobs=jobs, remote=remote)
+        measurer = cls(target, db, build_vm, isolate=options.isolate,
+                       progress=options.progress if progress is None else progress,
+                       tuning=tuning, build_jobs=jobs, remote=remote)
+        measurer._owns_remote = owned
+        return measurer
 
     def close(self) -> None:
-        if self.remote is not None:
+        if self.remote is not None and self._owns_remote:
             self.remote.close()
         if self._worker is not None:
             self._worker.close()

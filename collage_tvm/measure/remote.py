@@ -173,15 +173,17 @@ class RemoteDevices:
             raise RemoteError(f"cannot open a session with a server under {self.key!r} at "
                               f"{self.tracker}: {err}") from err
 
-    def call(self, message) -> tuple:
+    def call(self, message, timeout_s: float | None = None) -> tuple:
         """The reply (cost, reason, extra) to one request, on a free session."""
-        return next(iter(self.map([message])))[1]
+        return next(iter(self.map([message], timeout_s)))[1]
 
-    def map(self, messages: list):
+    def map(self, messages: list, timeout_s: float | None = None):
         """Yields ``(index, (cost, reason, extra))`` for each request as replies come,
         the requests spread over every session; ``extra["server"]`` names the session that
-        answered. A session that fails or passes ``timeout_s`` is dropped and its request
-        sent again to another; raises ``RemoteError`` when no session is left."""
+        answered. A session that fails or passes ``timeout_s`` (default: the devices') is
+        dropped and its request sent again to another; raises ``RemoteError`` when no
+        session is left."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         todo: queue.Queue = queue.Queue()
         for i, m in enumerate(messages):
             todo.put((i, pickle.dumps(m)))
@@ -190,7 +192,8 @@ class RemoteDevices:
         if not left:
             return
         stop = threading.Event()
-        threads = [threading.Thread(target=self._serve, args=(s, todo, done, stop), daemon=True)
+        threads = [threading.Thread(target=self._serve, args=(s, todo, done, stop, timeout_s),
+                                    daemon=True)
                    for s in list(self.sessions)]
         for t in threads:
             t.start()
@@ -213,7 +216,7 @@ class RemoteDevices:
                 t.join(0.1)
 
     def _serve(self, session: _Session, todo: queue.Queue, done: queue.Queue,
-               stop: threading.Event) -> None:
+               stop: threading.Event, timeout_s: float) -> None:
         """One session's loop: take a request, send it, hand the reply on, until the batch
         is done (``stop``) or the session fails. An idle session keeps waiting: a request
         another server fails on comes back to the queue for it."""
@@ -222,22 +225,22 @@ class RemoteDevices:
                 i, payload = todo.get(timeout=0.1)
             except queue.Empty:
                 continue
-            reply = self._ask(session, payload)
+            reply = self._ask(session, payload, timeout_s)
             if reply is None:  # the session failed: the request goes back for another
                 todo.put((i, payload))
                 self.requeued += 1
                 return
             done.put((i, reply))
 
-    def _ask(self, session: _Session, payload: bytes):
+    def _ask(self, session: _Session, payload: bytes, timeout_s: float):
         """The reply, or None after dropping a session that failed or hung."""
         box: list = []
         t = threading.Thread(target=lambda: box.append(self._send(session, payload)),
                              daemon=True)
         t.start()
-        t.join(self.timeout_s)
+        t.join(timeout_s)
         if not box:
-            self._drop(session, f"no reply in {self.timeout_s:.0f} s")
+            self._drop(session, f"no reply in {timeout_s:.0f} s")
             return None
         ok, value = box[0]
         if not ok:

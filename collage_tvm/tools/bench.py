@@ -96,8 +96,12 @@ def machine() -> dict:
     import onnxruntime
     import torch
     import tvm
+    import tvm.target.codegen
 
-    info = {"cpu": cpu_model(), "cores": host_cores(), "python": platform.python_version(),
+    # LLVM's name for the CPU (znver3, sapphirerapids): a virtual machine's model name can
+    # be as plain as "AMD EPYC" on CPUs of different generations
+    info = {"cpu": cpu_model(), "mcpu": tvm.target.codegen.llvm_get_system_cpu(),
+            "cores": host_cores(), "python": platform.python_version(),
             "tvm": tvm.__version__, "onnxruntime": onnxruntime.__version__,
             "torch": torch.__version__}
     try:

@@ -1041,10 +1041,12 @@ def markdown(suite: str, rows: list, machine: dict | None = None) -> str:
 
 
 def machine_line(machine: dict) -> str:
-    """"Machine: <CPU model>, <n> cores; <library versions>" for the top of a table."""
+    """"Machine: <CPU model> (<LLVM's name for it>), <n> cores; <library versions>" for the
+    top of a table."""
     libs = [f"{k} {machine[k]}" for k in ("tvm", "onnxruntime", "openvino", "torch")
             if machine.get(k)]
-    return (f"Machine: {machine.get('cpu', '?')}, {machine.get('cores', '?')} cores"
+    cpu = machine.get("cpu", "?") + (f" ({machine['mcpu']})" if machine.get("mcpu") else "")
+    return (f"Machine: {cpu}, {machine.get('cores', '?')} cores"
             + (f", GPU {machine['gpu']}" if machine.get("gpu") else "")
             + (f"; {', '.join(libs)}" if libs else ""))
 
