@@ -84,7 +84,7 @@ def suite_summary(docs: list) -> str:
         rows, accuracy = doc["rows"], doc.get("accuracy", "f32")
         f32 = suites.suite_stats(rows, "vs_best_f32")
         default = suites.suite_stats(rows, "vs_openvino_default") if accuracy != "f32" else None
-        machine = [(doc.get("machine") or {}).get("cpu", "?")] if several else []
+        machine = [suites.cpu_name(doc.get("machine") or {})] if several else []
         cells = [doc["suite"], *machine, accuracy, doc.get("input_size", ""), str(len(rows))]
         for st in (f32, default):
             cells += ([_x(st["median"]), f"{st['worst'][1]:.3f}x ({st['worst'][0]})",

@@ -1040,13 +1040,17 @@ def markdown(suite: str, rows: list, machine: dict | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def cpu_name(machine: dict) -> str:
+    """A results file's CPU: its model name, and LLVM's name for it where recorded."""
+    return machine.get("cpu", "?") + (f" ({machine['mcpu']})" if machine.get("mcpu") else "")
+
+
 def machine_line(machine: dict) -> str:
     """"Machine: <CPU model> (<LLVM's name for it>), <n> cores; <library versions>" for the
     top of a table."""
     libs = [f"{k} {machine[k]}" for k in ("tvm", "onnxruntime", "openvino", "torch")
             if machine.get(k)]
-    cpu = machine.get("cpu", "?") + (f" ({machine['mcpu']})" if machine.get("mcpu") else "")
-    return (f"Machine: {cpu}, {machine.get('cores', '?')} cores"
+    return (f"Machine: {cpu_name(machine)}, {machine.get('cores', '?')} cores"
             + (f", GPU {machine['gpu']}" if machine.get("gpu") else "")
             + (f"; {', '.join(libs)}" if libs else ""))
 
