@@ -174,6 +174,22 @@ def test_nothing_to_search_without_eligible_groups():
     assert res.stopped == "exhausted" and not calls and res.placement.groups == _op_level(g).groups
 
 
+def test_the_search_stops_once_every_distinct_placement_was_measured():
+    """One eligible group, two libraries that can run it: 2 genes (4 patterns) but 3
+    placements (stay, on one, on the other), all of them seeds: measured in generation 0,
+    no generation after it (it ran to saturation, 5 more generations, before)."""
+    g = _diamond_chain()
+    softmax_only = {name: Backend(name=name, kind="graph", rules=[PatternRule(
+        valid_op=lambda n: n.op_name == "relax.nn.softmax")]) for name in ("ort", "ov")}
+    evaluate, calls = _fake_latency(g, {"tvm": 0.0, "ort": 0.1, "ov": 0.2})
+    search = GraphLevelSearch(g, _op_level(g), softmax_only, evaluate, seed=0)
+    assert search.n_genes == 2 and search._distinct_placements() == 3
+    res = search.run(budget_s=30, population=8, patience=5)
+    assert res.stopped == "exhausted" and res.evaluated == len(calls) == 3
+    assert len(res.history) == 1  # generation 0 only
+    assert res.best_ms == pytest.approx(_brute_force(search))
+
+
 def test_offloaded_groups_merge_with_op_level_library_groups():
     g = _diamond_chain()
     groups = [Candidate("ort" if i in (1, 2) else "tvm", frozenset([i]),

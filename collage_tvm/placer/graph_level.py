@@ -241,9 +241,16 @@ class GraphLevelSearch:
             result.stopped = "budget"
         elif saturated:
             result.stopped = "saturation"
-        elif last_gen or len(self.memo) >= 2 ** min(self.n_genes, 60):
+        elif last_gen or len(self.memo) >= self._distinct_placements():
             result.stopped = "exhausted"
         return bool(result.stopped)
+
+    def _distinct_placements(self) -> int:
+        """At most this many distinct placements decode from the genes: each eligible group
+        stays or goes to one of the libraries that can run it (more gene patterns than
+        that decode alike: a one-operator graph on two libraries has 4 and 3 placements)."""
+        return min(2 ** min(self.n_genes, 60),
+                   math.prod(1 + len(can) for _, can in self.eligible))
 
     def _merge_only(self, result, seed_groups, t_start) -> GraphLevelResult:
         """No gene to search. With groups on graph libraries already, the one choice left
