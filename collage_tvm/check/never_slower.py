@@ -30,8 +30,9 @@ SLOW_BUILD_FACTOR = 10.0
 class Floor:
     """The user's model file run whole by one graph library: what they would run without
     Collage (DESIGN.md, "never slower"). ``build() -> executable``. ``budget``: the accuracy
-    budget (``precision.Accuracy``) it is judged by when the search's own does not allow its precision (timed for the
-    report only, never shipped: the report says what the flag would give)."""
+    budget (``precision.Accuracy``) it is judged by when the search's own does not allow its
+    precision (timed for the report only, never shipped: the report says what the flag would
+    give)."""
 
     backend: str
     build: Callable

@@ -159,7 +159,8 @@ class Measurer:
         ``build_jobs``: processes that build the candidates ``costs`` will time before it
         times them (``prebuild``); 0: each is built where it is timed.
         ``remote``: a ``remote.RemoteDevices``: everything is measured on its RPC servers
-        (``costs`` spreads the candidates over them) and keyed by their device."""
+        (``costs`` spreads the candidates over them) and keyed by their device; its owner
+        closes it."""
         self.target = target
         self.build_vm = build_vm
         self.db = db
@@ -167,7 +168,6 @@ class Measurer:
         self.progress = progress
         self.cutoff_factor = cutoff_factor
         self.remote = remote
-        self._owns_remote = True  # ``close`` closes it (``from_options``: not one it was given)
         self.device = remote.device if remote is not None else device_fingerprint(target)
         self.target_json = target_json(target)
         self.build_jobs = max(0, int(build_jobs)) if remote is None else 0
@@ -201,23 +201,17 @@ class Measurer:
         """A measurer as ``options`` (``SearchOptions``) asks: in a child process or not,
         with a progress bar or not (``progress`` overrides), its build processes, and on
         the RPC servers of ``options.rpc_tracker`` / ``rpc_key`` when given: ``remote``,
-        the search's ``remote.RemoteDevices`` (left open by ``close``), else sessions of
-        its own."""
-        owned = remote is None and bool(options.rpc_tracker)
-        if owned:
-            from .remote import RemoteDevices
-
-            remote = RemoteDevices(options.rpc_tracker, options.rpc_key, target_json(target))
+        the search's ``remote.RemoteDevices`` (``build.SearchState.remote``; the search
+        closes it, not the measurer)."""
+        if options.rpc_tracker and remote is None:
+            raise ValueError("options.rpc_tracker is set: pass the search's RemoteDevices "
+                             "(remote=)")
         jobs = default_build_jobs(target) if options.build_jobs is None else options.build_jobs
-        measurer = cls(target, db, build_vm, isolate=options.isolate,
-                       progress=options.progress if progress is None else progress,
-                       tuning=tuning, build_jobs=jobs, remote=remote)
-        measurer._owns_remote = owned
-        return measurer
+        return cls(target, db, build_vm, isolate=options.isolate,
+                   progress=options.progress if progress is None else progress,
+                   tuning=tuning, build_jobs=jobs, remote=remote)
 
     def close(self) -> None:
-        if self.remote is not None and self._owns_remote:
-            self.remote.close()
         if self._worker is not None:
             self._worker.close()
         else:
