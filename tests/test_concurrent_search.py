@@ -13,12 +13,14 @@ import collage_tvm
 from collage_tvm.measure.db import CostDB
 from collage_tvm.tools.zoo import export_onnx
 
-# No refinement rounds: they re-time close calls side by side within a share of the budget
-# and write the new figures into the DB, so a search on the DB afterwards can take another
-# path through the lean measuring and ask for candidates no run measured (CI once saw 4 on
-# bert_small, nothing lost); without them the DB answers the search it recorded.
+# Every candidate measured (lean=False) and no refinement rounds: which candidates a lean
+# search asks for follows the figures it has, and two searches racing on one model each
+# store some of theirs, so a later search on the mixed figures can ask for candidates
+# neither run measured without any write being lost (CI saw 4 on bert_small with
+# refinement, 8 on resnet_small without). Measuring all of them makes the set of
+# candidates independent of the figures: a later search measuring anything is a lost write.
 SEARCH = dict(backends=["tvm"], isolate=False, progress=False, graph_level=False,
-              compare=False, refine_rounds=0)
+              compare=False, refine_rounds=0, lean=False)
 
 
 def _search(path, db, log, queue):
