@@ -1,5 +1,6 @@
 """A lowering that kills its process (SIGSEGV) when asked to compile anything: the test of
-measurement isolation. Lives in its own module so the measurement worker can import it."""
+measurement isolation; and build functions of other tests. Lives in its own module so the
+measurement worker can import it."""
 
 
 class SegfaultingLowering:
@@ -22,4 +23,16 @@ def build_vm_refusing_sigmoid(func, backend, target, tuning=None, executable=Fal
 
     if executable and "sigmoid" in func.script():
         raise RuntimeError("this build process refuses sigmoid")
+    return candidate_vm(func, backend, target, tuning=tuning, executable=executable)
+
+
+def build_vm_logging(func, backend, target, tuning=None, executable=False):
+    """``lower.candidate_vm``, writing a line to the file ``COLLAGE_TEST_BUILD_LOG`` names
+    for each build: the test that a measuring child builds again for another measurer."""
+    import os
+
+    from collage_tvm.byoc import candidate_vm
+
+    with open(os.environ["COLLAGE_TEST_BUILD_LOG"], "a") as f:
+        f.write(f"{os.getpid()}\n")
     return candidate_vm(func, backend, target, tuning=tuning, executable=executable)

@@ -73,9 +73,9 @@ def test_the_worker_times_a_candidate_whose_weights_it_never_received(tmp_path, 
     sent = []
     call = Worker.call
 
-    def spy(self, what, entries, *rest):
+    def spy(self, what, entries, *rest, **kw):
         sent.extend(j for _, j, _ in entries)
-        return call(self, what, entries, *rest)
+        return call(self, what, entries, *rest, **kw)
 
     monkeypatch.setattr(Worker, "call", spy)
     m = Measurer(make_target("llvm"), CostDB(str(tmp_path / "c.db")), candidate_vm,

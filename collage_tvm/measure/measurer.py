@@ -22,7 +22,7 @@ from ..candidates import generate_candidates
 from ..target import cache_bytes, device_fingerprint, host_cores
 from . import runner
 from .db import CostDB
-from .worker import Worker, WorkerPool, _message
+from .worker import WorkerPool, _message, new_owner, shared_worker
 
 logger = logging.getLogger("collage_tvm")
 
@@ -176,8 +176,10 @@ class Measurer:
         self.flush_bytes = 2 * cache_bytes(3) if target.kind.name != "cuda" else 0
         self._prebuilt = os.path.join(tempfile.gettempdir(),
                                       f"collage-builds-{os.getpid()}-{id(self):x}")
-        self._worker = (Worker(env={runner.PREBUILT_ENV: self._prebuilt})
-                        if isolate and remote is None else None)
+        # The process's measuring child, shared with every other measurer (its caches are
+        # emptied when another measurer's request reaches it); ``_context`` names this one.
+        self._worker = shared_worker() if isolate and remote is None else None
+        self._owner = new_owner()
         if not isolate:
             runner.clear_cache()  # builds of an earlier search may apply other tuning
         self.measured = 0
@@ -211,9 +213,16 @@ class Measurer:
                    progress=options.progress if progress is None else progress,
                    tuning=tuning, build_jobs=jobs, remote=remote)
 
+    def _context(self) -> dict:
+        """Who asks, for the measuring child (``worker._message``): this measurer's token
+        and its build processes' folder."""
+        return {"owner": self._owner,
+                "prebuilt": self._prebuilt if os.path.isdir(self._prebuilt) else None}
+
     def close(self) -> None:
         if self._worker is not None:
-            self._worker.close()
+            if self._worker.alive():  # the child stays; what it built for this one goes
+                self._worker.call("release", [], self.target_json, None, context=self._context())
         else:
             runner.clear_cache()
             runner.use_prebuilt(None)
@@ -245,12 +254,13 @@ class Measurer:
                                   "cannot be sent to an RPC server"), {}
             entries = [(b, _function_json(f), k) for b, f, k in items]
             return self.remote.call(_message(what, entries, self.target_json, self.build_vm,
-                                             extra))
+                                             extra, {"owner": self._owner}))
         if self._worker is not None and all(self._picklable(b) for b, _, _ in items):
             # The weights stay here: the worker times the kernel on random ones of the same
             # shapes and scales (``without_weights``); a model's gigabytes are not copied.
             entries = [(b, _function_json(f), k) for b, f, k in items]
-            return self._worker.call(what, entries, self.target_json, self.build_vm, *extra)
+            return self._worker.call(what, entries, self.target_json, self.build_vm, *extra,
+                                     context=self._context())
         try:
             return getattr(runner, what)([(f, b, k) for b, f, k in items], self.target,
                                          self.build_vm, *extra)
@@ -532,7 +542,8 @@ class Measurer:
                 todo.append(bk)
                 messages.append(_message("measure_function", [(backend, _function_json(func),
                                                               bk[1])], self.target_json,
-                                         self.build_vm, (cutoff, self._flush_for([bk[1]]))))
+                                         self.build_vm, (cutoff, self._flush_for([bk[1]])),
+                                         {"owner": self._owner}))
             if not todo:
                 continue
             bar = _progress(len(todo), self.progress, f"measuring on {len(self.remote.sessions)} "

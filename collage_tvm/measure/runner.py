@@ -23,7 +23,7 @@ from .timing import time_main, time_side_by_side, time_switch
 
 # What the worker may be asked to run (``Worker.call``).
 ENTRY_POINTS = ("measure_function", "measure_switch", "measure_side_by_side", "prebuild",
-                "run_callback")
+                "run_callback", "release")
 
 # Built candidates kept for the next measurement of the same one (the second pass of the
 # library candidates, side-by-side re-timing): a build is 10-50 ms, as long as the timing.
@@ -81,8 +81,7 @@ def _build(func, backend, target, build_vm) -> tuple:
 # the measuring process loads a candidate from there instead of building it. Only
 # candidates that are TVM kernels alone travel this way: a library's callable lives in the
 # process that made it.
-PREBUILT_ENV = "COLLAGE_TVM_PREBUILT"  # the folder, for a measuring child (``Measurer``)
-_prebuilt_root: str | None = os.environ.get(PREBUILT_ENV) or None
+_prebuilt_root: str | None = None
 
 
 def prebuilt_path(root: str, backend_name: str, key: str) -> str:
@@ -102,7 +101,7 @@ def can_prebuild(build_vm) -> bool:
 
 def use_prebuilt(root: str | None) -> None:
     """Take builds from ``root`` in this process (None: build everything here); a
-    measuring child learns its folder from ``PREBUILT_ENV``, restarts included."""
+    measuring child learns its measurer's folder with each request (``worker._message``)."""
     global _prebuilt_root
     _prebuilt_root = root
 
@@ -188,3 +187,10 @@ def run_callback(funcs: list, target, build_vm, fn, *args) -> tuple:
     ``fn`` coming in by pickle like ``build_vm`` (a reference, not its code); ``funcs``
     carry the backends (their functions may be None)."""
     return fn(funcs, target, *args)
+
+
+def release(funcs: list, target, build_vm) -> tuple:
+    """Forget every built candidate: a measurer closing frees what the measuring child
+    kept for it (the child stays for the next measurer: ``worker.shared_worker``)."""
+    clear_cache()
+    return 0.0, None, {}

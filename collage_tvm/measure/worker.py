@@ -6,15 +6,25 @@ ones of their shapes and scales: ``graph.subgraph.without_weights``), the target
 the ``build_vm`` callback; the child builds and times, and answers (cost_ms, reason,
 extra). A dead child is an infinite cost with its exit status as the reason, and a fresh
 child takes over.
+
+Starting a child (a fresh Python importing TVM and the libraries) takes seconds, longer
+than measuring a small model's few candidates: one child serves every measurer of the
+process (``shared_worker``), search after search. Each request names the measurer it
+comes from; a request from another measurer than the last first empties the child's
+caches (its built candidates, its backends), so a search never times what an earlier one
+built.
 """
 from __future__ import annotations
 
 import math
 import os
 import pickle
+import atexit
+import itertools
 import select
 import subprocess
 import sys
+import threading
 import time
 import traceback
 
@@ -30,7 +40,9 @@ def _serve() -> None:
     """Child main loop: pickled requests on stdin, pickled replies on the saved stdout.
 
     A request is ``(entry point, [(backend name, lowering, function JSON, cache key), ...],
-    target JSON, build_vm, extra args)``; the entry point is one of ``runner.ENTRY_POINTS``."""
+    target JSON, build_vm, extra args, context)``; the entry point is one of
+    ``runner.ENTRY_POINTS``; the context (``_message``) names the measurer asking and the
+    folder its build processes export into."""
     import json
 
     import tvm
@@ -45,6 +57,7 @@ def _serve() -> None:
     os.dup2(2, 1)  # library chatter goes to stderr, never into the reply stream
     inp = sys.stdin.buffer
     backends: dict = {}
+    owner = None
     while True:
         try:
             msg = pickle.load(inp)
@@ -53,9 +66,14 @@ def _serve() -> None:
         if msg is None:
             return
         try:
-            what, entries, target_json, build_vm, extra = msg
+            what, entries, target_json, build_vm, extra, context = msg
             if what not in runner.ENTRY_POINTS:
                 raise ValueError(f"unknown measurement {what!r}")
+            if context.get("owner") != owner:  # another measurer: nothing of the last kept
+                runner.clear_cache()
+                backends.clear()
+                owner = context.get("owner")
+            runner.use_prebuilt(context.get("prebuilt"))
             target = tvm.target.Target(json.loads(target_json))
             funcs = []
             for name, lowering, func_json, key in entries:
@@ -107,6 +125,7 @@ class Worker:
         self.rss_limit = _default_rss_limit() if rss_limit is None else rss_limit
         self.restarts = 0  # for memory
         self._proc = None
+        self._lock = threading.Lock()  # one request at a time on the pipe (``shared_worker``)
 
     def _start(self) -> None:
         self._proc = subprocess.Popen(
@@ -115,17 +134,23 @@ class Worker:
             env={**os.environ, **self.env, "PYTHONPATH": os.pathsep.join(
                 p for p in [_package_root(), os.environ.get("PYTHONPATH", "")] if p)})
 
-    def call(self, what: str, entries: list, target_json: str, build_vm, *extra) -> tuple:
+    def call(self, what: str, entries: list, target_json: str, build_vm, *extra,
+             context: dict | None = None) -> tuple:
         """(cost, reason, extra) of ``runner.<what>`` on ``[(backend, func_json, key), ...]``
-        in the child; cost is inf when the build or the child failed."""
-        return self._ask(_message(what, entries, target_json, build_vm, extra))
+        in the child; cost is inf when the build or the child failed. ``context``: as
+        ``_message`` takes it."""
+        return self._ask(_message(what, entries, target_json, build_vm, extra, context))
 
     def _ask(self, msg) -> tuple:
-        failed = self._send(msg)
-        if failed is not None:
-            return failed
-        ready, _, _ = select.select([self._proc.stdout], [], [], self.timeout_s)
-        return self._receive() if ready else self._timed_out()
+        with self._lock:
+            failed = self._send(msg)
+            if failed is not None:
+                return failed
+            ready, _, _ = select.select([self._proc.stdout], [], [], self.timeout_s)
+            return self._receive() if ready else self._timed_out()
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
 
     def _timed_out(self) -> tuple:
         """The reply for a request the child did not answer in time: the child killed."""
@@ -231,9 +256,44 @@ class WorkerPool:
             w.close()
 
 
-def _message(what: str, entries: list, target_json: str, build_vm, extra: tuple) -> tuple:
-    """The request a child reads (``_serve``): backends travel as (name, lowering spec)."""
-    return what, [(b.name, b.lowering, j, k) for b, j, k in entries], target_json, build_vm, extra
+def _message(what: str, entries: list, target_json: str, build_vm, extra: tuple,
+             context: dict | None = None) -> tuple:
+    """The request a child reads (``_serve``): backends travel as (name, lowering spec).
+    ``context``: ``owner``, a token of the measurer asking (``new_owner``; None: no one's),
+    and ``prebuilt``, the folder its build processes export into (``runner.prebuild``)."""
+    return (what, [(b.name, b.lowering, j, k) for b, j, k in entries], target_json, build_vm,
+            extra, dict(context or {}))
+
+
+_owners = itertools.count()
+
+
+def new_owner() -> str:
+    """A token no other measurer of any process has (``_message``'s context)."""
+    return f"{os.getpid()}-{next(_owners)}"
+
+
+_shared: Worker | None = None
+_shared_made: tuple | None = None  # (process id, environment) it was made in
+_shared_lock = threading.Lock()
+
+
+def shared_worker() -> Worker:
+    """This process's measuring child, kept for every measurer after the first (started on
+    its first request, closed when the process exits). A child started in another
+    environment (``PYTHONPATH`` naming where a lowering is imported from, a library's
+    variables) is replaced, as a child of its own per measurer always saw the variables of
+    its time; a process forked from this one starts its own (the pipe to this one's child
+    is not its to use)."""
+    global _shared, _shared_made
+    made = (os.getpid(), dict(os.environ))
+    with _shared_lock:
+        if _shared is None or _shared_made != made:
+            if _shared is not None and _shared_made[0] == made[0]:
+                _shared.close()
+            _shared, _shared_made = Worker(), made
+            atexit.register(_shared.close)
+        return _shared
 
 
 def _describe(code) -> str:
