@@ -21,7 +21,7 @@ from tvm import relax
 
 from ._memory import release_memory
 from .check import (first_line, floor, latency_evaluator, never_slower, ops_per_backend,
-                    outputs_on, tvm_reference)
+                    outputs_on, single_backend_builds, tvm_reference)
 from .frontend import ModelError, dynamic_input, load_model, normalize_for_collage
 from .frontend.model_file import ModelFile, model_file
 from .graph import DataflowGraph, NotDataflow
@@ -840,6 +840,12 @@ def _graph_level(p: Placing, placement, evaluate=None):
     t0 = time.perf_counter()
     gl = GraphLevelSearch(p.graph, placement, libs, evaluate or latency_evaluator(
         p.graph, p.backends, p.target, p.options.accuracy))
+    timed = _timed_anyway(p, gl, placement)
+    if timed:
+        logger.info("graph-level: skipped: %s", timed)
+        report.graph_level = {"libraries": sorted(libs), "genes": gl.n_genes,
+                              "eligible_groups": len(gl.eligible), "skipped": timed}
+        return placement
     res = gl.run(budget_s=p.options.budget, on_generation=p.options.on_generation)
     report.times["graph-level"] = time.perf_counter() - t0
     report.graph_level = {"libraries": sorted(libs), "genes": gl.n_genes,
@@ -851,6 +857,21 @@ def _graph_level(p: Placing, placement, evaluate=None):
     if not res.best_ms < res.seed_ms:
         return placement
     return res.placement
+
+
+def _timed_anyway(p: Placing, gl: GraphLevelSearch, placement) -> str:
+    """Why the graph level can be left out: every placement its genes reach (a few
+    groups' worth) is one the final check builds and times anyway (the op-level placement
+    and the single-backend builds: a one-operator model's graph level only ever builds
+    those); "" when it cannot (no final check, more to reach, or a placement of its own)."""
+    if not p.options.compare or gl.n_genes == 0:
+        return ""
+    reach = gl.reachable()
+    timed = {gl.key(groups) for groups in single_backend_builds(p.graph, p.backends).values()}
+    if reach is None or not reach <= timed | {gl.key(placement.groups)}:
+        return ""
+    return (f"each of the {len(reach)} placements it can reach is a build the final check "
+            "times anyway")
 
 
 def optimize(model, target="llvm", backends=None, db=None, *, options: SearchOptions | None = None,

@@ -190,6 +190,20 @@ def test_the_search_stops_once_every_distinct_placement_was_measured():
     assert res.best_ms == pytest.approx(_brute_force(search))
 
 
+def test_reachable_lists_every_placement_the_genes_decode_to_and_gives_up_on_many():
+    g = _diamond_chain()
+    softmax_only = {name: Backend(name=name, kind="graph", rules=[PatternRule(
+        valid_op=lambda n: n.op_name == "relax.nn.softmax")]) for name in ("ort", "ov")}
+    search = GraphLevelSearch(g, _op_level(g), softmax_only, lambda groups: (1.0, None))
+    reach = search.reachable()
+    assert len(reach) == search._distinct_placements() == 3
+    assert {b for key in reach for b, nodes in key if nodes == frozenset([5])} == \
+        {"tvm", "ort", "ov"}  # the softmax stays, or goes to either library
+    every = GraphLevelSearch(g, _op_level(g), {"ort": _lib("ort")}, lambda groups: (1.0, None))
+    assert every.n_genes == 7 and every.reachable(limit=64) is None
+    assert len(every.reachable(limit=128)) > 7
+
+
 def test_offloaded_groups_merge_with_op_level_library_groups():
     g = _diamond_chain()
     groups = [Candidate("ort" if i in (1, 2) else "tvm", frozenset([i]),

@@ -100,6 +100,36 @@ def test_two_level_build_on_bert_small(bert_onnx, tmp_path, monkeypatch):
     assert {c.nodes for c in again.placement.groups} == {c.nodes for c in res.placement.groups}
 
 
+@pytest.mark.skipif(not GRAPH_LIBS, reason="no graph library available")
+def test_a_graph_level_with_only_final_check_builds_to_reach_is_left_to_the_final_check(
+        tmp_path):
+    """A one-operator model: the graph level could only build the operator on TVM or on a
+    library, which are the single-backend builds the final check times anyway; it is
+    skipped with the reason (it built and timed the same placements before), and the
+    final check times each library's build."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16, 8, 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16, 8, 8])
+    model = helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                                                [x], [y]),
+                              opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    path = str(tmp_path / "relu.onnx")
+    onnx.save(model, path)
+    res = collage_tvm.optimize(path, "llvm", ["tvm"] + GRAPH_LIBS, db=str(tmp_path / "c.db"),
+                               isolate=False, progress=False, graph_level=True, budget=20)
+    gl = res.report.graph_level
+    assert "history" not in gl and "the final check times anyway" in gl["skipped"]
+    assert gl["eligible_groups"] == 1
+    assert set(GRAPH_LIBS) <= set(res.report.comparison)  # each library's build was timed
+    # Without the final check the graph level is the only judge: it runs.
+    off = collage_tvm.optimize(path, "llvm", ["tvm"] + GRAPH_LIBS, db=str(tmp_path / "c.db"),
+                               placement_log=str(tmp_path / "off.json"), isolate=False,
+                               progress=False, graph_level=True, budget=20, compare=False)
+    assert off.report.graph_level["history"] and off.report.graph_level["evaluated"] >= 2
+
+
 class _FailsOnLargeSubgraphs:
     """onnxruntime that "cannot load" subgraphs of more than 3 operators (a real library
     failing to load a subgraph, e.g. an op it lacks, looks the same to the search)."""

@@ -27,6 +27,7 @@ not improved for ``patience`` generations (saturation).
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import random
@@ -130,6 +131,19 @@ class GraphLevelSearch:
                 self.invalid[key] = reason
                 logger.warning("graph-level: placement invalid: %s", reason)
         return self.memo[key]
+
+    def reachable(self, limit: int = 64) -> set | None:
+        """The keys (``key``) of every placement the genes decode to; None when there are
+        more than ``limit`` gene patterns to decode (the search itself is the way then)."""
+        if self.n_genes > math.log2(limit):
+            return None
+        keys = set()
+        for genes in itertools.product((0, 1), repeat=self.n_genes):
+            try:
+                keys.add(self.key(self.decode(list(genes))[0]))
+            except ValueError:  # no executable order: nothing the search could ship
+                continue
+        return keys
 
     def seeds(self) -> list:
         n = len(self.eligible)
