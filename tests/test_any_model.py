@@ -216,7 +216,8 @@ def _transformers_row(name, backends, tmp_path):
     return _suite_row("transformers", name, backends, tmp_path)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("name", [pytest.param("gpt2", marks=pytest.mark.slow),  # ~65 s
+                                  "llama"])
 def test_transformers_decoders_from_configs_build_and_match_torch(name, tmp_path):
     row = _transformers_row(name, ["tvm"], tmp_path)  # every backend: the slow test below
     assert row["status"] == "built" and row["match"], row
@@ -519,7 +520,13 @@ SAMPLES = [("torchvision", "squeezenet1_1"), ("torchvision", "shufflenet_v2_x0_5
            ("timm", "lcnet_050"), ("timm", "levit_128s")]
 
 
-@pytest.mark.parametrize("suite,name", SAMPLES)
+# The sample's three slowest to import and compile (30-70 s each on 2 cores) run with the
+# slow tests (`make test-slow`); the default run keeps a torchvision and a timm model.
+SLOW_SAMPLES = ("lraspp_mobilenet_v3_large", "r3d_18", "levit_128s")
+
+
+@pytest.mark.parametrize("suite,name", [pytest.param(*s, marks=pytest.mark.slow)
+                                        if s[1] in SLOW_SAMPLES else s for s in SAMPLES])
 def test_torchvision_and_timm_sample_places_every_node_on_tvm_and_matches_torch(
         suite, name, tmp_path):
     """The fast check (no measuring): import, candidates, every node placed on TVM,
