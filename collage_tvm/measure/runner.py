@@ -190,7 +190,11 @@ def run_callback(funcs: list, target, build_vm, fn, *args) -> tuple:
 
 
 def release(funcs: list, target, build_vm) -> tuple:
-    """Forget every built candidate: a measurer closing frees what the measuring child
-    kept for it (the child stays for the next measurer: ``worker.shared_worker``)."""
+    """Forget every built candidate and hand the freed heap back: a measurer closing frees
+    what the measuring child kept for it (the child stays for the next measurer:
+    ``worker.shared_worker``), so an idle child does not sit on a large model's builds."""
+    from .._memory import release_memory
+
     clear_cache()
+    release_memory()
     return 0.0, None, {}
