@@ -867,8 +867,10 @@ def _timed_anyway(p: Placing, gl: GraphLevelSearch, placement) -> str:
     if not p.options.compare or gl.n_genes == 0:
         return ""
     reach = gl.reachable()
+    if reach is None:
+        return ""
     timed = {gl.key(groups) for groups in single_backend_builds(p.graph, p.backends).values()}
-    if reach is None or not reach <= timed | {gl.key(placement.groups)}:
+    if not reach <= timed | {gl.key(placement.groups)}:
         return ""
     return (f"each of the {len(reach)} placements it can reach is a build the final check "
             "times anyway")

@@ -215,9 +215,8 @@ class Measurer:
 
     def _context(self) -> dict:
         """Who asks, for the measuring child (``worker._message``): this measurer's token
-        and its build processes' folder."""
-        return {"owner": self._owner,
-                "prebuilt": self._prebuilt if os.path.isdir(self._prebuilt) else None}
+        and its build processes' folder (while none built, nothing is found there)."""
+        return {"owner": self._owner, "prebuilt": self._prebuilt}
 
     def close(self) -> None:
         if self._worker is not None:

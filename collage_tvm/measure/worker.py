@@ -16,11 +16,11 @@ built.
 """
 from __future__ import annotations
 
+import atexit
+import itertools
 import math
 import os
 import pickle
-import atexit
-import itertools
 import select
 import subprocess
 import sys
