@@ -112,3 +112,39 @@ def test_a_machine_line_names_the_cpu_generation_where_the_model_name_does_not()
     line = machine_line({"cpu": "AMD EPYC", "mcpu": "znver3", "cores": 2, "tvm": "0.27"})
     assert line == "Machine: AMD EPYC (znver3), 2 cores; tvm 0.27"
     assert machine_line({"cpu": "AMD EPYC", "cores": 2}) == "Machine: AMD EPYC, 2 cores"
+
+
+def _cli_flags() -> set:
+    """Every option string of the CLI, its verbs' included."""
+    import argparse
+
+    from collage_tvm.cli import _parser
+
+    flags, todo = set(), [_parser()]
+    while todo:
+        parser = todo.pop()
+        for action in parser._actions:
+            flags.update(action.option_strings)
+            if isinstance(action, argparse._SubParsersAction):
+                todo.extend(action.choices.values())
+    return flags
+
+
+def test_every_flag_the_readme_and_the_guide_name_is_one_the_cli_takes():
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    flags = _cli_flags()
+    assert {"--accuracy", "--no-lean", "--rpc-tracker", "--bench"} <= flags  # the walk works
+    unknown = []
+    for page in ("README.md", "docs/GUIDE.md"):
+        for n, line in enumerate((root / page).read_text().splitlines(), 1):
+            # code spans that are a collage-tvm command or start with a flag
+            for code in re.findall(r"`([^`]+)`", line):
+                if not code.startswith(("collage-tvm", "--")):
+                    continue
+                unknown += [f"{page}:{n}: {flag} in `{code}`"
+                            for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", code)
+                            if flag not in flags]
+    assert not unknown, "\n".join(unknown)
