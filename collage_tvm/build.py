@@ -27,7 +27,7 @@ from .frontend.model_file import ModelFile, model_file
 from .graph import DataflowGraph, NotDataflow
 from .graph.subgraph import function_key, given_inputs
 from .byoc import (candidate_vm, candidate_vm_for, compile_module, compile_placement,
-                    lower_placement, placement_runner)
+                    forget_lowered, lower_placement, placement_runner)
 from .measure.db import CostDB
 from .measure.measurer import COST_MODEL, Measurer, target_json
 from .measure.remote import RemoteDevices, RemoteError
@@ -895,6 +895,10 @@ def optimize(model, target="llvm", backends=None, db=None, *, options: SearchOpt
                    tuning_db)
     with use_tuning_db(found.tuning):
         executable, lowered = _compile(found)
+    # The contenders that lost hold their libraries' copies of the weights in the lowering
+    # cache: gigabytes for a large model, kept for nothing once the build is made.
+    forget_lowered()
+    release_memory()
     return CollageResult(executable, lowered, found.placement, found.graph, found.report,
                          found.target)
 

@@ -1,7 +1,9 @@
 """`collage-tvm bench` end to end on a small zoo model: results written, every framework's
 output (torch.compile included) checked against PyTorch, the plots written, and the
 ablation's steps checked against each other (no timing assertions: these machines are
-noisy). One bench run, with ``--ablation``, serves every test here."""
+noisy). One bench run, with ``--ablation``, serves every test here but the slow one of
+``--rewrite`` (its own run: ~20 s more of the default test run for a path
+``tests/test_rewrite.py`` covers otherwise)."""
 import json
 import os
 import sys
@@ -17,17 +19,19 @@ needs_ort = pytest.mark.skipif(not get_backend("onnxruntime").available()[0],
                                reason="no onnxruntime")
 
 
-@pytest.fixture(scope="module")
-def bench_run(tmp_path_factory):
-    """(output folder, its results.json) of ``bench dcgan --size small --ablation
-    --rewrite``."""
-    tmp = tmp_path_factory.mktemp("bench")
+def _bench(tmp, *flags):
+    """(output folder, its results.json) of ``bench dcgan --size small`` with ``flags``."""
     out = str(tmp / "out")
     rc = main(["bench", "dcgan", "--size", "small", "--backends", "tvm,onnxruntime",
-               "--no-graph-level", "--ablation", "--rewrite", "--db", str(tmp / "c.db"),
-               "--out", out])
+               "--no-graph-level", *flags, "--db", str(tmp / "c.db"), "--out", out])
     assert rc == 0
     return out, json.load(open(os.path.join(out, "results.json")))
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    """``bench dcgan --size small --ablation``: (output folder, its results.json)."""
+    return _bench(tmp_path_factory.mktemp("bench"), "--ablation")
 
 
 @needs_ort
@@ -87,8 +91,9 @@ def test_bench_ablation_adds_backends_one_at_a_time(bench_run):
 
 
 @needs_ort
-def test_bench_rewrite_times_placed_only_beside_rewritten_and_placed(bench_run):
-    out, results = bench_run
+@pytest.mark.slow
+def test_bench_rewrite_times_placed_only_beside_rewritten_and_placed(tmp_path):
+    out, results = _bench(tmp_path, "--rewrite")
     steps = results["models"][0]["rewrite"]
     assert [s["label"] for s in steps] == ["placed", "rewritten+placed"]
     assert all(s["match"] and s["ms"] > 0 for s in steps), steps

@@ -368,3 +368,21 @@ def test_a_piece_of_a_model_is_timed_as_it_runs_in_place_not_as_the_whole_model(
     piece = extract_function(g, frozenset([0, 1]))[0]
     assert sole_flags(piece) == [True]
     assert sole_flags(piece.with_attr(PART_ATTR, True)) == [False]
+
+
+@pytest.mark.skipif("onnxruntime" not in GRAPH_LIBS, reason="onnxruntime unavailable")
+def test_optimize_lets_go_of_the_contenders_lowered_callables_and_its_build_still_runs(tmp_path):
+    """The final check's losing builds hold their libraries' copies of the weights in the
+    lowering cache; once the shipped build is made, nothing of them is kept (the shipped
+    build's own callables live on with it)."""
+    from collage_tvm.byoc import external
+
+    g = DataflowGraph(_two_output_func())
+    mod = tvm.IRModule({"main": g.func})
+    res = collage_tvm.optimize(mod, "llvm", ["tvm", "onnxruntime"], db=str(tmp_path / "c.db"),
+                               isolate=False, progress=False, graph_level=False, compare=True)
+    assert {"tvm-only", "onnxruntime"} <= set(res.report.comparison)
+    assert len(external._CACHE) == 0
+    target = make_target("llvm")
+    ref = evaluate(tvm.compile(mod, target), g, target)
+    assert evaluate(res.executable, res.graph, target, ref["outputs"])["match"]

@@ -15,7 +15,7 @@ from ..graph.subgraph import random_inputs
 from ..placement import Candidate
 from ..target import target_device
 from ..tuning import active_database, use_tuning_db
-from .external import lower_external, release_with
+from .external import forget_lowered, lower_external, release_with
 from .partition import partition
 
 
@@ -84,4 +84,4 @@ def placement_runner(graph, backends: dict, target, seed: int = 0):
 
 
 __all__ = ["candidate_vm", "candidate_vm_for", "compile_module", "compile_placement",
-           "lower_external", "lower_placement", "placement_runner", "release_with"]
+           "forget_lowered", "lower_external", "lower_placement", "placement_runner", "release_with"]

@@ -18,6 +18,7 @@ from tvm_ffi.structural import structural_equal, structural_hash
 from tvm import relax
 
 from ..measure.cuda_graph import replays_its_own_graph
+from ..measure.runner import also_cleared
 from .partition import CODEGEN_PREFIX
 
 # Registered callables by symbol. The VM resolves a packed function when it is created, so
@@ -86,6 +87,18 @@ def _lower_cached(backend, func):
                                or sum(v[2] for v in _CACHE.values()) > budget):
         _CACHE.popitem(last=False)
     return fn
+
+
+def forget_lowered() -> None:
+    """Empty the cache of lowered callables (``_lower_cached``). Each holds its library's
+    copy of its group's weights (an ONNX Runtime session or an OpenVINO model takes about
+    twice the weights' bytes): a search's losing contenders would otherwise stay in memory
+    after it, as would a measuring child's candidates after their search (the child serves
+    the next one). A callable an executable registered lives on with it (``_LIVE``)."""
+    _CACHE.clear()
+
+
+also_cleared(forget_lowered)  # a measuring child between measurers
 
 
 def _release(symbols) -> None:

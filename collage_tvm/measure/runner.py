@@ -32,9 +32,26 @@ CACHE_BYTES = 1 << 30
 _built: OrderedDict = OrderedDict()  # key -> (vm, args, bytes)
 
 
-def clear_cache() -> None:
-    """Forget every built candidate (the measurer calls it when it starts and closes)."""
+# Caches of later stages that a measuring child empties with its own between measurers
+# (``byoc.external`` adds its lowered library callables, each holding its library's copy of
+# the weights): measuring does not import them, they register here.
+_ALSO_CLEARED: list = []
+
+
+def also_cleared(fn) -> None:
+    """Have ``clear_cache(everything=True)`` call ``fn()`` too."""
+    if fn not in _ALSO_CLEARED:
+        _ALSO_CLEARED.append(fn)
+
+
+def clear_cache(everything: bool = False) -> None:
+    """Forget every built candidate (the measurer calls it when it starts and closes);
+    ``everything``: the caches registered with ``also_cleared`` too (a measuring child
+    when its measurer changes or closes: the child outlives the search)."""
     _built.clear()
+    if everything:
+        for fn in _ALSO_CLEARED:
+            fn()
 
 
 def _held_bytes(func) -> int:
@@ -195,6 +212,6 @@ def release(funcs: list, target, build_vm) -> tuple:
     ``worker.shared_worker``), so an idle child does not sit on a large model's builds."""
     from .._memory import release_memory
 
-    clear_cache()
+    clear_cache(everything=True)
     release_memory()
     return 0.0, None, {}

@@ -70,7 +70,7 @@ def _serve() -> None:
             if what not in runner.ENTRY_POINTS:
                 raise ValueError(f"unknown measurement {what!r}")
             if context.get("owner") != owner:  # another measurer: nothing of the last kept
-                runner.clear_cache()
+                runner.clear_cache(everything=True)
                 backends.clear()
                 owner = context.get("owner")
             runner.use_prebuilt(context.get("prebuilt"))
