@@ -895,10 +895,7 @@ def optimize(model, target="llvm", backends=None, db=None, *, options: SearchOpt
                    tuning_db)
     with use_tuning_db(found.tuning):
         executable, lowered = _compile(found)
-    # The contenders that lost hold their libraries' copies of the weights in the lowering
-    # cache: gigabytes for a large model, kept for nothing once the build is made.
-    forget_lowered()
-    release_memory()
+    _let_go()
     return CollageResult(executable, lowered, found.placement, found.graph, found.report,
                          found.target)
 
@@ -947,7 +944,17 @@ def optimize_module(mod, target, options: SearchOptions, db=None, placement_log=
     found = search(mod, target, options, db, placement_log)
     if found.graph is None:
         return found.module, found.tuning
-    return lower_placement(found.graph, found.placement.groups, found.backends), found.tuning
+    lowered = lower_placement(found.graph, found.placement.groups, found.backends)
+    _let_go()
+    return lowered, found.tuning
+
+
+def _let_go() -> None:
+    """Once the shipped build is made: the contenders that lost hold their libraries' copies
+    of the weights in the lowering cache, gigabytes for a large model, kept for nothing (the
+    shipped build's own callables live on with it)."""
+    forget_lowered()
+    release_memory()
 
 
 def build(model, target="llvm", backends=None, db=None, **kwargs):

@@ -149,6 +149,30 @@ def test_a_verdict_timed_beside_other_work_is_checked_again_at_the_next_build(
     assert third.report.shipped == "collage"
 
 
+def test_a_final_check_short_of_memory_keeps_the_fastest_build_so_far_and_frees_the_rest(
+        model_path, tmp_path, monkeypatch):
+    # A model of gigabytes of weights (torchvision's ViT-L/32 at 224x224: 21.7 GB of 24 in
+    # its final check, 1.2 GB of weights): when one more build may not fit, the builds held
+    # so far meet side by side and only the fastest correct one stays for the next.
+    monkeypatch.setattr(ns, "_available", lambda: 0)
+    _fixed_clock(monkeypatch, "onnxruntime (model file)")
+    _machine_busy(monkeypatch, 0.0)
+    res = _search(model_path, tmp_path)
+    comp = res.report.comparison
+    lost = {n: r["lost_to"] for n, r in comp.items() if "lost_to" in r}
+    # builds 3 and 4 each found memory short: the two before the 3rd met, one was kept...
+    assert len(lost) >= 2 and len(set(lost.values())) == 1, comp
+    (kept,) = set(lost.values())
+    assert kept not in lost and comp[kept]["match"]
+    assert all(comp[n]["ms"] > 0 for n in lost)  # a freed build keeps its figures
+    # ...and the one kept met the last build, the fastest, which ships
+    assert "onnxruntime (model file)" not in lost
+    assert res.report.shipped == "onnxruntime (model file)"
+    x = np.random.default_rng(3).standard_normal((1, 3, 16, 16)).astype("float32")
+    got = relax.VirtualMachine(res.executable, tvm.cpu())["main"](tvm.runtime.tensor(x)).numpy()
+    assert np.isfinite(got).all() and got.shape == (1, 8, 16, 16)
+
+
 def test_a_model_file_that_is_slower_does_not_ship(model_path, tmp_path, monkeypatch):
     _fixed_clock(monkeypatch, "collage")
     res = _search(model_path, tmp_path)
