@@ -391,8 +391,9 @@ def _time_again(results, fns: dict, target, samples: dict | None = None, outside
     """``fns`` (name -> run) timed side by side (``interleaved``, ``kw`` passed on), a build
     that lost even at its best timed no further (``DROP_MARGIN``; marked "dropped"): their
     "ms" become these figures, the first kept as "first_ms"; "rounds": the batches each
-    figure is the median of. ``outside``: builds outside the accuracy budget (timed for the
-    advice; they do not set the bar the others are dropped by)."""
+    figure is the median of, "batches" their figures in order. ``outside``: builds outside
+    the accuracy budget (timed for the advice; they do not set the bar the others are
+    dropped by)."""
     samples = {} if samples is None else samples
     dropped: set = set()
     for name, ms in interleaved(fns, sync=device_sync(target), samples=samples,
@@ -402,6 +403,8 @@ def _time_again(results, fns: dict, target, samples: dict | None = None, outside
         results[name]["ms"] = ms
         if samples.get(name):
             results[name]["rounds"] = len(samples[name])
+            # each batch's ms per call, in order: how a verdict came about can be read back
+            results[name]["batches"] = [float(f"{v:.4g}") for v in samples[name]]
         if name in dropped:
             results[name]["dropped"] = True
 

@@ -528,6 +528,9 @@ def _collage_build(model, inputs, expected, backends, db, rtol, atol, graph_leve
     # what the final check timed each build at (its verdict, beside the frameworks' figures)
     row["final_check"] = {n: round(r["ms"], 3) for n, r in rep.comparison.items()
                           if math.isfinite(r.get("ms", math.nan))}
+    # and the batches of each build it timed again, in order: what the verdict rests on
+    row["final_check_batches"] = {n: r["batches"] for n, r in rep.comparison.items()
+                                  if r.get("batches") and "same_as" not in r}
     if rep.whole_model and not rep.whole_model.get("floor"):
         # TVM cannot import it: a graph library runs it whole (the model file winning the
         # final check is named by ``rep.shipped``: "openvino (model file)")
