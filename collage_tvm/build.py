@@ -41,7 +41,7 @@ from .placer.graph_level import GraphLevelSearch
 from .placer.op_level import ensure_cover, place
 from .placer.op_stage import OpLevel, dp_costs
 from .precision import CHECK_SEEDS, cpu_precisions, parse_accuracy
-from .registry import get_backend, list_backends
+from .registry import get_backend, list_backends, resolve_backends
 from .target import device_fingerprint, make_target
 from .tuning import TuningDB, active_database, default_dir, open_tuning_db, use_tuning_db
 
@@ -129,52 +129,6 @@ class CollageResult:
         return save(self, path, **kwargs)
 
 
-def resolve_backends(names, target, accuracy=None) -> tuple[dict, dict]:
-    """(available backends by name, skipped name -> reason). ``tvm`` is always included;
-    no ``names``: every backend for the target's device (``every_backend``).
-
-    A backend for another device than ``target``'s (a CUDA library on an ``llvm`` target)
-    is skipped with that reason. ``accuracy`` (``precision.Accuracy``, default strict f32):
-    the reduced-precision variants of the named libraries (``openvino_bf16`` of
-    ``openvino``) join when the budget allows their precision; naming one the budget does
-    not allow is an error that says which budget would.
-    """
-    accuracy = parse_accuracy(accuracy)
-    names = list(dict.fromkeys(["tvm", *(names or every_backend(target))]))
-    for name in names:
-        b = _known_backend(name)
-        if not accuracy.allows(b.precision):
-            raise ValueError(f"backend {name!r} computes in {b.precision}; the accuracy budget "
-                             f"{accuracy} does not allow it (use --accuracy {b.precision}, "
-                             f"accuracy={b.precision!r} in Python)")
-    variants = [v for v in list_backends() if get_backend(v).variant_of in names
-                and accuracy.allows(get_backend(v).precision)]
-    names += [v for v in variants if v not in names]
-    device = "cuda" if target.kind.name == "cuda" else "cpu"
-    backends, skipped = {}, {}
-    for name in names:
-        b = _known_backend(name)
-        if name != "tvm" and b.device != device:
-            ok, why = False, f"runs on {b.device}, the target is {device}"
-        else:
-            ok, why = b.available()
-        if not ok:
-            skipped[name] = why
-            logger.warning("backend %s skipped: %s", name, why)
-            continue
-        backends[name] = b
-    return backends, skipped
-
-
-def every_backend(target) -> list:
-    """The default backends: every registered f32 backend for ``target``'s device (the
-    reduced-precision variants join under a budget that allows them); one that does not load
-    here is skipped with its reason."""
-    device = "cuda" if target.kind.name == "cuda" else "cpu"
-    return [n for n in list_backends() if get_backend(n).device == device
-            and get_backend(n).precision == "f32" and get_backend(n).variant_of is None]
-
-
 def _whole_on_a_library(err, backends: dict, input_shapes, report) -> tvm.IRModule:
     """The module running the ONNX model TVM's importer refused (``err``) wholly on the
     first of ``backends`` that is a graph library and loads it (``byoc.whole``); ``err``
@@ -247,13 +201,6 @@ def _floor_module(lib: str, user_file: ModelFile, input_shapes, graph) -> tvm.IR
         logger.warning("the model file whole on %s cannot be built now (%s): searching "
                        "again", lib, first_line(err))
         return None
-
-
-def _known_backend(name: str):
-    try:
-        return get_backend(name)
-    except KeyError as err:
-        raise ValueError(str(err).strip("'\"")) from None
 
 
 def placement_key(main: relax.Function, target, backends: dict,

@@ -40,7 +40,7 @@ class SearchOptions:
 
     # Backends to place on; ``tvm`` is always added. Unavailable ones are skipped with a
     # reason. Empty (the default): every registered backend for the target's device that
-    # loads on this machine (``build.resolve_backends``).
+    # loads on this machine (``registry.resolve_backends``).
     backends: tuple = _not_key((), "in the key as each resolved backend's name "
                                "and library version (build.placement_key)")
     # The op-level DP charges the measured cost of changing runtime between consecutive

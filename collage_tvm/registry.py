@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .lowering import Lowering, missing_methods
-from .precision import PRECISIONS
+from .precision import PRECISIONS, parse_accuracy
 from .target import tvm_threads
 
 logger = logging.getLogger("collage_tvm")
@@ -271,6 +271,56 @@ def get_backend(name: str) -> Backend:
 def list_backends() -> list[str]:
     ensure_builtin_backends()
     return sorted(_BACKENDS)
+
+
+def known_backend(name: str) -> Backend:
+    """``get_backend``, its unknown name a ``ValueError`` naming the registered ones."""
+    try:
+        return get_backend(name)
+    except KeyError as err:
+        raise ValueError(str(err).strip("'\"")) from None
+
+
+def every_backend(target) -> list:
+    """The default backends: every registered f32 backend for ``target``'s device (the
+    reduced-precision variants join under a budget that allows them); one that does not load
+    here is skipped with its reason."""
+    device = "cuda" if target.kind.name == "cuda" else "cpu"
+    return [n for n in list_backends() if get_backend(n).device == device
+            and get_backend(n).precision == "f32" and get_backend(n).variant_of is None]
+
+
+def resolve_backends(names, target, accuracy=None) -> tuple[dict, dict]:
+    """(available backends by name, skipped name -> reason). ``tvm`` is always included;
+    no ``names``: every backend for the target's device (``every_backend``).
+
+    A backend for another device than ``target``'s (a CUDA library on an ``llvm`` target)
+    is skipped with that reason. ``accuracy`` (``precision.Accuracy``, default strict f32):
+    the reduced-precision variants of the named libraries (``openvino_bf16`` of
+    ``openvino``) join when the budget allows their precision; naming one the budget does
+    not allow is an error that says which budget would.
+    """
+    device = "cuda" if target.kind.name == "cuda" else "cpu"
+    named = {n: known_backend(n) for n in dict.fromkeys(["tvm", *(names or every_backend(target))])}
+    variants = {v: get_backend(v) for v in list_backends()
+                if get_backend(v).variant_of in named and v not in named}
+    accuracy = parse_accuracy(accuracy)
+    for name, b in named.items():
+        if not accuracy.allows(b.precision):
+            raise ValueError(f"backend {name!r} computes in {b.precision}; the accuracy budget "
+                             f"{accuracy} does not allow it (use --accuracy {b.precision}, "
+                             f"accuracy={b.precision!r} in Python)")
+    chosen = {**named, **{v: b for v, b in variants.items() if accuracy.allows(b.precision)}}
+    backends, skipped = {}, {}
+    for name, b in chosen.items():
+        ok, why = ((False, f"runs on {b.device}, the target is {device}")
+                   if name != "tvm" and b.device != device else b.available())
+        if not ok:
+            skipped[name] = why
+            logger.warning("backend %s skipped: %s", name, why)
+            continue
+        backends[name] = b
+    return backends, skipped
 
 
 _LOADING: list[str] = []

@@ -92,11 +92,11 @@ def settings(options: dict | None) -> Settings:
     except (TypeError, ValueError) as err:
         raise type(err)(f"torch.compile(backend='collage'): {err}") from None
     if search.backends:  # an unknown backend name is the user's error, not a fallback
-        from .build import _known_backend
+        from .registry import known_backend
 
         for name in search.backends:
             try:
-                _known_backend(name)
+                known_backend(name)
             except ValueError as err:
                 raise ValueError(f"torch.compile(backend='collage'): option 'backends': "
                                  f"{err}") from None

@@ -361,7 +361,7 @@ def test_shape_vars_a_match_cast_defines_order_and_pin_the_nodes_that_read_them(
     none of the match_cast's Relax vars. The graph missed that edge, the placement ran the
     reshape first, and TVM failed ('PrimExpr ... has not been computed'). Now the edge is
     there, and the nodes defining or reading such vars get their single TVM op only."""
-    from collage_tvm.build import resolve_backends
+    from collage_tvm.registry import resolve_backends
     from collage_tvm.frontend import load_model, normalize_for_collage
     from collage_tvm.graph import DataflowGraph
     from collage_tvm.candidates import generate_candidates

@@ -97,7 +97,7 @@ def test_backend_whose_library_is_missing_is_skipped(tmp_path, caplog):
             return False, "libnothing.so not found"
 
     register_backend("missing_lib", lowering=Missing)
-    from collage_tvm.build import resolve_backends
+    from collage_tvm.registry import resolve_backends
 
     found, skipped = resolve_backends(["missing_lib"], res_target())
     assert "missing_lib" not in found and "libnothing.so" in skipped["missing_lib"]
@@ -105,7 +105,7 @@ def test_backend_whose_library_is_missing_is_skipped(tmp_path, caplog):
 
 
 def test_backend_for_another_device_is_skipped_with_the_reason():
-    from collage_tvm.build import resolve_backends
+    from collage_tvm.registry import resolve_backends
     from collage_tvm.registry import register_backend
 
     class Here:

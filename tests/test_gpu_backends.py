@@ -164,7 +164,7 @@ def test_lowerings_read_the_plan_and_refuse_what_their_library_cannot_run():
 
 
 def test_gpu_backends_say_why_they_do_not_run_here_and_a_cpu_target_skips_them():
-    from collage_tvm.build import resolve_backends
+    from collage_tvm.registry import resolve_backends
     from collage_tvm.target import make_target
 
     ok, why = get_backend("tensorrt").available()

@@ -7,9 +7,9 @@ import pytest
 import tvm
 
 import collage_tvm
-from collage_tvm.build import (OUTSIDE_BUDGET, BuildReport, Placing, _within_budget, open_db,
-                               resolve_backends)
+from collage_tvm.build import OUTSIDE_BUDGET, BuildReport, Placing, _within_budget, open_db
 from collage_tvm.check import graph_lib_groups, never_slower
+from collage_tvm.registry import resolve_backends
 from collage_tvm.graph import DataflowGraph
 from collage_tvm.options import SearchOptions
 from collage_tvm.placement import Placement
