@@ -3,6 +3,7 @@ contender in the final check; it ships when it is the fastest correct build, and
 placement log remembers that verdict. Which build is fastest is the machine's call, so the
 tests that need a winner fix the timings (a fake clock); the builds and outputs are real."""
 import importlib
+import statistics
 
 import numpy as np
 import onnx
@@ -265,3 +266,30 @@ def test_close_builds_meet_again_in_more_rounds_and_the_runoff_decides(monkeypat
     ns._runoff({"a": {"ms": 1.0, "match": True}, "far": {"ms": 1.5, "match": True}},
                {"a": None, "far": None}, set(), tvm.target.Target("llvm"))
     assert calls == []
+
+
+def test_the_runoff_ranks_close_builds_round_by_round(monkeypatch):
+    """The close builds' figures are taken round by round (``_by_round``): a build faster
+    in most rounds ranks first though its plain median landed on the slower rounds; the
+    plain median is kept as "median_ms". Too few rounds, or one build: left as they are."""
+    monkeypatch.setattr(ns, "RUNOFF_ROUNDS", 7)
+    monkeypatch.setattr(ns, "interleaved", lambda *a, **k: pytest.fail("nothing to time"))
+    # the machine's load drifting from 100 to 116 ms a call; "b" 3% ahead of "a" in each
+    # round but the last two (a slow stretch for it alone, a quick one for "a"): "a" has
+    # the lower plain median (104 against 108.6)
+    level = [100.0, 104.0, 108.0, 112.0, 116.0]
+    a = level + [90.0, 90.0]
+    b = [0.97 * x for x in level] + [130.0, 130.0]
+    results = {"a": {"ms": statistics.median(a), "match": True},
+               "b": {"ms": statistics.median(b), "match": True}}
+    assert results["a"]["ms"] < results["b"]["ms"]
+    ns._runoff(results, {"a": None, "b": None}, set(), tvm.target.Target("llvm"),
+               {"a": list(a), "b": list(b)})
+    assert results["b"]["ms"] < results["a"]["ms"]
+    assert results["a"]["median_ms"] == statistics.median(a)
+    assert results["b"]["median_ms"] == statistics.median(b)
+    assert abs(results["a"]["ms"] / results["b"]["ms"] - 1 / 0.97) < 0.01
+    # fewer rounds than PAIRED_MIN_ROUNDS: the plain medians stay
+    short = {"a": {"ms": 104.0, "match": True}, "b": {"ms": 108.6, "match": True}}
+    ns._by_round(short, {"a": a[:ns.PAIRED_MIN_ROUNDS - 1], "b": b[:ns.PAIRED_MIN_ROUNDS - 1]})
+    assert short == {"a": {"ms": 104.0, "match": True}, "b": {"ms": 108.6, "match": True}}
