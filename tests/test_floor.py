@@ -293,3 +293,35 @@ def test_the_runoff_ranks_close_builds_round_by_round(monkeypatch):
     short = {"a": {"ms": 104.0, "match": True}, "b": {"ms": 108.6, "match": True}}
     ns._by_round(short, {"a": a[:ns.PAIRED_MIN_ROUNDS - 1], "b": b[:ns.PAIRED_MIN_ROUNDS - 1]})
     assert short == {"a": {"ms": 104.0, "match": True}, "b": {"ms": 108.6, "match": True}}
+
+
+@pytest.mark.parametrize("noise,b_factor,rounds", [
+    (0.10, 1.00, 45),   # equal builds, 10% a round: open to the cap
+    (0.01, 1.00, 15),   # equal within 1% a round: surely within SAME_SHARE, settled
+    (0.01, 1.06, 15),   # "b" surely behind: settled
+])
+def test_an_open_close_call_is_timed_on_up_to_the_cap(monkeypatch, noise, b_factor, rounds):
+    """After the runoff's rounds, two close builds whose ranking the rounds leave open
+    (``_open_calls``) are timed on, ``RUNOFF_STEP`` rounds at a time, up to
+    ``RUNOFF_MAX_ROUNDS``; a call already settled either way is not."""
+    import random
+
+    monkeypatch.setattr(ns, "RUNOFF_ROUNDS", 15)
+    monkeypatch.setattr(ns, "RUNOFF_MAX_ROUNDS", 45)
+    monkeypatch.setattr(ns, "RUNOFF_STEP", 10)
+    rng = random.Random(1)
+    factor = {"a": 1.0, "b": b_factor}
+
+    def clock(fns, rounds=7, samples=None, **kw):
+        for _ in range(rounds):
+            for n in fns:
+                samples.setdefault(n, []).append(100.0 * factor[n] * (1 + noise * rng.gauss(0, 1)))
+        return {n: statistics.median(samples[n]) for n in fns}
+
+    monkeypatch.setattr(ns, "interleaved", clock)
+    results = {"a": {"ms": 100.0, "match": True}, "b": {"ms": 100.0 * b_factor, "match": True}}
+    samples = {"a": [], "b": []}
+    ns._runoff(results, {"a": None, "b": None}, set(), tvm.target.Target("llvm"), samples)
+    assert results["a"]["rounds"] == results["b"]["rounds"] == rounds
+    if b_factor > 1:
+        assert results["a"]["ms"] < results["b"]["ms"]

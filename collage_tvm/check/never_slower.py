@@ -373,6 +373,59 @@ def _runoff(results, runs, outside, target, samples: dict | None = None) -> None
         for name in close:
             results[name]["runoff"] = True
     _by_round(results, samples)
+    _settle(results, close, target, samples)
+
+
+# A close call the runoff's rounds leave open is timed on, ``RUNOFF_STEP`` rounds at a time,
+# up to ``RUNOFF_MAX_ROUNDS`` (the rounds a suite row's close figures get; ``_settle``).
+# A 300 ms model's single-call batches swing by ~10% a round on a shared VM: 15 rounds leave
+# a standard error of ~3% on the ratio of two builds, as large as the gaps between the
+# libraries' whole-model runs that the final check has to rank (convnext_base on the Zen 3).
+RUNOFF_MAX_ROUNDS = 45
+RUNOFF_STEP = 10
+# Two builds surely within this share of each other need no more rounds: either ships within
+# the 0.97x the suites hold Collage to.
+SAME_SHARE = 0.03
+
+
+def _settle(results, close: dict, target, samples: dict) -> None:
+    """The builds whose ranking against the leader the rounds so far leave open
+    (``_open_calls``) timed on with it, ``RUNOFF_STEP`` rounds at a time, until none is
+    open or each has ``RUNOFF_MAX_ROUNDS`` batches; their figures taken round by round
+    again among themselves."""
+    while True:
+        todo = _open_calls(results, {n: samples[n] for n in close})
+        k = min((len(samples[n]) for n in todo), default=RUNOFF_MAX_ROUNDS)
+        if len(todo) < 2 or k >= RUNOFF_MAX_ROUNDS:
+            return
+        close = {n: close[n] for n in todo}
+        _time_again(results, close, target, rounds=min(RUNOFF_STEP, RUNOFF_MAX_ROUNDS - k),
+                    samples=samples)
+        _by_round(results, {n: samples[n] for n in close})
+        for name in close:
+            results[name]["runoff"] = True
+
+
+def _open_calls(results, samples: dict) -> set:
+    """The builds of ``samples`` (name -> batches, one a round) whose place against the
+    leader (the lowest "ms") is still open, with the leader; empty when none is. Open: the
+    median of the round-by-round log ratio to the leader is under two standard errors
+    (1.25 x 1.4826 x its median absolute deviation over the root of the rounds), and the
+    two may still be ``SAME_SHARE`` or more apart. Needs ``PAIRED_MIN_ROUNDS`` rounds."""
+    if len(samples) < 2:
+        return set()
+    leader = min(samples, key=lambda n: results[n]["ms"])
+    still = set()
+    for name, batches in samples.items():
+        k = min(len(batches), len(samples[leader]))
+        if name == leader or k < PAIRED_MIN_ROUNDS:
+            continue
+        logs = [math.log(b / a) for b, a in zip(batches[-k:], samples[leader][-k:])]
+        lead = statistics.median(logs)
+        se = 1.25 * 1.4826 * statistics.median(abs(x - lead) for x in logs) / math.sqrt(k)
+        if lead < 2 * se and abs(lead) + 2 * se >= SAME_SHARE:
+            still.add(name)
+    return still | {leader} if still else set()
 
 
 # ``_by_round`` needs this many rounds that every close build was timed in.
