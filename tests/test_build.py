@@ -105,8 +105,7 @@ def test_backend_whose_library_is_missing_is_skipped(tmp_path, caplog):
 
 
 def test_backend_for_another_device_is_skipped_with_the_reason():
-    from collage_tvm.registry import resolve_backends
-    from collage_tvm.registry import register_backend
+    from collage_tvm.registry import register_backend, resolve_backends
 
     class Here:
         def available(self):

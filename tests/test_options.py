@@ -25,8 +25,7 @@ def test_an_option_added_without_a_key_declaration_cannot_make_a_key():
 def test_the_defaults_find_the_best_every_backend_both_levels_and_the_final_check():
     """Issue #33: with no options a search uses every backend that loads here, both levels
     with a bounded budget, and the final check (the model file on each library the floor)."""
-    from collage_tvm.registry import resolve_backends
-    from collage_tvm.registry import get_backend, list_backends
+    from collage_tvm.registry import get_backend, list_backends, resolve_backends
     from collage_tvm.target import make_target
 
     base = SearchOptions()

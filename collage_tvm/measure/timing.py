@@ -258,7 +258,8 @@ def _lost(names, samples: dict, drop: float, lead) -> set:
     slow stretch of the host could drop the faster build, leaving the verdict to the
     others' four batches each. (A suspect, not a proven cause, for that model's final check
     ranking the model file on OpenVINO 6% ahead of ONNX Runtime, which was 7% ahead in
-    the row's 45 rounds; not seen again in a second search of it.)"""
+    the row's 45 rounds; a later cold search with this rule still ranked OpenVINO first:
+    ``never_slower._by_round`` has that case.)"""
     leaders = {n: statistics.median(samples[n]) for n in names if n in lead}
     if not leaders:
         return set()
