@@ -378,9 +378,9 @@ def _runoff(results, runs, outside, target, samples: dict | None = None) -> None
 
 # A close call the runoff's rounds leave open is timed on, ``RUNOFF_STEP`` rounds at a time,
 # up to ``RUNOFF_MAX_ROUNDS`` (the rounds a suite row's close figures get; ``_settle``).
-# A 300 ms model's single-call batches swing by ~10% a round on a shared VM: 15 rounds leave
+# A large model's single-call batches swing by ~10% a round on a shared VM: 15 rounds leave
 # a standard error of ~3% on the ratio of two builds, as large as the gaps between the
-# libraries' whole-model runs that the final check has to rank (convnext_base on the Zen 3).
+# libraries' whole-model runs the final check has to rank (docs/BENCHMARKS.md, "Search time").
 RUNOFF_MAX_ROUNDS = 45
 RUNOFF_STEP = 10
 # Two builds surely within this share of each other need no more rounds: either ships within
@@ -437,11 +437,8 @@ def _by_round(results, samples: dict) -> None:
     the round's batches (every build's, timed within a few seconds of each other), the
     median of those ratios times the median round. A shared machine's load drifts over
     seconds: one build's median can land on slower rounds than another's, while the rounds
-    themselves say which is ahead. On convnext_base at 224x224 (Zen 3, single-call batches
-    of 209-309 ms) the plain medians put Collage's import on OpenVINO 3% ahead of the
-    model file on ONNX Runtime, and OpenVINO shipped; the file on ONNX Runtime was faster
-    in 11 of the 15 rounds, 7% ahead round by round, and 6-9% ahead in the row's 45 rounds
-    after. "median_ms" keeps the plain median."""
+    themselves say which is ahead (docs/BENCHMARKS.md, "Search time": convnext_base, where
+    the plain medians shipped the slower library). "median_ms" keeps the plain median."""
     k = min((len(s) for s in samples.values()), default=0)
     if len(samples) < 2 or k < PAIRED_MIN_ROUNDS:
         return

@@ -252,14 +252,10 @@ def _lost(names, samples: dict, drop: float, lead) -> set:
     """The functions among ``names`` whose fastest of ``DROP_AFTER`` or more batches is over
     ``1 + drop`` times the leader's median, the leader among ``names`` in ``lead``
     (``interleaved``), and that were slower than the leader in every round both were timed
-    in (paired by round: the machine's drift over a few seconds hits both alike). The
-    single-call batches of a 300 ms model on a shared VM ranged 243-324 ms for one ONNX
-    Runtime session over 30 rounds (convnext_base at 224x224, Zen 3): four of them from a
+    in (paired by round: the machine's drift over a few seconds hits both alike). A large
+    model's single-call batches swing by ~10% a round on a shared VM: four of them from a
     slow stretch of the host could drop the faster build, leaving the verdict to the
-    others' four batches each. (A suspect, not a proven cause, for that model's final check
-    ranking the model file on OpenVINO 6% ahead of ONNX Runtime, which was 7% ahead in
-    the row's 45 rounds; a later cold search with this rule still ranked OpenVINO first:
-    ``never_slower._by_round`` has that case.)"""
+    others' four batches each (docs/BENCHMARKS.md, "Search time": convnext_base)."""
     leaders = {n: statistics.median(samples[n]) for n in names if n in lead}
     if not leaders:
         return set()
