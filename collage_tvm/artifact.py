@@ -344,7 +344,7 @@ def _manifest(result, target, regions: list, count: dict) -> dict:
 
     from ._version import __version__
     from .registry import get_backend
-    from .target import cpu_model
+    from .target import cpu_model, device_kind
 
     backends = {}
     for name in sorted({e["backend"] for e in regions}):
@@ -357,7 +357,7 @@ def _manifest(result, target, regions: list, count: dict) -> dict:
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "versions": {"collage_tvm": __version__, "tvm": tvm.__version__,
                      "python": platform.python_version()},
-        "target": str(target), "device": "cuda" if target.kind.name == "cuda" else "cpu",
+        "target": str(target), "device": device_kind(target),
         "machine": {"arch": platform.machine(), "cpu": cpu_model(), "system": sys.platform},
         "cuda_arch": str(target.attrs.get("arch", "")) if target.kind.name == "cuda" else "",
         "cpu_needs": _cpu_needs(target, backends),

@@ -17,7 +17,7 @@ from typing import Callable
 
 from .lowering import Lowering, missing_methods
 from .precision import PRECISIONS, parse_accuracy
-from .target import tvm_threads
+from .target import device_kind, tvm_threads
 
 logger = logging.getLogger("collage_tvm")
 
@@ -285,7 +285,7 @@ def every_backend(target) -> list:
     """The default backends: every registered f32 backend for ``target``'s device (the
     reduced-precision variants join under a budget that allows them); one that does not load
     here is skipped with its reason."""
-    device = "cuda" if target.kind.name == "cuda" else "cpu"
+    device = device_kind(target)
     return [n for n in list_backends() if get_backend(n).device == device
             and get_backend(n).precision == "f32" and get_backend(n).variant_of is None]
 
@@ -300,7 +300,7 @@ def resolve_backends(names, target, accuracy=None) -> tuple[dict, dict]:
     ``openvino``) join when the budget allows their precision; naming one the budget does
     not allow is an error that says which budget would.
     """
-    device = "cuda" if target.kind.name == "cuda" else "cpu"
+    device = device_kind(target)
     named = {n: known_backend(n) for n in dict.fromkeys(["tvm", *(names or every_backend(target))])}
     variants = {v: get_backend(v) for v in list_backends()
                 if get_backend(v).variant_of in named and v not in named}

@@ -86,8 +86,13 @@ def cuda_arch() -> tuple[str | None, str]:
     return "sm_" + str(dev.compute_version).replace(".", ""), ""
 
 
+def device_kind(target: tvm.target.Target) -> str:
+    """The device a backend declares for ``target``: "cuda" on a CUDA target, else "cpu"."""
+    return "cuda" if target.kind.name == "cuda" else "cpu"
+
+
 def target_device(target: tvm.target.Target):
-    return tvm.cuda() if target.kind.name == "cuda" else tvm.cpu()
+    return tvm.cuda() if device_kind(target) == "cuda" else tvm.cpu()
 
 
 def device_sync(target: tvm.target.Target):

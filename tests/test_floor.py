@@ -295,6 +295,35 @@ def test_the_runoff_ranks_close_builds_round_by_round(monkeypatch):
     assert short == {"a": {"ms": 104.0, "match": True}, "b": {"ms": 108.6, "match": True}}
 
 
+def test_a_build_matched_round_for_round_enters_the_runoff(monkeypatch):
+    """The re-timing's few rounds on a noisy machine: "b" took what "a" took in every round
+    but one, where it met a slow stretch alone, and its plain median (the slow rounds)
+    lands 50% behind. Round by round the two are equal, so "b" enters the runoff with
+    "a" instead of being left out on its plain median."""
+    monkeypatch.setattr(ns, "RUNOFF_ROUNDS", 15)
+    calls = []
+
+    def clock(fns, rounds=7, samples=None, **kw):
+        calls.append((set(fns), rounds))
+        if len(calls) == 1:
+            samples["a"] = [100.0, 100.0, 100.0, 100.0, 150.0, 150.0, 150.0]
+            samples["b"] = [100.0, 100.0, 100.0, 150.0, 150.0, 150.0, 150.0]
+        else:
+            for n in fns:
+                samples[n].extend([100.0] * rounds)
+        return {n: statistics.median(samples[n]) for n in fns}
+
+    monkeypatch.setattr(ns, "interleaved", clock)
+    results = {"a": {"ms": 100.0, "match": True}, "b": {"ms": 101.0, "match": True}}
+    ns._retime(results, {"a": None, "b": None}, set(), tvm.target.Target("llvm"))
+    assert calls[0] == ({"a", "b"}, 7)
+    assert calls[1] == ({"a", "b"}, ns.RUNOFF_ROUNDS - 7)
+    assert results["b"]["runoff"] and results["a"]["runoff"]
+    assert results["b"]["median_ms"] == 100.0 and results["a"]["ms"] == results["b"]["ms"]
+    # the plain medians alone would have left "b" out (150 against 100)
+    assert statistics.median([100.0] * 3 + [150.0] * 4) > (1 + ns.RUNOFF_MARGIN) * 100.0
+
+
 @pytest.mark.parametrize("noise,b_factor,rounds", [
     (0.10, 1.00, 45),   # equal builds, 10% a round: open to the cap
     (0.01, 1.00, 15),   # equal within 1% a round: surely within SAME_SHARE, settled

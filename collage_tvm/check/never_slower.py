@@ -334,7 +334,11 @@ def _retime(results, runs, outside, target, factor: float = 2.0) -> None:
     within ``RUNOFF_MARGIN``) are timed again in alternating
     rounds, so the machine's drifting load hits them alike: one build timed after another
     can land far from the same build re-timed beside it on a shared machine. (Builds that
-    are the same placement as another have no run of their own.) Then the runoff."""
+    are the same placement as another have no run of their own.) Then the runoff, which
+    the builds enter by their figures taken round by round (``_by_round``): on a noisy
+    machine the plain medians of these few rounds can put a build more than
+    ``RUNOFF_MARGIN`` behind one it matched round for round (docs/BENCHMARKS.md, "Search
+    time": t5_encoder)."""
     fastest = min(_correct_ms(results, runs, outside).values(), default=math.inf)
     # A build outside the budget is timed for its advice alone (``_advise``): when it is
     # not even close to faster, timing it again tells nothing.
@@ -344,6 +348,9 @@ def _retime(results, runs, outside, target, factor: float = 2.0) -> None:
     samples: dict = {}  # name -> ms of each batch
     if len(contenders) > 1:
         _time_again(results, contenders, target, samples=samples, outside=outside)
+        # every build not dropped was timed in each of these rounds
+        _by_round(results, {n: samples[n] for n in contenders
+                            if not results[n].get("dropped") and samples.get(n)})
     _runoff(results, runs, outside, target, samples)
 
 
