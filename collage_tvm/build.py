@@ -196,7 +196,8 @@ def _floor_module(lib: str, user_file: ModelFile, input_shapes, graph) -> tvm.IR
         ok, why = backend.available()
         if not ok:
             raise NotWhole(why)
-        return whole_model_module(user_file.load(), backend, input_shapes, like=graph.func)
+        return whole_model_module(user_file.load(), backend, input_shapes, like=graph.func,
+                                  path=user_file.path)
     except Exception as err:  # noqa: BLE001 - searched again, nothing lost
         logger.warning("the model file whole on %s cannot be built now (%s): searching "
                        "again", lib, first_line(err))

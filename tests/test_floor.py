@@ -354,3 +354,50 @@ def test_an_open_close_call_is_timed_on_up_to_the_cap(monkeypatch, noise, b_fact
     assert results["a"]["rounds"] == results["b"]["rounds"] == rounds
     if b_factor > 1:
         assert results["a"]["ms"] < results["b"]["ms"]
+
+
+@pytest.mark.parametrize("library", ["onnxruntime", "openvino"])
+def test_the_model_file_whole_is_read_by_the_library_from_the_users_file(model_path,
+                                                                         monkeypatch, library):
+    """The floor's library loads the user's file itself (as the user's own session does) when
+    the input shapes leave the model as it is; shapes that change it hand the library the
+    rewritten model. Either build runs the file's outputs."""
+    from collage_tvm.byoc import compile_module
+    from collage_tvm.byoc.whole import whole_model_module
+    from collage_tvm.export.onnx import OnnxFile
+
+    backend = get_backend(library)
+    if not backend.available()[0]:
+        pytest.skip(f"{library} is not installed")
+    lowering = backend.get_lowering()
+    real, seen = lowering.compile, []
+
+    def compile_(model, specs, sole=False):
+        seen.append(model)
+        return real(model, specs, sole)
+
+    monkeypatch.setattr(lowering, "compile", compile_)
+    proto = onnx.load(model_path)
+    x = np.random.default_rng(1).standard_normal((1, 3, 16, 16)).astype("float32")
+    import onnxruntime as ort
+
+    want = ort.InferenceSession(model_path, providers=["CPUExecutionProvider"]).run(
+        None, {"x": x})[0]
+    for shapes in ({}, {"x": (1, 3, 16, 16)}):  # the shape the file declares
+        seen.clear()
+        mod = whole_model_module(proto, backend, shapes, path=model_path)
+        assert isinstance(seen[0], OnnxFile)
+        assert seen[0].path == model_path and list(seen[0].inputs) == ["x"]
+        vm = relax.VirtualMachine(compile_module(mod, tvm.target.Target("llvm")), tvm.cpu())
+        np.testing.assert_allclose(vm["main"](tvm.runtime.tensor(x)).numpy(), want,
+                                   rtol=1e-4, atol=1e-4)
+    # no path, or a shape the file does not declare: the library gets the model itself
+    seen.clear()
+    whole_model_module(proto, backend, None)
+    assert isinstance(seen[0], onnx.ModelProto)
+    dynamic = onnx.load(model_path)
+    dynamic.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "batch"
+    seen.clear()
+    whole_model_module(dynamic, backend, {"x": (1, 3, 16, 16)}, path=model_path)
+    assert isinstance(seen[0], onnx.ModelProto)
+    assert seen[0].graph.input[0].type.tensor_type.shape.dim[0].dim_value == 1

@@ -13,7 +13,7 @@ import tvm
 from tvm import relax
 
 from .._errors import first_line
-from ..export.onnx import skeleton
+from ..export.onnx import OnnxFile, graph_input_names, skeleton
 from .external import register
 
 
@@ -67,6 +67,15 @@ def _run_output_types(proto, inputs, in_types, why) -> list:
     return [relax.TensorType(tuple(int(d) for d in shape), dtype) for shape, dtype in runs[0]]
 
 
+def _changed_shapes(proto, input_shapes: dict | None) -> dict:
+    """The entries of ``input_shapes`` (input name -> shape) that differ from what
+    ``proto`` declares for that input."""
+    declared = {vi.name: [d.dim_value if d.HasField("dim_value") else None
+                          for d in vi.type.tensor_type.shape.dim] for vi in proto.graph.input}
+    return {name: shape for name, shape in (input_shapes or {}).items()
+            if declared.get(name) != [int(d) for d in shape]}
+
+
 def _copy(proto):
     import onnx
 
@@ -76,17 +85,22 @@ def _copy(proto):
 
 
 def whole_model_module(proto, backend, input_shapes: dict | None = None,
-                       like: relax.Function | None = None) -> tvm.IRModule:
+                       like: relax.Function | None = None,
+                       path: str | None = None) -> tvm.IRModule:
     """A Relax module whose ``main`` runs ONNX ``proto`` wholly on graph library
     ``backend`` (a ``registry.Backend`` whose lowering has ``compile(model, specs, sole)``);
     raises ``NotWhole`` when its inputs or outputs have no static shapes or the library
     cannot load it. ``like``: the ``main`` of TVM's import of the same model, whose inputs
-    and outputs this one must have (the same random inputs run both in the final check)."""
+    and outputs this one must have (the same random inputs run both in the final check).
+    ``path``: the file ``proto`` was read from. When the input shapes leave the model as it
+    is, the library loads that file itself, as the user's own session does, and the model
+    is not serialized again (over 2 GiB, not copied to a temporary file either)."""
     import onnx
 
-    input_shapes = dict(input_shapes or {})
+    input_shapes = _changed_shapes(proto, input_shapes)
     if input_shapes:  # the shapes the user gave replace the declared ones before inference
         proto = _copy(proto)
+        path = None
         for vi in proto.graph.input:
             if vi.name in input_shapes:
                 dims = vi.type.tensor_type.shape.dim
@@ -110,8 +124,9 @@ def whole_model_module(proto, backend, input_shapes: dict | None = None,
     compile_whole = getattr(lowering, "compile", None)
     if compile_whole is None:
         raise NotWhole(f"{backend.name} is not a graph library that runs an ONNX model")
+    source = proto if path is None else OnnxFile(path, tuple(graph_input_names(proto)))
     try:
-        fn = compile_whole(proto, specs, True)
+        fn = compile_whole(source, specs, True)
     except Exception as err:  # noqa: BLE001 - the library's refusal is the reason
         raise NotWhole(f"{backend.name} cannot load it: {first_line(err, 300)}") from err
     symbol = register(f"collage.whole.{backend.name}", fn, ("onnx", backend.name, proto, specs))

@@ -51,7 +51,8 @@ def floor(name: str, user_file, backend, input_shapes, main, target, budget=None
     from ..byoc.whole import whole_model_module
 
     def build():
-        mod = whole_model_module(user_file.load(), backend, input_shapes, like=main)
+        mod = whole_model_module(user_file.load(), backend, input_shapes, like=main,
+                                 path=user_file.path)
         executable = compile_module(mod, target)
         release_with(executable, mod)  # its session goes with the executable
         return executable
