@@ -42,6 +42,9 @@ def test_a_suite_row_times_collage_beside_every_framework_checked_against_pytorc
                                    str(tmp_path / "c.db"), str(tmp_path), frameworks=True)
     assert row["status"] == "built" and row["match"], row
     assert row["input"] == ["1x3x16x16", "1x8x16x16"]
+    # the shipped build timed as a server runs it: saved, loaded back; the folder is gone
+    assert row["timed"] == "saved and loaded", row["timed"]
+    assert not (tmp_path / "two_input" / "shipped").exists()
     fw = row["frameworks"]
     assert set(fw) == EVERY_FRAMEWORK, fw
     for name, r in fw.items():
@@ -50,12 +53,16 @@ def test_a_suite_row_times_collage_beside_every_framework_checked_against_pytorc
         assert r["precision"] and math.isfinite(r["rel_err"]), (name, r)
     assert all(fw[n]["match"] for n in ("collage", "onnxruntime", "openvino", "pytorch")), fw
     assert fw["pytorch"]["rel_err"] == 0.0 and fw["openvino"]["precision"] == "f32"
+    for name, r in fw.items():  # each batch, in round order: what the ratios pair
+        assert len(r["batches"]) == r["rounds"] and all(b > 0 for b in r["batches"]), name
     best, best_ms = row["best_f32"]
-    assert best in suites.F32_FRAMEWORKS
-    assert best_ms == min(fw[n]["ms"] for n in suites.F32_FRAMEWORKS)
-    assert row["vs_best_f32"] == pytest.approx(best_ms / fw["collage"]["ms"])
+    assert best in suites.F32_FRAMEWORKS and best_ms == fw[best]["ms"]
+    mine = fw["collage"]["batches"]
+    by_round = {n: suites.paired_ratio(mine, fw[n]["batches"]) for n in suites.F32_FRAMEWORKS}
+    assert row["paired"] and row["vs_best_f32"] == pytest.approx(min(by_round.values()))
+    assert row["vs_best_f32"] == pytest.approx(by_round[best])
     assert row["vs_openvino_default"] == pytest.approx(
-        fw["openvino (default)"]["ms"] / fw["collage"]["ms"])
+        suites.paired_ratio(mine, fw["openvino (default)"]["batches"]))
     assert row["threads"] == host_cores()
     assert torch.get_num_threads() == row["threads"]
 
@@ -70,6 +77,7 @@ def test_the_best_f32_framework_leaves_out_wrong_and_reduced_precision_ones():
     assert v["best_f32"] == ("openvino", 2.5)
     assert v["vs_best_f32"] == pytest.approx(1.25)
     assert v["vs_openvino_default"] == pytest.approx(0.25)
+    assert not v["paired"]  # no batches: the ratio of the medians
     none_correct = {**fw, "openvino": {**fw["openvino"], "match": False}}
     assert suites.versus(none_correct)["best_f32"] is None
     assert suites.versus(none_correct)["vs_best_f32"] is None
@@ -340,3 +348,34 @@ def _framework_row_timed(monkeypatch, loads: list, figures: list) -> dict:
     monkeypatch.setattr(suites, "checked_model", lambda make, name: (None,) * 5)
     monkeypatch.setattr(suites, "BUSY_PAUSE_S", 0.0)
     return suites.framework_row(None, "m", "m.onnx", None)
+
+
+def test_ratios_are_taken_round_by_round_where_the_figures_carry_their_batches():
+    # ONNX Runtime ran in a slow stretch of the machine for its last rounds, Collage did not
+    # have to: the ratio of the medians says ONNX Runtime is slower; round by round (each
+    # round times both side by side) they are even, and the slow rounds hit Collage too
+    slow = [1.0] * 6 + [2.0] * 5
+    fw = {"collage": {"ms": 1.0, "match": True, "batches": [1.0] * 6 + [2.0] * 5},
+          "onnxruntime": {"ms": 2.0, "match": True, "batches": slow},
+          suites.CONTROL: {"ms": 1.0, "match": True, "batches": [1.1 * b for b in slow]},
+          "openvino": {"ms": 1.5, "match": True, "batches": [0.9 * b for b in slow]},
+          "openvino (default)": {"ms": 1.0, "match": True,
+                                 "batches": [1.2 * b for b in slow]}}
+    v = suites.versus(fw)
+    assert v["paired"]
+    assert v["best_f32"] == ("openvino", 1.5)  # 0.9x of Collage's time, round by round
+    assert v["vs_best_f32"] == pytest.approx(0.9)
+    assert v["vs_openvino_default"] == pytest.approx(1.2)
+    assert v["aa_spread"] == pytest.approx(0.1)
+    assert suites.paired_ratio([1.0] * 4, [2.0] * 4) is None  # too few rounds to pair
+    assert suites.paired_ratio([1.0, 2.0, 1.0, 4.0, 1.0], [2.0, 4.0, 2.0, 8.0, 1.0]) == 2.0
+
+
+def test_a_build_that_cannot_be_saved_is_timed_in_memory_with_the_reason(tmp_path):
+    import types
+
+    broken = types.SimpleNamespace(executable="the executable", module=None, target=None)
+    shipped, how = suites.saved_and_loaded(broken, str(tmp_path / "shipped"))
+    assert shipped == "the executable"
+    assert how.startswith("in memory (saving and loading it failed: "), how
+    assert not (tmp_path / "shipped").exists()

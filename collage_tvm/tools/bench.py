@@ -175,8 +175,10 @@ def torch_frameworks(model, inputs, onnx_path: str, collage_executable, check, *
                      autocast: bool = False, label: str = "the model",
                      control: str | None = None) -> dict:
     """What a user runs instead of Collage, timed interleaved in this process with the
-    shipped Collage build (``collage_executable``) on the same ``inputs`` (a tuple of torch
-    tensors, in the order of the ONNX file's inputs), every library at this process's core
+    shipped Collage build (``collage_executable``: an executable, or a saved build loaded
+    back, ``artifact.LoadedModule``, as the suites time it) on the same ``inputs`` (a tuple
+    of torch tensors, in the order of the ONNX file's inputs), every library at this
+    process's core
     count (``torch.set_num_threads(host_cores())``; the libraries as the backends make them,
     one thread per core):
 
@@ -269,7 +271,8 @@ def torch_frameworks(model, inputs, onnx_path: str, collage_executable, check, *
     if collage_f32 is not None:
         builds["collage (f32)"] = collage_f32
     for name, executable in builds.items():
-        vm = relax.VirtualMachine(executable, dev)
+        # a saved build loaded back (``artifact.LoadedModule``) has its VM already
+        vm = getattr(executable, "vm", None) or relax.VirtualMachine(executable, dev)
         runs[name] = lambda main=vm["main"]: main(*args)
         outs[name] = run_outputs(vm, args)
     print(f"  timing {', '.join(runs)} interleaved", flush=True)
@@ -306,7 +309,10 @@ def _framework_times(runs: dict, extra: dict, control: str | None = None) -> dic
                               rounds=ROW_RUNOFF_ROUNDS - FRAMEWORK_ROUNDS,
                               samples={n: samples[n] for n in close}))
     for n in ms:
-        extra.setdefault(n, {})["rounds"] = len(samples[n])
+        # the batches in round order (batch i of two figures: the same round, side by
+        # side; ``suites.versus`` pairs them)
+        extra.setdefault(n, {}).update(rounds=len(samples[n]),
+                                       batches=[round(b, 4) for b in samples[n]])
     return ms
 
 

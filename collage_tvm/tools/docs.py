@@ -77,7 +77,7 @@ def suite_summary(docs: list) -> str:
     head = ["suite"] + (["machine"] if several else []) + [
             "accuracy", "input", "rows", "median vs best f32", "worst", "below "
             f"{suites.GOAL}x", "median vs OpenVINO default", "worst", f"below {suites.GOAL}x",
-            f"wins by 3%+", "mixed placements shipped", "mixed wins by 3%+"]
+            "wins by 3%+", "mixed placements shipped", "mixed wins by 3%+"]
     lines = ["| " + " | ".join(head) + " |",
              "|---|---|---|" + "---|" * several + "---:|" * (len(head) - 3 - several)]
     for doc in docs:

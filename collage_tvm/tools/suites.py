@@ -477,7 +477,7 @@ def collage_check(model, inputs: list, expected: list, backends, db, rtol: float
 
 def _collage_build(model, inputs, expected, backends, db, rtol, atol, graph_level, budget,
                    input_shapes, scale_aware, accuracy="f32") -> tuple:
-    """(``collage_check``'s row, the shipped executable or None when it did not build)."""
+    """(``collage_check``'s row, ``optimize``'s result or None when it did not build)."""
     import time
 
     import tvm
@@ -539,7 +539,7 @@ def _collage_build(model, inputs, expected, backends, db, rtol, atol, graph_leve
     row["kept_on_tvm"] = sorted(set(rep.kept_on_tvm))
     row["other_load"] = rep.other_load  # the final check's (``measure.timing.OtherLoad``)
     row["times"] = {k: round(v, 2) for k, v in rep.times.items()}  # seconds per stage
-    return row, res.executable
+    return row, res
 
 
 # --------------------------------------------------------------------------- a suite
@@ -714,17 +714,39 @@ def torch_model_check(make, name: str, backends, db, out_dir: str, graph_level: 
         return {"status": "unsupported", "error": str(err)}
     del model  # its weights are in the ONNX file now: one copy fewer during the search
     release_memory()
-    row, executable = _collage_build(path, [i.numpy() for i in inputs], expected, backends, db,
-                                     rtol, atol, graph_level, budget, None, scale_aware=True,
-                                     accuracy=accuracy)
+    row, res = _collage_build(path, [i.numpy() for i in inputs], expected, backends, db,
+                              rtol, atol, graph_level, budget, None, scale_aware=True,
+                              accuracy=accuracy)
     row = {**row, "exporter": exporter, "signal": signal, "weights": weights,
            "input": [_shape_text(i.shape) for i in inputs]}
-    if frameworks and executable is not None:
+    if frameworks and res is not None:
+        shipped, row["timed"] = saved_and_loaded(res, os.path.join(out_dir, name, "shipped"))
+        del res  # the search's own copy of the build (its sessions) is not kept beside it
+        release_memory()
         try:
-            row.update(framework_row(make, name, path, executable, rtol, atol))
+            row.update(framework_row(make, name, path, shipped, rtol, atol))
         except Exception as err:  # noqa: BLE001 - the build's row stands without them
             row["frameworks_error"] = _first_line(err)
     return row
+
+
+def saved_and_loaded(res, folder: str) -> tuple:
+    """(the build to time, how it was had) for ``res`` (``optimize``'s result): saved into
+    ``folder`` and loaded back (``collage_tvm.load``: an ``artifact.LoadedModule``), as a
+    server runs it, its libraries' sessions made now beside the frameworks' rather than
+    during the search; where saving or loading fails, the executable in memory, with the
+    reason. The folder is removed again (a model file run whole is copied into it)."""
+    import shutil
+
+    from ..artifact import load, save
+
+    try:
+        try:
+            return load(save(res, folder)), "saved and loaded"
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+    except Exception as err:  # noqa: BLE001 - the build in memory is still the shipped one
+        return res.executable, f"in memory (saving and loading it failed: {_first_line(err)})"
 
 
 def _shape_text(shape) -> str:
@@ -844,35 +866,66 @@ def _framework_check(rtol: float, atol: float):
     return check
 
 
+def paired_ratio(batches: list, other: list) -> float | None:
+    """How many times ``other``'s time per call ``batches``' is, round by round: the
+    geometric median over the rounds both have of batch i of one over batch i of the
+    other (each round times every figure side by side, so a slow stretch of the machine
+    falls on both batches of a round). None with fewer than ``PAIRED_MIN_ROUNDS`` shared
+    rounds. On the Zen 3's suites the round-by-round ratio of two builds told from the
+    first half of their final check's rounds landed 3.7% from the second half's on
+    average; the ratio of their medians, 7.3% (docs/BENCHMARKS.md, "Paired ratios")."""
+    from ..check.never_slower import PAIRED_MIN_ROUNDS  # as the final check's
+
+    pairs = [(a, b) for a, b in zip(batches or [], other or []) if a > 0 and b > 0]
+    if len(pairs) < PAIRED_MIN_ROUNDS:
+        return None
+    return math.exp(statistics.median(math.log(b / a) for a, b in pairs))
+
+
 def versus(frameworks: dict) -> dict:
     """{"best_f32": (name, ms) or None, "vs_best_f32", "vs_openvino_default", "aa_spread"} of
-    one row's ``frameworks``: the fastest correct f32 framework, and each latency over
-    Collage's (above 1: Collage is faster; None where a latency is missing or, for OpenVINO
-    at its default precision, its outputs are not within that precision); "aa_spread": how
-    far the A/A control (``CONTROL``) landed from ONNX Runtime's own figure, a fraction."""
+    one row's ``frameworks``: the correct f32 framework furthest ahead of Collage, and each
+    framework's time over Collage's (above 1: Collage is faster; None where a latency is
+    missing or, for OpenVINO at its default precision, its outputs are not within that
+    precision); "aa_spread": how far the A/A control (``CONTROL``) landed from ONNX
+    Runtime's own figure, a fraction. Where the figures carry their batches ("batches", in
+    round order), each ratio is taken round by round (``paired_ratio``; "paired": True);
+    else it is the ratio of the medians ("ms")."""
     collage = frameworks.get("collage", {}).get("ms", math.nan)
 
     def ms(fw):
         r = frameworks.get(fw, {})
         return r["ms"] if "error" not in r and math.isfinite(r.get("ms", math.nan)) else None
 
-    correct = {fw: ms(fw) for fw in F32_FRAMEWORKS
-               if ms(fw) is not None and frameworks[fw]["match"]
-               and frameworks[fw].get("precision", "f32") == "f32"}
-    best = min(correct, key=correct.get) if correct else None
     ok = math.isfinite(collage) and collage > 0
+    mine = frameworks.get("collage", {}).get("batches")
 
-    def over(value):
-        return value / collage if ok and value is not None else None
+    def over(fw, base=None, base_ms=collage):
+        """``fw``'s time over the base figure's (Collage's by default)."""
+        value = ms(fw)
+        if value is None or not (math.isfinite(base_ms or math.nan) and base_ms > 0):
+            return None
+        by_round = paired_ratio(mine if base is None else base,
+                                frameworks.get(fw, {}).get("batches"))
+        return by_round if by_round is not None else value / base_ms
 
+    correct = [fw for fw in F32_FRAMEWORKS
+               if ms(fw) is not None and frameworks[fw]["match"]
+               and frameworks[fw].get("precision", "f32") == "f32"]
+    ratios = {fw: over(fw) for fw in correct} if ok else {}
+    best = (min(correct, key=ratios.get) if ok else min(correct, key=ms)) if correct else None
     default = frameworks.get("openvino (default)", {})
-    a, a_again = ms("onnxruntime"), ms(CONTROL)
-    return {"best_f32": (best, correct[best]) if best else None,
-            "vs_best_f32": over(correct[best]) if best else None,
-            "vs_openvino_default": over(ms("openvino (default)")) if default.get("match")
+    a = ms("onnxruntime")
+    again = (over(CONTROL, frameworks.get("onnxruntime", {}).get("batches"), a)
+             if a and ms(CONTROL) else None)
+    return {"best_f32": (best, ms(best)) if best else None,
+            "vs_best_f32": ratios[best] if best and ok else None,
+            "vs_openvino_default": over("openvino (default)") if default.get("match") and ok
             else None,
+            "paired": bool(mine) and any(frameworks.get(fw, {}).get("batches")
+                                         for fw in F32_FRAMEWORKS),
             # the A/A control: one file on one library timed twice, |ratio - 1|
-            "aa_spread": abs(a_again / a - 1.0) if a and a_again else None}
+            "aa_spread": abs(again - 1.0) if again else None}
 
 
 def checked_model(make, name: str) -> tuple:
@@ -1002,8 +1055,13 @@ def markdown(suite: str, rows: list, machine: dict | None = None) -> str:
             "precision (named in the cell); PyTorch eager. A framework whose outputs do not "
             "match PyTorch's within its precision is marked wrong. \"Collage vs best f32\": "
             "the fastest correct f32 framework's ms over Collage's (above 1: Collage is "
-            f"faster; bold below the {GOAL}x goal). \"best single build\": the fastest "
-            "single-backend build of Collage's own never-slower check.\n")
+            f"faster; bold below the {GOAL}x goal)"
+            + ("; where a row kept its batches, taken round by round (the median ratio of "
+               "the two batches of each round, timed side by side), so it can differ from "
+               "the ratio of the two medians shown" if any(r["build"].get("paired")
+                                                          for r in rows) else "")
+            + ". \"best single build\": the fastest single-backend build of Collage's own "
+            "never-slower check.\n")
     if any(r["build"].get("aa_spread") is not None for r in rows):
         lines.append(
             "\"A/A\": the same ONNX file on ONNX Runtime timed a second time, in a session of "
