@@ -178,9 +178,8 @@ def torch_frameworks(model, inputs, onnx_path: str, collage_executable, check, *
     shipped Collage build (``collage_executable``: an executable, or a saved build loaded
     back, ``artifact.LoadedModule``, as the suites time it) on the same ``inputs`` (a tuple
     of torch tensors, in the order of the ONNX file's inputs), every library at this
-    process's core
-    count (``torch.set_num_threads(host_cores())``; the libraries as the backends make them,
-    one thread per core):
+    process's core count (``torch.set_num_threads(host_cores())``; the libraries as the
+    backends make them, one thread per core):
 
     - "pytorch": ``model`` eager under ``inference_mode``: its outputs are the reference;
     - "onnxruntime": the user's ONNX file ``onnx_path``, all graph optimizations, a session
@@ -302,9 +301,8 @@ def _framework_times(runs: dict, extra: dict, control: str | None = None) -> dic
     close |= set(mine)
     if control in runs and close & {"onnxruntime", control}:
         # the pair goes on together: a control timed on alone (ONNX Runtime's first rounds
-        # slower, by the noise the control is there to show) leaves ONNX Runtime's figure
-        # 15 rounds deep beside Collage's 45 (timm's tinynet_e on the Zen 3: 2.18 ms against
-        # its control's 1.49)
+        # slower, by the noise the control is there to show) would leave ONNX Runtime's
+        # figure on fewer rounds than Collage's (docs/COVERAGE.md: timm's tinynet_e)
         close |= {"onnxruntime", control}
     if mine and len(close) > len(mine):
         print(f"  runoff: {', '.join(n for n in runs if n in close)} timed on to "

@@ -871,9 +871,8 @@ def paired_ratio(batches: list, other: list) -> float | None:
     geometric median over the rounds both have of batch i of one over batch i of the
     other (each round times every figure side by side, so a slow stretch of the machine
     falls on both batches of a round). None with fewer than ``PAIRED_MIN_ROUNDS`` shared
-    rounds. On the Zen 3's suites the round-by-round ratio of two builds told from the
-    first half of their final check's rounds landed 3.7% from the second half's on
-    average; the ratio of their medians, 7.3% (docs/BENCHMARKS.md, "Paired ratios")."""
+    rounds. Steadier than the ratio of the two medians (docs/BENCHMARKS.md, "Paired
+    ratios")."""
     from ..check.never_slower import PAIRED_MIN_ROUNDS  # as the final check's
 
     pairs = [(a, b) for a, b in zip(batches or [], other or []) if a > 0 and b > 0]
@@ -900,13 +899,12 @@ def versus(frameworks: dict) -> dict:
     ok = math.isfinite(collage) and collage > 0
     mine = frameworks.get("collage", {}).get("batches")
 
-    def over(fw, base=None, base_ms=collage):
+    def over(fw, base_batches=mine, base_ms=collage):
         """``fw``'s time over the base figure's (Collage's by default)."""
         value = ms(fw)
         if value is None or not (math.isfinite(base_ms or math.nan) and base_ms > 0):
             return None
-        by_round = paired_ratio(mine if base is None else base,
-                                frameworks.get(fw, {}).get("batches"))
+        by_round = paired_ratio(base_batches, frameworks.get(fw, {}).get("batches"))
         return by_round if by_round is not None else value / base_ms
 
     correct = [fw for fw in F32_FRAMEWORKS
