@@ -167,7 +167,7 @@ def _abs_diff(a, b) -> np.ndarray:
 def cpu_precisions() -> dict:
     """precision -> (available, why): bf16 needs the CPU's bf16 instructions; the reason
     names the flag found (``avx512_bf16``, ``amx_bf16``) or that none was."""
-    flags = _cpu_flags()
+    flags = cpu_flags()
     found = [f for f in ("amx_bf16", "avx512_bf16") if f in flags]
     out = {"f32": (True, "")}
     if found:
@@ -180,7 +180,8 @@ def cpu_precisions() -> dict:
     return out
 
 
-def _cpu_flags() -> set:
+def cpu_flags() -> set:
+    """The CPU's instruction-set flags (``/proc/cpuinfo``); empty where they cannot be read."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

@@ -375,6 +375,22 @@ def test_ratios_are_taken_round_by_round_where_the_figures_carry_their_batches()
     assert suites.paired_ratio([1.0, 2.0, 1.0, 4.0, 1.0], [2.0, 4.0, 2.0, 8.0, 1.0]) == 2.0
 
 
+def test_round_log_ratios_pair_heads_or_tails_and_skip_untimed_rounds():
+    """The suites pair the first rounds (ONNX Runtime timed on alone after Collage stopped),
+    the final check the last ones (the close builds timed on together): the same lists give
+    different pairs, and a non-positive batch is a round not timed."""
+    from collage_tvm.measure.timing import PAIRED_MIN_ROUNDS, round_log_ratios
+
+    mine = [1.0] * 5
+    other = [2.0] * 5 + [4.0] * 3  # three more rounds, of a slower stretch
+    assert [round(math.exp(x), 9) for x in round_log_ratios(mine, other)] == [2.0] * 5
+    tails = round_log_ratios(mine, other, tails=True)
+    assert [round(math.exp(x), 9) for x in tails] == [2.0, 2.0, 4.0, 4.0, 4.0]
+    assert round_log_ratios(mine, [2.0, 0.0, 2.0, 2.0, 2.0]) is None  # 4 rounds timed
+    assert round_log_ratios(mine[:PAIRED_MIN_ROUNDS - 1], other) is None
+    assert round_log_ratios(None, other) is None
+
+
 def test_a_build_that_cannot_be_saved_is_timed_in_memory_with_the_reason(tmp_path):
     import types
 

@@ -13,7 +13,8 @@ from .._memory import release_memory
 from ..graph.subgraph import constant_bytes
 from ..measure.estimate import node_flops
 from ..byoc import compile_placement
-from ..measure.timing import BUSY_SHARE, OtherLoad, interleaved
+from ..measure.timing import (BUSY_SHARE, PAIRED_MIN_ROUNDS, OtherLoad, interleaved,
+                              round_log_ratios)
 from ..placement import Placement
 from .baselines import single_backend_builds
 from ..precision import CHECK_SEEDS, parse_accuracy
@@ -425,19 +426,16 @@ def _open_calls(results, samples: dict) -> set:
     leader = min(samples, key=lambda n: results[n]["ms"])
     still = set()
     for name, batches in samples.items():
-        k = min(len(batches), len(samples[leader]))
-        if name == leader or k < PAIRED_MIN_ROUNDS:
+        logs = None if name == leader else round_log_ratios(samples[leader], batches,
+                                                                  tails=True)
+        if logs is None:
             continue
-        logs = [math.log(b / a) for b, a in zip(batches[-k:], samples[leader][-k:])]
         lead = statistics.median(logs)
-        se = 1.25 * 1.4826 * statistics.median(abs(x - lead) for x in logs) / math.sqrt(k)
+        se = (1.25 * 1.4826 * statistics.median(abs(x - lead) for x in logs)
+              / math.sqrt(len(logs)))
         if lead < 2 * se and abs(lead) + 2 * se >= SAME_SHARE:
             still.add(name)
     return still | {leader} if still else set()
-
-
-# ``_by_round`` needs this many rounds that every close build was timed in.
-PAIRED_MIN_ROUNDS = 5
 
 
 def _by_round(results, samples: dict) -> None:

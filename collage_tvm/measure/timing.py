@@ -10,6 +10,7 @@ None on the CPU.
 """
 from __future__ import annotations
 
+import math
 import random
 import statistics
 import time
@@ -270,6 +271,26 @@ def _slower_every_round(mine: list, leader: list) -> bool:
     two lists' tails: ``interleaved`` appends one batch a round to each function it times)."""
     k = min(len(mine), len(leader))
     return k > 0 and all(m > l for m, l in zip(mine[-k:], leader[-k:]))
+
+
+#: Rounds two functions must share before their figures are compared round by round
+#: (``round_log_ratios``): the final check's ``_by_round`` and ``_open_calls``, the suites'
+#: ``paired_ratio``.
+PAIRED_MIN_ROUNDS = 5
+
+
+def round_log_ratios(mine: list, other: list, tails: bool = False) -> list | None:
+    """log(other's batch / mine) of each round both were timed in, or None with fewer than
+    ``PAIRED_MIN_ROUNDS`` of them (a non-positive batch counts as not timed). The rounds are
+    the lists' heads (two functions timed together from the first round, one of them timed
+    on alone after: a suite row's run-off), or with ``tails`` their tails (functions timed
+    on together after others stopped: ``interleaved`` appends one batch a round to each).
+    The median of the logs is the paired ratio: a slow stretch of the machine falls on both
+    batches of a round, and cancels (docs/BENCHMARKS.md, "Paired ratios")."""
+    k = min(len(mine or ()), len(other or ()))
+    pairs = zip(mine[-k:], other[-k:]) if tails else zip(mine or (), other or ())
+    logs = [math.log(b / a) for a, b in pairs if a > 0 and b > 0]
+    return logs if len(logs) >= PAIRED_MIN_ROUNDS else None
 
 
 # ---------------------------------------------------------------- the machine's other work

@@ -91,6 +91,7 @@ def _plain_runner(library: str, backend, onnx_path: str, arrays: list) -> tuple:
 
 
 def machine() -> dict:
+    from collage_tvm.precision import cpu_flags
     from collage_tvm.target import cpu_model, host_cores
 
     import onnxruntime
@@ -104,6 +105,11 @@ def machine() -> dict:
             "cores": host_cores(), "python": platform.python_version(),
             "tvm": tvm.__version__, "onnxruntime": onnxruntime.__version__,
             "torch": torch.__version__}
+    # its bf16 instructions: AMX makes OpenVINO's default precision several times its f32,
+    # AVX512-BF16 alone less, and LLVM's name may not tell (a VM's Xeon read as rocketlake)
+    flags = [f for f in ("amx_bf16", "avx512_bf16") if f in cpu_flags()]
+    if flags:
+        info["bf16"] = ", ".join(flags)
     try:
         import openvino
 
@@ -199,27 +205,38 @@ def torch_frameworks(model, inputs, onnx_path: str, collage_executable, check, *
     reported with its error instead of a latency. Returns ``_rows``.
     """
     import torch
-    import tvm
-    from tvm import relax
 
-    from collage_tvm.check import run_outputs
-    from collage_tvm.registry import get_backend
     from collage_tvm.target import host_cores
 
     torch.set_num_threads(host_cores())
     inputs = tuple(inputs)
     with torch.inference_mode():
         ref = _numpy_outputs(model(*inputs))
-    runs: dict = {}
-    outs: dict = {}
-    extra: dict = {}
+    runs, outs, extra = _torch_runs(model, inputs, ref, torch_compile, autocast, label)
+    arrays = [i.numpy() for i in inputs]
+    _library_runs(onnx_path, arrays, control, runs, outs, extra)
+    builds = {"collage": collage_executable}
+    if collage_f32 is not None:
+        builds["collage (f32)"] = collage_f32
+    _collage_runs(builds, arrays, runs, outs)
+    print(f"  timing {', '.join(runs)} interleaved", flush=True)
+    return _rows(outs, _framework_times(runs, extra, control), ref, check, extra)
+
+
+def _torch_runs(model, inputs: tuple, ref, torch_compile: bool, autocast: bool,
+                label: str) -> tuple:
+    """(runs, outs, extra) of PyTorch: eager (its outputs ``ref`` are the reference), and
+    with ``torch_compile`` / ``autocast`` inductor and bf16 autocast (``torch_frameworks``).
+    A failed compile is reported in ``outs``, not raised."""
+    import torch
 
     def eager():
         with torch.inference_mode():
             return model(*inputs)
 
-    runs["pytorch"] = eager
-    outs["pytorch"] = ref
+    runs: dict = {"pytorch": eager}
+    outs: dict = {"pytorch": ref}
+    extra: dict = {}
     if torch_compile:
         print(f"  torch.compile: compiling {label} with inductor (may take minutes)", flush=True)
         try:
@@ -249,7 +266,17 @@ def torch_frameworks(model, inputs, onnx_path: str, collage_executable, check, *
             extra["pytorch (bf16 autocast)"] = {"precision": "bf16"}
         except Exception as err:  # noqa: BLE001 - reported, not fatal
             outs["pytorch (bf16 autocast)"] = _why(err)
-    arrays = [i.numpy() for i in inputs]
+    return runs, outs, extra
+
+
+def _library_runs(onnx_path: str, arrays: list, control, runs: dict, outs: dict,
+                  extra: dict) -> None:
+    """The user's ONNX file on each graph library at f32, on ONNX Runtime again as the A/A
+    ``control``, and on OpenVINO at its default precision, added to ``runs`` / ``outs`` /
+    ``extra`` (``torch_frameworks``); a library that fails to load the file is reported
+    with its error."""
+    from collage_tvm.registry import get_backend
+
     for lib in GLUE_LIBRARIES:
         try:
             runs[lib], outs[lib] = _plain_runner(lib, get_backend(lib), onnx_path, arrays)
@@ -264,18 +291,23 @@ def torch_frameworks(model, inputs, onnx_path: str, collage_executable, check, *
         extra["openvino (default)"] = {"precision": used}
     except Exception as err:  # noqa: BLE001
         outs["openvino (default)"] = _why(err)
+
+
+def _collage_runs(builds: dict, arrays: list, runs: dict, outs: dict) -> None:
+    """Each Collage build of ``builds`` (name -> an executable, or a saved build loaded back,
+    ``artifact.LoadedModule``, whose VM is made already) as a call on ``arrays``, added to
+    ``runs`` / ``outs``."""
+    import tvm
+    from tvm import relax
+
+    from collage_tvm.check import run_outputs
+
     dev = tvm.cpu()
     args = [tvm.runtime.tensor(a, dev) for a in arrays]
-    builds = {"collage": collage_executable}
-    if collage_f32 is not None:
-        builds["collage (f32)"] = collage_f32
     for name, executable in builds.items():
-        # a saved build loaded back (``artifact.LoadedModule``) has its VM already
         vm = getattr(executable, "vm", None) or relax.VirtualMachine(executable, dev)
         runs[name] = lambda main=vm["main"]: main(*args)
         outs[name] = run_outputs(vm, args)
-    print(f"  timing {', '.join(runs)} interleaved", flush=True)
-    return _rows(outs, _framework_times(runs, extra, control), ref, check, extra)
 
 
 def _framework_times(runs: dict, extra: dict, control: str | None = None) -> dict:
@@ -578,10 +610,8 @@ def bench_model(name: str, out_dir: str, options: SearchOptions, db, glue: bool 
     the search untuned beside tuned (``tuning_steps``). ``target`` "cuda": the search on
     the GPU and the frameworks there (``gpu_frameworks``); the steps above are CPU only.
     ``deploy``: the shipped build saved and loaded in a fresh process (``deploy.deploy_row``)."""
-    from collage_tvm.build import optimize
     from collage_tvm.target import make_target
 
-    backends = options.backends
     on_gpu = make_target(target).kind.name == "cuda"
     if on_gpu and (tune > 0 or ablation or rewrite or not options.accuracy.strict):
         raise ValueError("bench on a cuda target: --tune, --ablation, --rewrite and --accuracy "
@@ -593,52 +623,69 @@ def bench_model(name: str, out_dir: str, options: SearchOptions, db, glue: bool 
         entry["tuning"] = tune_model(path, options, db, tune)
     # The two-level run's comparison already holds the op-level placement ("collage-op-level")
     # whenever the graph-level search changed it: one run covers both levels.
-    for gl in [options.graph_level]:
-        label = "two-level" if gl else "op-level"
-        budget = "" if options.accuracy.strict else f", accuracy budget {options.accuracy}"
-        print(f"\n== {name}: Collage {label} ({', '.join(backends)}{budget})", flush=True)
-        t0 = time.perf_counter()
-        res = optimize(path, target, db=db, options=_with_progress(options, compare=True))
-        rep = res.report
-        entry[label] = {"comparison": rep.comparison, "shipped": rep.shipped,
-                        "times": rep.times, "wall_s": time.perf_counter() - t0,
-                        "measured": rep.distinct_measured, "db_hits": rep.db_hits,
-                        "from_log": rep.placement_from_log,
-                        "ops_per_backend": rep.ops_per_backend,
-                        "calibration": rep.calibration,
-                        "close_calls": rep.close_calls, "side_by_side": rep.side_by_side,
-                        "lean": rep.lean, "candidates": rep.candidates,
-                        "switch": {f"{a}|{b}": v for (a, b), v in rep.switch.items()},
-                        "graph_level": {k: v for k, v in rep.graph_level.items() if k != "history"}}
-        _print_comparison(rep.comparison, rep.shipped)
-        f32 = None
-        if not options.accuracy.strict:
-            print(f"\n== {name}: Collage {label} at the strict f32 budget, for the "
-                  "two-precision table", flush=True)
-            f32_res = optimize(path, "llvm", db=db,
-                               options=_with_progress(options, compare=True, accuracy="f32"))
-            entry[label]["f32"] = {"shipped": f32_res.report.shipped,
-                                   "ops_per_backend": f32_res.report.ops_per_backend}
-            f32 = f32_res.executable
-        print(f"\n== {name}: frameworks beside the shipped Collage build", flush=True)
-        entry["accuracy"] = str(options.accuracy)
-        entry["frameworks"] = (gpu_frameworks(name, size, res.executable) if on_gpu else
-                               frameworks(name, size, path, res.executable, options.accuracy,
-                                          f32))
-        for fw, r in entry["frameworks"].items():
-            print(f"  {fw:<24} {r['ms']:>10.3f} ms  match={r['match']}"
-                  + (f"  ({r['error']})" if r.get("error") else
-                     f"  error {r['rel_err']:.1e} of the scale"), flush=True)
-        if deploy:
-            from .deploy import deploy_row
+    label = "two-level" if options.graph_level else "op-level"
+    res, entry[label], f32 = _searched(name, path, label, options, db, target)
+    print(f"\n== {name}: frameworks beside the shipped Collage build", flush=True)
+    entry["accuracy"] = str(options.accuracy)
+    entry["frameworks"] = (gpu_frameworks(name, size, res.executable) if on_gpu else
+                           frameworks(name, size, path, res.executable, options.accuracy, f32))
+    for fw, r in entry["frameworks"].items():
+        print(f"  {fw:<24} {r['ms']:>10.3f} ms  match={r['match']}"
+              + (f"  ({r['error']})" if r.get("error") else
+                 f"  error {r['rel_err']:.1e} of the scale"), flush=True)
+    if deploy:
+        from .deploy import deploy_row
 
-            print(f"\n== {name}: saved, loaded in a fresh process", flush=True)
-            entry["deploy"] = d = deploy_row(path, res, out_dir, name)
-            print(f"  load {d['load_s']:.3f} s (an ONNX Runtime session: "
-                  f"{d['ort_session_s']:.3f} s), outputs identical: {d['identical']}, "
-                  f"loaded {d['loaded_ms']:.3f} ms vs in-process {d['in_process_ms']:.3f} ms",
-                  flush=True)
-    for lib in [b for b in GLUE_LIBRARIES if b in backends] if glue and not on_gpu else []:
+        print(f"\n== {name}: saved, loaded in a fresh process", flush=True)
+        entry["deploy"] = d = deploy_row(path, res, out_dir, name)
+        print(f"  load {d['load_s']:.3f} s (an ONNX Runtime session: "
+              f"{d['ort_session_s']:.3f} s), outputs identical: {d['identical']}, "
+              f"loaded {d['loaded_ms']:.3f} ms vs in-process {d['in_process_ms']:.3f} ms",
+              flush=True)
+    _more_steps(entry, name, path, options, db, glue and not on_gpu, ablation, rewrite, tune)
+    return entry
+
+
+def _searched(name: str, path: str, label: str, options: SearchOptions, db, target) -> tuple:
+    """(result, the report's entry, the f32 executable or None) of ``bench_model``'s search:
+    ``collage_tvm.optimize`` with the comparison, and under a reduced accuracy budget again
+    at the strict f32 one (the two-precision table's second build)."""
+    from collage_tvm.build import optimize
+
+    budget = "" if options.accuracy.strict else f", accuracy budget {options.accuracy}"
+    print(f"\n== {name}: Collage {label} ({', '.join(options.backends)}{budget})", flush=True)
+    t0 = time.perf_counter()
+    res = optimize(path, target, db=db, options=_with_progress(options, compare=True))
+    rep = res.report
+    entry = {"comparison": rep.comparison, "shipped": rep.shipped,
+             "times": rep.times, "wall_s": time.perf_counter() - t0,
+             "measured": rep.distinct_measured, "db_hits": rep.db_hits,
+             "from_log": rep.placement_from_log,
+             "ops_per_backend": rep.ops_per_backend,
+             "calibration": rep.calibration,
+             "close_calls": rep.close_calls, "side_by_side": rep.side_by_side,
+             "lean": rep.lean, "candidates": rep.candidates,
+             "switch": {f"{a}|{b}": v for (a, b), v in rep.switch.items()},
+             "graph_level": {k: v for k, v in rep.graph_level.items() if k != "history"}}
+    _print_comparison(rep.comparison, rep.shipped)
+    f32 = None
+    if not options.accuracy.strict:
+        print(f"\n== {name}: Collage {label} at the strict f32 budget, for the "
+              "two-precision table", flush=True)
+        f32_res = optimize(path, "llvm", db=db,
+                           options=_with_progress(options, compare=True, accuracy="f32"))
+        entry["f32"] = {"shipped": f32_res.report.shipped,
+                        "ops_per_backend": f32_res.report.ops_per_backend}
+        f32 = f32_res.executable
+    return res, entry, f32
+
+
+def _more_steps(entry: dict, name: str, path: str, options: SearchOptions, db, glue: bool,
+                ablation: bool, rewrite: bool, tune: float) -> None:
+    """``bench_model``'s optional steps, each into ``entry``: the glue overhead of each
+    graph library (``glue``), the ablation, placed-only beside rewritten+placed, and
+    untuned TVM beside tuned (``tune`` seconds)."""
+    for lib in [b for b in GLUE_LIBRARIES if b in options.backends] if glue else []:
         print(f"\n== {name}: glue overhead, wholly on {lib} through collage-tvm vs plain {lib}",
               flush=True)
         entry.setdefault("glue", {})[lib] = g = glue_overhead(path, lib)
@@ -664,7 +711,6 @@ def bench_model(name: str, out_dir: str, options: SearchOptions, db, glue: bool 
         for step in entry["tuned"]:
             print(f"  {step['label']:<40} {step['ms']:>10.3f} ms  match={step['match']}  "
                   f"{step['ops_per_backend']}", flush=True)
-    return entry
 
 
 def _print_generation(e) -> None:

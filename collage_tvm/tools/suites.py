@@ -613,60 +613,15 @@ def run(suite: str, backends, db, out_dir: str, full: bool = False, limit: int |
     import os
     import time
 
-    from ..target import make_target
-
     if suite not in SUITES:
         raise ValueError(f"unknown suite {suite!r}: one of {', '.join(SUITES)}")
     os.makedirs(out_dir, exist_ok=True)
-    target = make_target("llvm")
     if suite.startswith("onnx"):
-        parts = ["node"] if suite == "onnx-node" else ["pytorch-converted", "pytorch-operator",
-                                                        "simple"]
-        items = ((c.name, c) for p in parts for c in onnx_cases(p) if not only or c.name in only)
-
-        def check(case):
-            row = {"model": case.name, **tvm_only_check(case, target)}
-            if full and row["tvm"] == "match":
-                row["build"] = collage_check(case.model, case.inputs, case.outputs, backends,
-                                             db, case.rtol, case.atol, graph_level, budget,
-                                             input_shapes=input_shapes(case), accuracy=accuracy)
-            return row
-
-        def line(row):
-            return (f"tvm {row['tvm']}; collage {row['collage']}"
-                    + (f"; search {row['build']['status']}" if "build" in row else ""))
+        items, check, line = _onnx_suite(suite, only, full, backends, db, graph_level, budget,
+                                         accuracy)
     else:
-        names, make = TORCH_SUITES[suite]
-        make = functools.partial(make, size=_size(input_size))
-        every = names()
-        chosen = [n for n in only if n in every] if only else every  # named: in that order
-        unknown = sorted(set(only or ()) - set(every))
-        if unknown:
-            raise ValueError(f"not in the {suite} suite: {', '.join(unknown)}")
-        items = ((n, n) for n in chosen)
-
-        def check(name):
-            args = (make, name, backends, db, out_dir, graph_level, budget)
-            kwargs = {"frameworks": frameworks, "accuracy": accuracy}
-            try:
-                build = (in_child(torch_model_check, *args, **kwargs) if isolate
-                         else torch_model_check(*args, **kwargs))
-            except ChildDied as err:
-                build = {"status": "crash", "error": str(err)}
-            return {"model": name, "input_size": input_size, "build": build}
-
-        def line(row):
-            b = row["build"]
-            if b["status"] != "built":
-                return f"{b['status']}: {b['error']}"
-            text = f"built, match {b['match']}, max err {b['max_err']:.1e}"
-            if b.get("vs_best_f32") is not None:
-                best, ms = b["best_f32"]
-                text += (f"; collage {b['frameworks']['collage']['ms']:.3f} ms, best f32 "
-                         f"framework {best} {ms:.3f} ms ({b['vs_best_f32']:.2f}x)")
-            if b.get("accuracy", "f32") != "f32" and b.get("vs_openvino_default") is not None:
-                text += f"; vs OpenVINO default {b['vs_openvino_default']:.2f}x"
-            return text
+        items, check, line = _torch_suite(suite, only, input_size, backends, db, out_dir,
+                                          graph_level, budget, frameworks, accuracy, isolate)
     earlier = {r["model"]: r for r in done or ()}
     rows = []
     for k, (name, item) in enumerate(items):
@@ -684,6 +639,73 @@ def run(suite: str, backends, db, out_dir: str, full: bool = False, limit: int |
             on_row(rows + _others(earlier, rows))
     rows += _others(earlier, rows)
     return rows
+
+
+def _onnx_suite(suite, only, full, backends, db, graph_level, budget, accuracy) -> tuple:
+    """(items, check, line) of an onnx suite for ``run``: its cases as (name, case), a
+    case's row (TVM alone and Collage's import; with ``full`` the whole search), and a
+    row's line in the log."""
+    from ..target import make_target
+
+    target = make_target("llvm")
+    parts = ["node"] if suite == "onnx-node" else ["pytorch-converted", "pytorch-operator",
+                                                    "simple"]
+    items = ((c.name, c) for p in parts for c in onnx_cases(p) if not only or c.name in only)
+
+    def check(case):
+        row = {"model": case.name, **tvm_only_check(case, target)}
+        if full and row["tvm"] == "match":
+            row["build"] = collage_check(case.model, case.inputs, case.outputs, backends,
+                                         db, case.rtol, case.atol, graph_level, budget,
+                                         input_shapes=input_shapes(case), accuracy=accuracy)
+        return row
+
+    def line(row):
+        return (f"tvm {row['tvm']}; collage {row['collage']}"
+                + (f"; search {row['build']['status']}" if "build" in row else ""))
+
+    return items, check, line
+
+
+def _torch_suite(suite, only, input_size, backends, db, out_dir, graph_level, budget,
+                 frameworks, accuracy, isolate) -> tuple:
+    """(items, check, line) of a torch suite for ``run``: the models named (in that order)
+    or all, a model's row (searched and timed in a child process of its own with
+    ``isolate``), and a row's line in the log. An unknown name is an error before any
+    model runs."""
+    names, make = TORCH_SUITES[suite]
+    make = functools.partial(make, size=_size(input_size))
+    every = names()
+    chosen = [n for n in only if n in every] if only else every  # named: in that order
+    unknown = sorted(set(only or ()) - set(every))
+    if unknown:
+        raise ValueError(f"not in the {suite} suite: {', '.join(unknown)}")
+    items = ((n, n) for n in chosen)
+
+    def check(name):
+        args = (make, name, backends, db, out_dir, graph_level, budget)
+        kwargs = {"frameworks": frameworks, "accuracy": accuracy}
+        try:
+            build = (in_child(torch_model_check, *args, **kwargs) if isolate
+                     else torch_model_check(*args, **kwargs))
+        except ChildDied as err:
+            build = {"status": "crash", "error": str(err)}
+        return {"model": name, "input_size": input_size, "build": build}
+
+    def line(row):
+        b = row["build"]
+        if b["status"] != "built":
+            return f"{b['status']}: {b['error']}"
+        text = f"built, match {b['match']}, max err {b['max_err']:.1e}"
+        if b.get("vs_best_f32") is not None:
+            best, ms = b["best_f32"]
+            text += (f"; collage {b['frameworks']['collage']['ms']:.3f} ms, best f32 "
+                     f"framework {best} {ms:.3f} ms ({b['vs_best_f32']:.2f}x)")
+        if b.get("accuracy", "f32") != "f32" and b.get("vs_openvino_default") is not None:
+            text += f"; vs OpenVINO default {b['vs_openvino_default']:.2f}x"
+        return text
+
+    return items, check, line
 
 
 def _others(earlier: dict, rows: list) -> list:
@@ -868,17 +890,15 @@ def _framework_check(rtol: float, atol: float):
 
 def paired_ratio(batches: list, other: list) -> float | None:
     """How many times ``other``'s time per call ``batches``' is, round by round: the
-    geometric median over the rounds both have of batch i of one over batch i of the
-    other (each round times every figure side by side, so a slow stretch of the machine
-    falls on both batches of a round). None with fewer than ``PAIRED_MIN_ROUNDS`` shared
-    rounds. Steadier than the ratio of the two medians (docs/BENCHMARKS.md, "Paired
-    ratios")."""
-    from ..check.never_slower import PAIRED_MIN_ROUNDS  # as the final check's
+    geometric median over the rounds both have (their first) of batch i of one over batch i
+    of the other (``timing.round_log_ratios``: each round times every figure side by side,
+    so a slow stretch of the machine falls on both batches of a round). None with fewer
+    than ``timing.PAIRED_MIN_ROUNDS`` shared rounds. Steadier than the ratio of the two
+    medians (docs/BENCHMARKS.md, "Paired ratios")."""
+    from ..measure.timing import round_log_ratios
 
-    pairs = [(a, b) for a, b in zip(batches or [], other or []) if a > 0 and b > 0]
-    if len(pairs) < PAIRED_MIN_ROUNDS:
-        return None
-    return math.exp(statistics.median(math.log(b / a) for a, b in pairs))
+    logs = round_log_ratios(batches, other)
+    return None if logs is None else math.exp(statistics.median(logs))
 
 
 def versus(frameworks: dict) -> dict:
@@ -1005,40 +1025,54 @@ def markdown(suite: str, rows: list, machine: dict | None = None) -> str:
     """The suite's table: per model, what happened and how it compares; ``machine``
     (``bench.machine()``: "cpu", "cores", library versions) named once at the top."""
     lines = [machine_line(machine), ""] if machine else []
-    if suite.startswith("onnx"):
-        tvm_ok = [r for r in rows if r["tvm"] == "match"]
-        both = [r for r in tvm_ok if r["collage"] == "match" and not r.get("uncovered")]
-        searched = [r for r in rows if "build" in r]
-        lines.append(f"{len(rows)} cases; TVM alone runs {len(tvm_ok)} correctly; Collage "
-                     f"(every node placed on TVM) runs {len(both)} of those correctly.")
+    lines += _onnx_markdown(rows) if suite.startswith("onnx") else _torch_markdown(rows)
+    return "\n".join(lines) + "\n"
+
+
+def _onnx_markdown(rows: list) -> list:
+    """The lines of an onnx suite's table (``markdown``): cases TVM alone and Collage run
+    correctly, the search's builds where it ran, and the rows where they differ."""
+    lines = []
+    tvm_ok = [r for r in rows if r["tvm"] == "match"]
+    both = [r for r in tvm_ok if r["collage"] == "match" and not r.get("uncovered")]
+    searched = [r for r in rows if "build" in r]
+    lines.append(f"{len(rows)} cases; TVM alone runs {len(tvm_ok)} correctly; Collage "
+                 f"(every node placed on TVM) runs {len(both)} of those correctly.")
+    if searched:
+        ok = [r for r in searched if r["build"]["status"] == "built" and r["build"]["match"]]
+        lines.append(f"The whole search over the backends: {len(ok)} of {len(searched)} "
+                     "built and match the expected outputs.")
+    kinds: dict = {}
+    for r in rows:
+        if r["tvm"] != "match":
+            kind = r["tvm"].split(":")[0]
+            kinds[kind] = kinds.get(kind, 0) + 1
+    if kinds:
+        lines.append("\nTVM alone, where it does not match: " + ", ".join(
+            f"{k} {n}" for k, n in sorted(kinds.items(), key=lambda kn: -kn[1])) + ".")
+    # Every row of a searched suite; of a large one, the rows where Collage and TVM differ.
+    shown = rows if searched or len(rows) <= 200 else [
+        r for r in rows if (r["tvm"] == "match") != (r["collage"] == "match")]
+    lines.append("")
+    head = ["model", "TVM alone", "Collage, nodes on TVM"]
+    if searched:
+        head += ["search", "match", "max err", "search s", "collage ms", "best single ms"]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in shown:
+        cells = [r["model"], r["tvm"], r["collage"]]
         if searched:
-            ok = [r for r in searched if r["build"]["status"] == "built" and r["build"]["match"]]
-            lines.append(f"The whole search over the backends: {len(ok)} of {len(searched)} "
-                         "built and match the expected outputs.")
-        kinds: dict = {}
-        for r in rows:
-            if r["tvm"] != "match":
-                kind = r["tvm"].split(":")[0]
-                kinds[kind] = kinds.get(kind, 0) + 1
-        if kinds:
-            lines.append("\nTVM alone, where it does not match: " + ", ".join(
-                f"{k} {n}" for k, n in sorted(kinds.items(), key=lambda kn: -kn[1])) + ".")
-        # Every row of a searched suite; of a large one, the rows where Collage and TVM differ.
-        shown = rows if searched or len(rows) <= 200 else [
-            r for r in rows if (r["tvm"] == "match") != (r["collage"] == "match")]
-        lines.append("")
-        head = ["model", "TVM alone", "Collage, nodes on TVM"]
-        if searched:
-            head += ["search", "match", "max err", "search s", "collage ms", "best single ms"]
-        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        for r in shown:
-            cells = [r["model"], r["tvm"], r["collage"]]
-            if searched:
-                cells += _build_cell(r["build"]) if "build" in r else [""] * 6
-            lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
-        if not shown:
-            lines.append("| (none: Collage matches wherever TVM alone matches) | | |")
-        return "\n".join(lines) + "\n"
+            cells += _build_cell(r["build"]) if "build" in r else [""] * 6
+        lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+    if not shown:
+        lines.append("| (none: Collage matches wherever TVM alone matches) | | |")
+    return lines
+
+
+def _torch_markdown(rows: list) -> list:
+    """The lines of a torch suite's table (``markdown``): per model the shipped build beside
+    the frameworks, and the summaries against the best f32 framework (and against OpenVINO
+    at its default precision under a reduced accuracy budget)."""
+    lines = []
     built = [r for r in rows if r["build"]["status"] == "built" and r["build"]["match"]]
     sizes = sorted({r["input_size"] for r in rows if "input_size" in r})
     lines.append(f"{len(rows)} models" + (f" at the {' and '.join(sizes)} input size"
@@ -1096,7 +1130,7 @@ def markdown(suite: str, rows: list, machine: dict | None = None) -> str:
     lines += ["", versus_summary(rows)]
     if reduced:
         lines += ["", default_summary(rows)]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def cpu_name(machine: dict) -> str:
@@ -1110,6 +1144,7 @@ def machine_line(machine: dict) -> str:
     libs = [f"{k} {machine[k]}" for k in ("tvm", "onnxruntime", "openvino", "torch")
             if machine.get(k)]
     return (f"Machine: {cpu_name(machine)}, {machine.get('cores', '?')} cores"
+            + (f" (bf16 instructions: {machine['bf16']})" if machine.get("bf16") else "")
             + (f", GPU {machine['gpu']}" if machine.get("gpu") else "")
             + (f"; {', '.join(libs)}" if libs else ""))
 
