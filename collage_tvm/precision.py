@@ -167,12 +167,11 @@ def _abs_diff(a, b) -> np.ndarray:
 def cpu_precisions() -> dict:
     """precision -> (available, why): bf16 needs the CPU's bf16 instructions; the reason
     names the flag found (``avx512_bf16``, ``amx_bf16``) or that none was."""
-    flags = cpu_flags()
-    found = [f for f in ("amx_bf16", "avx512_bf16") if f in flags]
+    found = bf16_flags()
     out = {"f32": (True, "")}
     if found:
         out["bf16"] = (True, f"CPU flag {found[0]}")
-    elif flags:
+    elif _cpu_flags():
         out["bf16"] = (False, "the CPU has no bf16 instructions (no avx512_bf16 or amx_bf16 "
                               "flag in /proc/cpuinfo)")
     else:
@@ -180,7 +179,14 @@ def cpu_precisions() -> dict:
     return out
 
 
-def cpu_flags() -> set:
+def bf16_flags() -> list:
+    """The CPU's bf16 instructions among its flags (``amx_bf16``, ``avx512_bf16``; AMX's
+    first): empty where it has none or they cannot be read."""
+    flags = _cpu_flags()
+    return [f for f in ("amx_bf16", "avx512_bf16") if f in flags]
+
+
+def _cpu_flags() -> set:
     """The CPU's instruction-set flags (``/proc/cpuinfo``); empty where they cannot be read."""
     try:
         with open("/proc/cpuinfo") as f:

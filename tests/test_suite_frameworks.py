@@ -389,6 +389,7 @@ def test_round_log_ratios_pair_heads_or_tails_and_skip_untimed_rounds():
     assert round_log_ratios(mine, [2.0, 0.0, 2.0, 2.0, 2.0]) is None  # 4 rounds timed
     assert round_log_ratios(mine[:PAIRED_MIN_ROUNDS - 1], other) is None
     assert round_log_ratios(None, other) is None
+    assert round_log_ratios(None, other, tails=True) is None
 
 
 def test_a_build_that_cannot_be_saved_is_timed_in_memory_with_the_reason(tmp_path):

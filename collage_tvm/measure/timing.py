@@ -287,8 +287,9 @@ def round_log_ratios(mine: list, other: list, tails: bool = False) -> list | Non
     on together after others stopped: ``interleaved`` appends one batch a round to each).
     The median of the logs is the paired ratio: a slow stretch of the machine falls on both
     batches of a round, and cancels (docs/BENCHMARKS.md, "Paired ratios")."""
-    k = min(len(mine or ()), len(other or ()))
-    pairs = zip(mine[-k:], other[-k:]) if tails else zip(mine or (), other or ())
+    mine, other = list(mine or ()), list(other or ())
+    k = min(len(mine), len(other))
+    pairs = zip(mine[len(mine) - k:], other[len(other) - k:]) if tails else zip(mine, other)
     logs = [math.log(b / a) for a, b in pairs if a > 0 and b > 0]
     return logs if len(logs) >= PAIRED_MIN_ROUNDS else None
 

@@ -91,7 +91,7 @@ def _plain_runner(library: str, backend, onnx_path: str, arrays: list) -> tuple:
 
 
 def machine() -> dict:
-    from collage_tvm.precision import cpu_flags
+    from collage_tvm.precision import bf16_flags
     from collage_tvm.target import cpu_model, host_cores
 
     import onnxruntime
@@ -107,7 +107,7 @@ def machine() -> dict:
             "torch": torch.__version__}
     # its bf16 instructions: AMX makes OpenVINO's default precision several times its f32,
     # AVX512-BF16 alone less, and LLVM's name may not tell (a VM's Xeon read as rocketlake)
-    flags = [f for f in ("amx_bf16", "avx512_bf16") if f in cpu_flags()]
+    flags = bf16_flags()
     if flags:
         info["bf16"] = ", ".join(flags)
     try:
