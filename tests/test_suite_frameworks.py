@@ -143,6 +143,30 @@ def test_a_row_below_the_goal_by_no_more_than_its_a_a_spread_is_within_noise():
     assert "A/A control" not in suites.markdown("torchvision", [none])
 
 
+def test_a_row_below_openvino_default_is_judged_by_openvino_s_own_a_a_control():
+    """Two compiled instances of one file on OpenVINO land further apart than two ONNX
+    Runtime sessions: "Collage vs OpenVINO default" is excused by OpenVINO's control, the f32
+    figure still by ONNX Runtime's."""
+    row = _row("m", 0.95)
+    fw = row["build"]["frameworks"]
+    row["build"]["accuracy"] = "bf16"
+    fw[suites.CONTROL] = {**fw["onnxruntime"], "ms": fw["onnxruntime"]["ms"] * 1.01}
+    default = fw["openvino (default)"]
+    fw[suites.OPENVINO_CONTROL] = {**default, "ms": default["ms"] * 1.06}
+    row["build"].update(suites.versus(fw))
+    b = row["build"]
+    assert b["aa_spread"] == pytest.approx(0.01) and b["openvino_aa_spread"] == pytest.approx(0.06)
+    assert b["vs_openvino_default"] < suites.GOAL - 0.1  # far below: beyond either spread
+    assert not suites.within_noise(b, "vs_openvino_default")
+    b["vs_openvino_default"] = 0.95
+    assert suites.within_noise(b, "vs_openvino_default")  # 5% short, OpenVINO's A/A 6%
+    assert not suites.within_noise(b, "vs_best_f32")  # 5% short, ONNX Runtime's A/A 1%
+    assert "(OpenVINO A/A 6%)" in suites.markdown("timm", [row])
+    # a try is as noisy as its widest control
+    assert suites._widest_spread(b) == pytest.approx(0.06)
+    assert suites._widest_spread({"aa_spread": None}) is None
+
+
 def test_a_row_timed_on_a_busy_machine_says_so():
     quiet, busy = _row("quiet", 1.10), _row("busy", 0.80)
     quiet["build"].update(other_load=0.02, frameworks_other_load=0.05)
@@ -190,7 +214,14 @@ def test_a_bf16_suite_row_is_searched_and_judged_within_the_budget(tmp_path):
                                    accuracy="bf16")
     assert row["status"] == "built" and row["accuracy"] == "bf16", row
     assert row["match"] and row["rel_err"] <= 2e-2, row
-    assert math.isfinite(row["frameworks"]["collage"]["ms"])
+    fw = row["frameworks"]
+    assert math.isfinite(fw["collage"]["ms"]) and fw["collage"]["precision"] == "bf16"
+    # OpenVINO's default, the figure the row is judged against, gets an A/A control of its
+    # own: the file compiled a second time, at the precision OpenVINO chose
+    again = fw[suites.OPENVINO_CONTROL]
+    assert "error" not in again and again["precision"] == fw["openvino (default)"]["precision"]
+    assert row["openvino_aa_spread"] == pytest.approx(abs(suites.paired_ratio(
+        fw["openvino (default)"]["batches"], again["batches"]) - 1.0))
     f32 = suites.torch_model_check(_make, "two_input", ["tvm"], str(tmp_path / "c.db"),
                                    str(tmp_path))
     assert f32["accuracy"] == "f32" and "rel_err" not in f32
@@ -280,6 +311,7 @@ def test_the_figures_close_to_collage_are_timed_on_with_the_a_a_control(monkeypa
 
     monkeypatch.setattr(timing, "interleaved", fake)
     bf16 = {"openvino (default)": {"precision": "bf16"}}
+    controls = {suites.CONTROL: "onnxruntime"}
 
     def timed(figures: dict, expect_close: set) -> None:
         first.clear()
@@ -287,7 +319,7 @@ def test_the_figures_close_to_collage_are_timed_on_with_the_a_a_control(monkeypa
         calls.clear()
         extra = {k: dict(v) for k, v in bf16.items()}
         runs = {n: (lambda: None) for n in first}
-        ms = bench._framework_times(runs, extra, control=suites.CONTROL)
+        ms = bench._framework_times(runs, extra, controls=dict(controls))
         assert calls[0] == (set(first), bench.FRAMEWORK_ROUNDS)
         if not expect_close:
             assert len(calls) == 1
@@ -315,6 +347,13 @@ def test_the_figures_close_to_collage_are_timed_on_with_the_a_a_control(monkeypa
     # nothing close to Collage, and no framework ahead of it: no runoff
     timed({"collage": 10.0, "onnxruntime": 20.0, suites.CONTROL: 20.0, "openvino": 20.0,
            "pytorch": 30.0, "openvino (default)": 14.0}, set())
+    # OpenVINO's default close (the bf16 criterion): its own control goes on beside it, and a
+    # control is never the f32 mark Collage is held to (its precision is OpenVINO's default)
+    controls.update({suites.OPENVINO_CONTROL: "openvino (default)"})
+    bf16[suites.OPENVINO_CONTROL] = {"precision": "bf16"}
+    timed({"collage": 10.0, "onnxruntime": 20.0, suites.CONTROL: 20.0, "openvino": 20.0,
+           "pytorch": 30.0, "openvino (default)": 10.5, suites.OPENVINO_CONTROL: 13.0},
+          {"collage", "openvino (default)", suites.OPENVINO_CONTROL})
 
 
 def test_frameworks_whose_a_a_control_strays_are_timed_again_and_the_steadiest_counts(

@@ -179,7 +179,7 @@ ROW_RUNOFF_ROUNDS = 45
 def torch_frameworks(model, inputs, onnx_path: str, collage_executable, check, *,
                      collage_f32=None, torch_compile: bool = False,
                      autocast: bool = False, label: str = "the model",
-                     control: str | None = None) -> dict:
+                     controls: dict | None = None) -> dict:
     """What a user runs instead of Collage, timed interleaved in this process with the
     shipped Collage build (``collage_executable``: an executable, or a saved build loaded
     back, ``artifact.LoadedModule``, as the suites time it) on the same ``inputs`` (a tuple
@@ -196,9 +196,11 @@ def torch_frameworks(model, inputs, onnx_path: str, collage_executable, check, *
       precision (bf16 on CPUs with bf16 instructions: "precision" says which it used);
     - with ``torch_compile``, "torch.compile" (inductor, default mode; "compile_s"); with
       ``autocast``, "pytorch (bf16 autocast)";
-    - with ``control`` (a name: ``suites.CONTROL``), the same file on ONNX Runtime again, a
-      second session timed as one more framework. Two runs of one thing: how far apart
-      they land is the timing's noise on this row (``suites.versus``: "aa_spread").
+    - with ``controls`` (A/A control name -> the framework it repeats: "onnxruntime" or
+      "openvino (default)"; ``suites.CONTROL``, ``suites.OPENVINO_CONTROL``), the same file
+      on that library again, a second session (or compiled model) timed as one more
+      framework. Two runs of one thing: how far apart they land is the timing's noise on
+      this row (``suites.versus``: "aa_spread", "openvino_aa_spread").
 
     ``check(outputs, reference, precision)`` -> {"match", "max_err", "rel_err"} judges each
     row against PyTorch's outputs. A framework that fails to load or compile the model is
@@ -214,13 +216,14 @@ def torch_frameworks(model, inputs, onnx_path: str, collage_executable, check, *
         ref = _numpy_outputs(model(*inputs))
     runs, outs, extra = _torch_runs(model, inputs, ref, torch_compile, autocast, label)
     arrays = [i.numpy() for i in inputs]
-    _library_runs(onnx_path, arrays, control, runs, outs, extra)
+    controls = dict(controls or {})
+    _library_runs(onnx_path, arrays, controls, runs, outs, extra)
     builds = {"collage": collage_executable}
     if collage_f32 is not None:
         builds["collage (f32)"] = collage_f32
     _collage_runs(builds, arrays, runs, outs)
     print(f"  timing {', '.join(runs)} interleaved", flush=True)
-    return _rows(outs, _framework_times(runs, extra, control), ref, check, extra)
+    return _rows(outs, _framework_times(runs, extra, controls), ref, check, extra)
 
 
 def _torch_runs(model, inputs: tuple, ref, torch_compile: bool, autocast: bool,
@@ -269,28 +272,28 @@ def _torch_runs(model, inputs: tuple, ref, torch_compile: bool, autocast: bool,
     return runs, outs, extra
 
 
-def _library_runs(onnx_path: str, arrays: list, control, runs: dict, outs: dict,
+def _library_runs(onnx_path: str, arrays: list, controls: dict, runs: dict, outs: dict,
                   extra: dict) -> None:
-    """The user's ONNX file on each graph library at f32, on ONNX Runtime again as the A/A
-    ``control``, and on OpenVINO at its default precision, added to ``runs`` / ``outs`` /
-    ``extra`` (``torch_frameworks``); a library that fails to load the file is reported
-    with its error."""
+    """The user's ONNX file on each graph library at f32 and on OpenVINO at its default
+    precision, and again as each A/A control of ``controls`` (control -> the framework it
+    repeats), added to ``runs`` / ``outs`` / ``extra`` (``torch_frameworks``); a library
+    that fails to load the file is reported with its error."""
     from collage_tvm.registry import get_backend
 
-    for lib in GLUE_LIBRARIES:
+    makers = {lib: (lambda lib=lib: _plain_runner(lib, get_backend(lib), onnx_path, arrays))
+              for lib in GLUE_LIBRARIES}
+    makers["openvino (default)"] = lambda: _openvino_default(onnx_path, arrays)
+    for name, maker in [*makers.items(), *((c, makers[fw]) for c, fw in controls.items())]:
+        if name in controls and controls[name] not in runs:
+            continue  # no control of a framework that failed
         try:
-            runs[lib], outs[lib] = _plain_runner(lib, get_backend(lib), onnx_path, arrays)
+            made = maker()
         except Exception as err:  # noqa: BLE001 - a missing framework is reported, not fatal
-            outs[lib] = _why(err)
-    if control and "onnxruntime" in runs:
-        runs[control], outs[control] = _plain_runner("onnxruntime", get_backend("onnxruntime"),
-                                                     onnx_path, arrays)
-    try:
-        run, outs["openvino (default)"], used = _openvino_default(onnx_path, arrays)
-        runs["openvino (default)"] = run
-        extra["openvino (default)"] = {"precision": used}
-    except Exception as err:  # noqa: BLE001
-        outs["openvino (default)"] = _why(err)
+            outs[name] = _why(err)
+            continue
+        runs[name], outs[name] = made[:2]
+        if len(made) > 2:  # OpenVINO's default: the precision it chose
+            extra[name] = {"precision": made[2]}
 
 
 def _collage_runs(builds: dict, arrays: list, runs: dict, outs: dict) -> None:
@@ -310,13 +313,13 @@ def _collage_runs(builds: dict, arrays: list, runs: dict, outs: dict) -> None:
         outs[name] = run_outputs(vm, args)
 
 
-def _framework_times(runs: dict, extra: dict, control: str | None = None) -> dict:
+def _framework_times(runs: dict, extra: dict, controls: dict | None = None) -> dict:
     """name -> ms of ``runs`` (name -> a call), timed interleaved ``FRAMEWORK_ROUNDS``
     rounds; then the runoff: Collage's figures ("collage", "collage (f32)") with every figure
     within ``ROW_RUNOFF_MARGIN`` of Collage's (either side) or, where the fastest f32 one is
     ahead of Collage, of that one, timed on together until each has ``ROW_RUNOFF_ROUNDS``
-    batches (the A/A ``control`` and ONNX Runtime go on together when either is close, so it
-    stays a control of the same timing). A figure is f32 unless
+    batches (an A/A control of ``controls`` and the framework it repeats go on together when
+    either is close, so it stays a control of the same timing). A figure is f32 unless
     ``extra[name]["precision"]`` says otherwise. ``extra[name]["rounds"]``: the batches
     behind each figure."""
     from collage_tvm.measure.timing import interleaved
@@ -324,18 +327,21 @@ def _framework_times(runs: dict, extra: dict, control: str | None = None) -> dic
     samples: dict = {}
     ms = interleaved(runs, rounds=FRAMEWORK_ROUNDS, samples=samples)
     mine = [n for n in ("collage", "collage (f32)") if n in ms]
-    f32 = [ms[n] for n in ms if n not in mine and n != control
+    controls = controls or {}
+    f32 = [ms[n] for n in ms if n not in mine and n not in controls
            and extra.get(n, {}).get("precision", "f32") == "f32"]
     marks = [ms[c] for c in mine]
     if f32 and mine and min(f32) < min(ms[c] for c in mine):
         marks.append(min(f32))  # a framework ahead of Collage: is it, or was it luck?
     close = {n for n in ms for m in marks if abs(ms[n] / m - 1.0) <= ROW_RUNOFF_MARGIN}
     close |= set(mine)
-    if control in runs and close & {"onnxruntime", control}:
-        # the pair goes on together: a control timed on alone (ONNX Runtime's first rounds
-        # slower, by the noise the control is there to show) would leave ONNX Runtime's
-        # figure on fewer rounds than Collage's (docs/COVERAGE.md: timm's tinynet_e)
-        close |= {"onnxruntime", control}
+    for control, fw in controls.items():
+        if control in runs and fw in runs and close & {fw, control}:
+            # the pair goes on together: a control timed on alone (ONNX Runtime's first
+            # rounds slower, by the noise the control is there to show) would leave the
+            # framework's figure on fewer rounds than Collage's (docs/COVERAGE.md: timm's
+            # tinynet_e)
+            close |= {fw, control}
     if mine and len(close) > len(mine):
         print(f"  runoff: {', '.join(n for n in runs if n in close)} timed on to "
               f"{ROW_RUNOFF_ROUNDS} rounds", flush=True)
