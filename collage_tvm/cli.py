@@ -614,7 +614,6 @@ def _tune_parser(sub) -> None:
 def _bench_parser(sub) -> None:
     """The ``bench`` verb."""
     from .options import DEFAULT_BUDGET
-    from .tools.suites import SUITES
 
     b = sub.add_parser("bench", help="Collage beside the frameworks a user would run instead "
                        "(ONNX Runtime, OpenVINO f32 and default precision, PyTorch) and its "
@@ -623,40 +622,7 @@ def _bench_parser(sub) -> None:
                    "dcgan, nasnet, resnet3d, resnext50, resnet50, inception_v3, squeezenet) "
                    "or resnet_small, bert_base, bert_small")
     b.add_argument("--all", action="store_true", help="every zoo model")
-    b.add_argument("--suite", choices=SUITES,
-                   help="an external model suite instead of zoo models: the onnx wheel's "
-                        "backend test models (node tests; pytorch-converted, pytorch-operator "
-                        "and simple files), transformers models built from configs, every "
-                        "torchvision classification, segmentation or video model, or 57 timm "
-                        "architectures; writes suite_<name>.json/.md. A torch suite's model is "
-                        "exported to ONNX, searched, and its shipped Collage build timed "
-                        "interleaved in one process beside that ONNX file on ONNX Runtime, on "
-                        "OpenVINO at f32 and at its default precision (bf16 on CPUs with bf16 "
-                        "instructions) and PyTorch eager, all at one thread per core, each "
-                        "checked against PyTorch's outputs; the table gives Collage against "
-                        "the best correct f32 framework. Model names given: only those of the "
-                        "suite")
-    b.add_argument("--input-size", choices=["usual", "small"], default="usual",
-                   help="with a torch --suite: usual (default: what a user runs, e.g. "
-                        "ImageNet classifiers at 224x224 or their weights' own size, timm at "
-                        "its default_cfg input size, transformers at 128 tokens; segmentation "
-                        "and video keep their small sizes) or small (quick: 64x64 images, 16 "
-                        "tokens)")
-    b.add_argument("--no-frameworks", action="store_true",
-                   help="with a torch --suite: leave out the frameworks (coverage only)")
-    b.add_argument("--full", action="store_true",
-                   help="with an onnx suite: also the whole Collage search over --backends "
-                        "on every case TVM alone runs")
-    b.add_argument("--resume", action="store_true",
-                   help="with --suite: keep the models an earlier run wrote to "
-                        "--out/suite_<name>.json (it is rewritten after every model) and run "
-                        "the rest")
-    b.add_argument("--again", action="store_true",
-                   help="with --suite --resume and model names: run the named models again "
-                        "(their earlier rows replaced), keep the others' rows")
-    b.add_argument("--limit", type=int, default=None,
-                   help="with --suite: the first N models (--graph-level: both levels, at most "
-                        "min(--budget, 120) s of graph-level search a model)")
+    _suite_arguments(b)
     b.add_argument("--size", choices=["small", "paper"], default="paper",
                    help="zoo model size (default paper)")
     b.add_argument("--backends", default="tvm,dnnl,mkl,onnxruntime,openvino",
@@ -706,6 +672,46 @@ def _bench_parser(sub) -> None:
                    help="folder for results.json / results.md / results.png (the plots need "
                         "matplotlib: pip install 'collage-tvm[plot]')")
     b.add_argument("-v", "--verbose", action="store_true")
+
+
+def _suite_arguments(b) -> None:
+    """``bench``'s arguments of an external ``--suite`` run."""
+    from .tools.suites import SUITES
+
+    b.add_argument("--suite", choices=SUITES,
+                   help="an external model suite instead of zoo models: the onnx wheel's "
+                        "backend test models (node tests; pytorch-converted, pytorch-operator "
+                        "and simple files), transformers models built from configs, every "
+                        "torchvision classification, segmentation or video model, or 57 timm "
+                        "architectures; writes suite_<name>.json/.md. A torch suite's model is "
+                        "exported to ONNX, searched, and its shipped Collage build timed "
+                        "interleaved in one process beside that ONNX file on ONNX Runtime, on "
+                        "OpenVINO at f32 and at its default precision (bf16 on CPUs with bf16 "
+                        "instructions) and PyTorch eager, all at one thread per core, each "
+                        "checked against PyTorch's outputs; the table gives Collage against "
+                        "the best correct f32 framework. Model names given: only those of the "
+                        "suite")
+    b.add_argument("--input-size", choices=["usual", "small"], default="usual",
+                   help="with a torch --suite: usual (default: what a user runs, e.g. "
+                        "ImageNet classifiers at 224x224 or their weights' own size, timm at "
+                        "its default_cfg input size, transformers at 128 tokens; segmentation "
+                        "and video keep their small sizes) or small (quick: 64x64 images, 16 "
+                        "tokens)")
+    b.add_argument("--no-frameworks", action="store_true",
+                   help="with a torch --suite: leave out the frameworks (coverage only)")
+    b.add_argument("--full", action="store_true",
+                   help="with an onnx suite: also the whole Collage search over --backends "
+                        "on every case TVM alone runs")
+    b.add_argument("--resume", action="store_true",
+                   help="with --suite: keep the models an earlier run wrote to "
+                        "--out/suite_<name>.json (it is rewritten after every model) and run "
+                        "the rest")
+    b.add_argument("--again", action="store_true",
+                   help="with --suite --resume and model names: run the named models again "
+                        "(their earlier rows replaced), keep the others' rows")
+    b.add_argument("--limit", type=int, default=None,
+                   help="with --suite: the first N models (--graph-level: both levels, at most "
+                        "min(--budget, 120) s of graph-level search a model)")
 
 
 def _run_parser(sub) -> None:

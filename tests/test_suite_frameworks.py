@@ -167,6 +167,46 @@ def test_a_row_below_openvino_default_is_judged_by_openvino_s_own_a_a_control():
     assert suites._widest_spread({"aa_spread": None}) is None
 
 
+def test_the_collage_build_is_loaded_between_the_frameworks_and_their_a_a_controls(
+        monkeypatch):
+    """OpenVINO runs the first of two compiled instances of one file a few percent slower:
+    the shipped build is made after the frameworks and before their A/A controls, and the
+    OpenVINO figure it is judged by takes both instances."""
+    from collage_tvm.tools import bench
+
+    made = []
+
+    def maker(name):
+        def make():
+            made.append(name)
+            return (lambda: None), [0.0], *(["bf16"] if "default" in name else [])
+        return make
+
+    monkeypatch.setattr(bench, "_library_makers", lambda path, arrays: {
+        n: maker(n) for n in ("onnxruntime", "openvino", "openvino (default)")})
+    monkeypatch.setattr(bench, "_torch_runs", lambda *a: ({"pytorch": None}, {"pytorch": [0.0]},
+                                                          {}))
+
+    def collage_runs(builds, arrays, runs, outs):
+        runs["collage"], outs["collage"] = builds["collage"], [0.0]
+
+    monkeypatch.setattr(bench, "_collage_runs", collage_runs)
+    monkeypatch.setattr(bench, "_framework_times", lambda runs, extra, controls: {
+        n: 1.0 for n in runs})
+    later = bench.LoadLater(lambda: made.append("collage") or "the build")
+    rows = bench.torch_frameworks(lambda *x: torch.zeros(1), (torch.zeros(1),), "m.onnx", later,
+                                  lambda out, ref, precision: {"match": True, "max_err": 0.0,
+                                                               "rel_err": 0.0},
+                                  controls={suites.CONTROL: "onnxruntime",
+                                            suites.OPENVINO_CONTROL: "openvino (default)"})
+    assert made == ["onnxruntime", "openvino", "openvino (default)", "collage", "onnxruntime",
+                    "openvino (default)"]
+    assert rows[suites.OPENVINO_CONTROL]["precision"] == "bf16"
+    # judged against both instances: the geometric mean of the two ratios
+    assert suites._bracketed(0.9, 1.1) == pytest.approx(math.sqrt(0.99))
+    assert suites._bracketed(0.9, None) == 0.9 and suites._bracketed(None, 1.1) is None
+
+
 def test_a_row_timed_on_a_busy_machine_says_so():
     quiet, busy = _row("quiet", 1.10), _row("busy", 0.80)
     quiet["build"].update(other_load=0.02, frameworks_other_load=0.05)
@@ -222,6 +262,10 @@ def test_a_bf16_suite_row_is_searched_and_judged_within_the_budget(tmp_path):
     assert "error" not in again and again["precision"] == fw["openvino (default)"]["precision"]
     assert row["openvino_aa_spread"] == pytest.approx(abs(suites.paired_ratio(
         fw["openvino (default)"]["batches"], again["batches"]) - 1.0))
+    mine = fw["collage"]["batches"]
+    assert row["vs_openvino_default"] == pytest.approx(math.sqrt(  # both instances count
+        suites.paired_ratio(mine, fw["openvino (default)"]["batches"])
+        * suites.paired_ratio(mine, again["batches"])))
     f32 = suites.torch_model_check(_make, "two_input", ["tvm"], str(tmp_path / "c.db"),
                                    str(tmp_path))
     assert f32["accuracy"] == "f32" and "rel_err" not in f32

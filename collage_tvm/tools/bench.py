@@ -182,8 +182,9 @@ def torch_frameworks(model, inputs, onnx_path: str, collage_executable, check, *
                      controls: dict | None = None) -> dict:
     """What a user runs instead of Collage, timed interleaved in this process with the
     shipped Collage build (``collage_executable``: an executable, or a saved build loaded
-    back, ``artifact.LoadedModule``, as the suites time it) on the same ``inputs`` (a tuple
-    of torch tensors, in the order of the ONNX file's inputs), every library at this
+    back, ``artifact.LoadedModule``, as the suites time it, or a ``LoadLater`` of one) on the
+    same ``inputs`` (a tuple of torch tensors, in the order of the ONNX file's inputs),
+    every library at this
     process's core count (``torch.set_num_threads(host_cores())``; the libraries as the
     backends make them, one thread per core):
 
@@ -200,7 +201,8 @@ def torch_frameworks(model, inputs, onnx_path: str, collage_executable, check, *
       "openvino (default)"; ``suites.CONTROL``, ``suites.OPENVINO_CONTROL``), the same file
       on that library again, a second session (or compiled model) timed as one more
       framework. Two runs of one thing: how far apart they land is the timing's noise on
-      this row (``suites.versus``: "aa_spread", "openvino_aa_spread").
+      this row (``suites.versus``: "aa_spread", "openvino_aa_spread"). The controls are
+      made after the Collage build where that is a ``LoadLater``, the frameworks before it.
 
     ``check(outputs, reference, precision)`` -> {"match", "max_err", "rel_err"} judges each
     row against PyTorch's outputs. A framework that fails to load or compile the model is
@@ -217,7 +219,15 @@ def torch_frameworks(model, inputs, onnx_path: str, collage_executable, check, *
     runs, outs, extra = _torch_runs(model, inputs, ref, torch_compile, autocast, label)
     arrays = [i.numpy() for i in inputs]
     controls = dict(controls or {})
-    _library_runs(onnx_path, arrays, controls, runs, outs, extra)
+    makers = _library_makers(onnx_path, arrays)
+    _library_runs(makers, runs, outs, extra)
+    if isinstance(collage_executable, LoadLater):
+        # made now, between the frameworks and their A/A controls: of two compiled instances
+        # of one file, OpenVINO runs the one compiled first a few percent slower (docs/
+        # COVERAGE.md), so an instance on either side brackets the build in time
+        collage_executable = collage_executable.load()
+    _library_runs({c: makers[fw] for c, fw in controls.items() if fw in runs}, runs, outs,
+                  extra)
     builds = {"collage": collage_executable}
     if collage_f32 is not None:
         builds["collage (f32)"] = collage_f32
@@ -272,20 +282,31 @@ def _torch_runs(model, inputs: tuple, ref, torch_compile: bool, autocast: bool,
     return runs, outs, extra
 
 
-def _library_runs(onnx_path: str, arrays: list, controls: dict, runs: dict, outs: dict,
-                  extra: dict) -> None:
-    """The user's ONNX file on each graph library at f32 and on OpenVINO at its default
-    precision, and again as each A/A control of ``controls`` (control -> the framework it
-    repeats), added to ``runs`` / ``outs`` / ``extra`` (``torch_frameworks``); a library
-    that fails to load the file is reported with its error."""
+class LoadLater:
+    """A Collage build ``torch_frameworks`` makes itself (``load()``: an executable or an
+    ``artifact.LoadedModule``), after the frameworks and before their A/A controls."""
+
+    def __init__(self, load):
+        self.load = load
+
+
+def _library_makers(onnx_path: str, arrays: list) -> dict:
+    """name -> a maker of the user's ONNX file on a graph library, ``() -> (call, outputs[,
+    the precision it chose])``: each graph library at f32, and OpenVINO at its default
+    precision (``torch_frameworks``)."""
     from collage_tvm.registry import get_backend
 
     makers = {lib: (lambda lib=lib: _plain_runner(lib, get_backend(lib), onnx_path, arrays))
               for lib in GLUE_LIBRARIES}
     makers["openvino (default)"] = lambda: _openvino_default(onnx_path, arrays)
-    for name, maker in [*makers.items(), *((c, makers[fw]) for c, fw in controls.items())]:
-        if name in controls and controls[name] not in runs:
-            continue  # no control of a framework that failed
+    return makers
+
+
+def _library_runs(makers: dict, runs: dict, outs: dict, extra: dict) -> None:
+    """Each of ``makers`` (``_library_makers``; an A/A control under its own name) made and
+    added to ``runs`` / ``outs`` / ``extra``; a library that fails to load the file is
+    reported with its error."""
+    for name, maker in makers.items():
         try:
             made = maker()
         except Exception as err:  # noqa: BLE001 - a missing framework is reported, not fatal
