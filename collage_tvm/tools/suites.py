@@ -1153,8 +1153,10 @@ def _torch_markdown(rows: list) -> list:
             "outputs are judged within it (\"match\"), and its latency also against OpenVINO "
             "at its default precision, where that is within its precision (\"Collage vs "
             f"OpenVINO default\", bold below the {GOAL}x goal"
-            + ("; \"OpenVINO A/A\": the file compiled on OpenVINO a second time and timed as "
-               "one more framework, how far the two compiled instances landed apart"
+            + ("; \"OpenVINO A/A\": the file compiled on OpenVINO a second time, after the "
+               "Collage build was loaded (the framework's own instance before it), and timed "
+               "as one more framework: how far the two instances landed apart; the figure is "
+               "then the geometric mean of Collage's ratios to the two"
                if any(r["build"].get("openvino_aa_spread") is not None for r in rows) else "")
             + ").\n")
     head = ["model", "input", "status", "match", "max err (of output scale)", "search s",
