@@ -796,6 +796,11 @@ CONTROL = "onnxruntime (A/A)"
 #: of one file, OpenVINO ran the one compiled first 2-5% slower, persistently over rounds, on
 #: the AMX Xeon of 2026-11-27 (docs/COVERAGE.md), so the row takes both (``_bracketed``).
 OPENVINO_CONTROL = "openvino (default, A/A)"
+#: The same for OpenVINO at f32, in every row: OpenVINO f32 is the best f32 framework of
+#: many rows, and Collage's build often runs the file on it.
+OPENVINO_F32_CONTROL = "openvino (A/A)"
+#: an OpenVINO framework -> its A/A control (``_bracketed``)
+OPENVINO_CONTROLS = {"openvino": OPENVINO_F32_CONTROL, "openvino (default)": OPENVINO_CONTROL}
 GOAL = 0.97  # issue #33: Collage at least 0.97x the best f32 framework's speed on every row
 CLEAR_WIN = 1.03  # a row where Collage beats every f32 framework by 3% or more
 
@@ -835,7 +840,7 @@ def framework_row(make, name: str, onnx_path: str, executable, rtol: float = 1e-
     from .bench import torch_frameworks
 
     model, inputs, _, _, _ = checked_model(make, name)
-    controls = {CONTROL: "onnxruntime"}
+    controls = {CONTROL: "onnxruntime", OPENVINO_F32_CONTROL: "openvino"}
     if accuracy != "f32":
         controls[OPENVINO_CONTROL] = "openvino (default)"
     tries = []  # (the share of the CPU other processes took, A/A spread, rows), per timing
@@ -873,8 +878,9 @@ def _bracketed(before: float | None, after: float | None) -> float | None:
 
 
 def _widest_spread(figures: dict) -> float | None:
-    """The larger of a row's A/A spreads (``versus``), None where it has none."""
-    spreads = [figures.get(k) for k in ("aa_spread", "openvino_aa_spread")]
+    """The largest of a row's A/A spreads (``versus``), None where it has none."""
+    spreads = [figures.get(k) for k in ("aa_spread", "openvino_f32_aa_spread",
+                                        "openvino_aa_spread")]
     return max((x for x in spreads if x is not None), default=None)
 
 
@@ -938,15 +944,17 @@ def paired_ratio(batches: list, other: list) -> float | None:
 
 def versus(frameworks: dict) -> dict:
     """{"best_f32": (name, ms) or None, "vs_best_f32", "vs_openvino_default", "paired",
-    "aa_spread", "openvino_aa_spread"} of one row's ``frameworks``: the correct f32 framework furthest ahead of Collage, and each
+    "aa_spread", "openvino_f32_aa_spread", "openvino_aa_spread"} of one row's
+    ``frameworks``: the correct f32 framework furthest ahead of Collage, and each
     framework's time over Collage's (above 1: Collage is faster; None where a latency is
     missing or, for OpenVINO at its default precision, its outputs are not within that
-    precision); "aa_spread": how far the A/A control (``CONTROL``) landed from ONNX
-    Runtime's own figure, a fraction; "openvino_aa_spread": the same of
-    ``OPENVINO_CONTROL`` and OpenVINO's default (None without it); with that control,
-    "vs_openvino_default" takes both instances (``_bracketed``). Where the figures carry
-    their batches ("batches", in round order), each ratio is taken round by round
-    (``paired_ratio``; "paired": True); else it is the ratio of the medians ("ms")."""
+    precision). "aa_spread": how far the A/A control (``CONTROL``) landed from ONNX
+    Runtime's own figure, a fraction; "openvino_f32_aa_spread" and "openvino_aa_spread": the
+    same of OpenVINO f32 and at its default precision (``OPENVINO_CONTROLS``; None without
+    them). An OpenVINO figure with its control takes both instances (``_bracketed``). Where
+    the figures carry their batches ("batches", in round order), each ratio is taken round
+    by round (``paired_ratio``; "paired": True); else it is the ratio of the medians
+    ("ms")."""
     collage = frameworks.get("collage", {}).get("ms", math.nan)
 
     def ms(fw):
@@ -964,10 +972,16 @@ def versus(frameworks: dict) -> dict:
         by_round = paired_ratio(base_batches, frameworks.get(fw, {}).get("batches"))
         return by_round if by_round is not None else value / base_ms
 
+    def versus_fw(fw):
+        """``over(fw)``, with the instance of its OpenVINO control where that is correct."""
+        control = OPENVINO_CONTROLS.get(fw)
+        again = frameworks.get(control, {})
+        return _bracketed(over(fw), over(control) if control and again.get("match") else None)
+
     correct = [fw for fw in F32_FRAMEWORKS
                if ms(fw) is not None and frameworks[fw]["match"]
                and frameworks[fw].get("precision", "f32") == "f32"]
-    ratios = {fw: over(fw) for fw in correct} if ok else {}
+    ratios = {fw: versus_fw(fw) for fw in correct} if ok else {}
     best = (min(correct, key=ratios.get) if ok else min(correct, key=ms)) if correct else None
     default = frameworks.get("openvino (default)", {})
 
@@ -980,15 +994,13 @@ def versus(frameworks: dict) -> dict:
 
     return {"best_f32": (best, ms(best)) if best else None,
             "vs_best_f32": ratios[best] if best and ok else None,
-            "vs_openvino_default": _bracketed(over("openvino (default)"),
-                                              over(OPENVINO_CONTROL)
-                                              if frameworks.get(OPENVINO_CONTROL, {}).get("match")
-                                              else None)
+            "vs_openvino_default": versus_fw("openvino (default)")
             if default.get("match") and ok else None,
             "paired": bool(mine) and any(frameworks.get(fw, {}).get("batches")
                                          for fw in F32_FRAMEWORKS),
             # the A/A controls: one file on one library timed twice, |ratio - 1|
             "aa_spread": spread(CONTROL, "onnxruntime"),
+            "openvino_f32_aa_spread": spread(OPENVINO_F32_CONTROL, "openvino"),
             "openvino_aa_spread": spread(OPENVINO_CONTROL, "openvino (default)")}
 
 
@@ -1145,7 +1157,13 @@ def _torch_markdown(rows: list) -> list:
             "\"A/A\": the same ONNX file on ONNX Runtime timed a second time, in a session of "
             "its own, as one more framework: how far apart the two figures landed is the "
             "timing's noise on that row. A row below the goal by no more than that cannot "
-            "tell Collage from the framework on this machine.\n")
+            "tell Collage from the framework on this machine."
+            + (" Where OpenVINO f32 is the best framework and the row has its own A/A (the "
+               "file compiled on OpenVINO a second time, after the Collage build was loaded, "
+               "the framework's own instance before it), the cell gives that one, and the "
+               "figure is the geometric mean of Collage's ratios to the two instances."
+               if any(r["build"].get("openvino_f32_aa_spread") is not None for r in rows)
+               else "") + "\n")
     reduced = sorted({r["build"].get("accuracy", "f32") for r in rows} - {"f32"})
     if reduced:
         lines.append(
@@ -1215,7 +1233,7 @@ def _framework_cell(r: dict | None) -> str:
 def _versus_cell(b: dict) -> str:
     if b.get("vs_best_f32") is None:
         return ""
-    aa = b.get("aa_spread")
+    aa = _spread_for(b, "vs_best_f32")
     text = f"{b['vs_best_f32']:.2f}x ({b['best_f32'][0]}" + (
         f"; A/A {100 * aa:.0f}%)" if aa is not None else ")")
     return (f"**{text}**" if b["vs_best_f32"] < GOAL else text) + _busy_note(b)
@@ -1294,10 +1312,15 @@ def within_noise(build: dict, key: str = "vs_best_f32") -> bool:
 
 
 def _spread_for(build: dict, key: str) -> float | None:
-    """The A/A spread a row's figure ``key`` is judged with (``within_noise``)."""
-    if key == "vs_openvino_default" and build.get("openvino_aa_spread") is not None:
-        return build["openvino_aa_spread"]
-    return build.get("aa_spread")
+    """The A/A spread a row's figure ``key`` is judged with (``within_noise``): OpenVINO's
+    own control against OpenVINO (its default, or f32 where that is the best f32 framework)
+    where the row has one, else ONNX Runtime's."""
+    if key == "vs_openvino_default":
+        own = build.get("openvino_aa_spread")
+    else:
+        own = build.get("openvino_f32_aa_spread") if (build.get("best_f32") or [None])[0] \
+            == "openvino" else None
+    return own if own is not None else build.get("aa_spread")
 
 
 def _summary(rows: list, key: str, what: str, other: str) -> str:
