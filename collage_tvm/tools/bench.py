@@ -184,9 +184,8 @@ def torch_frameworks(model, inputs, onnx_path: str, collage_executable, check, *
     shipped Collage build (``collage_executable``: an executable, or a saved build loaded
     back, ``artifact.LoadedModule``, as the suites time it, or a ``LoadLater`` of one) on the
     same ``inputs`` (a tuple of torch tensors, in the order of the ONNX file's inputs),
-    every library at this
-    process's core count (``torch.set_num_threads(host_cores())``; the libraries as the
-    backends make them, one thread per core):
+    every library at this process's core count (``torch.set_num_threads(host_cores())``;
+    the libraries as the backends make them, one thread per core):
 
     - "pytorch": ``model`` eager under ``inference_mode``: its outputs are the reference;
     - "onnxruntime": the user's ONNX file ``onnx_path``, all graph optimizations, a session
@@ -197,12 +196,13 @@ def torch_frameworks(model, inputs, onnx_path: str, collage_executable, check, *
       precision (bf16 on CPUs with bf16 instructions: "precision" says which it used);
     - with ``torch_compile``, "torch.compile" (inductor, default mode; "compile_s"); with
       ``autocast``, "pytorch (bf16 autocast)";
-    - with ``controls`` (A/A control name -> the framework it repeats: "onnxruntime" or
-      "openvino (default)"; ``suites.CONTROL``, ``suites.OPENVINO_CONTROL``), the same file
-      on that library again, a second session (or compiled model) timed as one more
-      framework. Two runs of one thing: how far apart they land is the timing's noise on
-      this row (``suites.versus``: "aa_spread", "openvino_aa_spread"). The controls are
-      made after the Collage build where that is a ``LoadLater``, the frameworks before it.
+    - with ``controls`` (A/A control name -> the framework it repeats: "onnxruntime",
+      "openvino" or "openvino (default)"; ``suites.CONTROL``, ``suites.OPENVINO_CONTROLS``),
+      the same file on that library again, a second session (or compiled model) timed as
+      one more framework. Two runs of one thing: how far apart they land is the timing's
+      noise on this row (``suites.versus``: "aa_spread", "openvino_f32_aa_spread",
+      "openvino_aa_spread"). The controls are made after the Collage build where that is a
+      ``LoadLater``, the frameworks before it.
 
     ``check(outputs, reference, precision)`` -> {"match", "max_err", "rel_err"} judges each
     row against PyTorch's outputs. A framework that fails to load or compile the model is
