@@ -18,7 +18,10 @@ and library versions, CPU features, every file whole) and refuses with one
 ``ArtifactError`` naming the cause and what to install or rebuild; then each region is
 handed to its library (an ONNX Runtime session, an OpenVINO compiled model, a oneDNN
 kernel), registered under the symbol the executable calls, and the Relax VM is made over
-``kernels.so``. Nothing is searched, measured or compiled by TVM.
+``kernels.so``. Nothing is searched or compiled by TVM. The one thing timed: a close call
+the final check left between two graph libraries running the model file whole (the
+region's "alternates"), decided in the loading process (``check.at_load``; ``load(...,
+decide=False)`` skips it).
 
 The VM binds the packed functions it calls when it is created, so the regions' callables
 are registered only for that moment: a build of the same model in this process, or a
@@ -179,9 +182,12 @@ def _write_onnx(model, path: Path) -> None:
     onnx.load_external_data_for_model(model, str(path.parent))
 
 
-def _save_regions(module, folder: Path) -> tuple:
+def _save_regions(module, folder: Path, alternates=()) -> tuple:
     """Each external callable the executable calls, written to ``folder`` as its library
-    loads it. Returns (region entries, backend -> region count)."""
+    loads it. ``alternates``: the other graph libraries (``{"backend", "ms"}`` each) that ran
+    the model file whole within a few percent of the shipped one in the final check; the
+    file's entry lists them, and ``load`` decides between them (``check.at_load``). Returns
+    (region entries, backend -> region count)."""
     import tvm
 
     from .backends._graphlib import output_specs
@@ -205,6 +211,8 @@ def _save_regions(module, folder: Path) -> tuple:
             entry.update(format="onnx", file=f"{REGIONS}/r{k}.onnx", sole=True,
                          outputs=[[list(s), d] for s, d in specs],
                          inputs=[i.name for i in proto.graph.input])
+            if alternates:
+                entry["alternates"] = [dict(a) for a in alternates]
             _write_onnx(proto, folder / f"r{k}.onnx")
         elif _graph_library_exports(lowering):
             func = made[2]
@@ -322,7 +330,8 @@ def _write_contents(result, tmp: Path, target) -> dict:
     from ._errors import first_line
 
     (tmp / REGIONS).mkdir()
-    regions, count = _save_regions(result.module, tmp / REGIONS)
+    regions, count = _save_regions(result.module, tmp / REGIONS,
+                                   result.report.whole_model.get("alternates", ()))
     try:
         result.executable.export_library(str(tmp / KERNELS))
     except Exception as err:
@@ -346,11 +355,16 @@ def _manifest(result, target, regions: list, count: dict) -> dict:
     from .registry import get_backend
     from .target import cpu_model, device_kind
 
-    backends = {}
-    for name in sorted({e["backend"] for e in regions}):
+    def info(name: str) -> dict:
         b = get_backend(name)
-        backends[name] = {"version": b.version(), "precision": b.precision,
-                          "kind": b.kind, "device": b.device, "regions": count[name]}
+        return {"version": b.version(), "precision": b.precision, "kind": b.kind,
+                "device": b.device}
+
+    backends = {name: {**info(name), "regions": count[name]}
+                for name in sorted({e["backend"] for e in regions})}
+    # what the close call at load may choose instead (``load``): not needed to load it
+    alternate = {name: info(name) for name in sorted({a["backend"] for e in regions
+                                                     for a in e.get("alternates", ())})}
     report = result.report
     return {
         "format": FORMAT, "format_version": FORMAT_VERSION,
@@ -362,6 +376,7 @@ def _manifest(result, target, regions: list, count: dict) -> dict:
         "cuda_arch": str(target.attrs.get("arch", "")) if target.kind.name == "cuda" else "",
         "cpu_needs": _cpu_needs(target, backends),
         "backends": backends,
+        "alternate_backends": alternate,
         "accuracy": report.precision.get("accuracy", "f32") if report.precision else "f32",
         "placement": _placement_summary(result),
         "latency_ms": {n: r.get("ms") for n, r in report.comparison.items()},
@@ -540,38 +555,87 @@ def _check_backends(manifest: dict, path: Path) -> dict:
 
 def _lower_regions(manifest: dict, path: Path, backends: dict) -> dict:
     """symbol -> the callable of each region, made by its library from the saved file."""
+    return {entry["symbol"]: _lower_region(entry, path, backends[entry["backend"]])
+            for entry in manifest.get("regions", [])}
+
+
+def _lower_region(entry: dict, path: Path, backend):
+    """The callable of region ``entry``, made by ``backend``'s library from the saved file
+    (raises ``ArtifactError`` naming the file when the library refuses it)."""
     import tvm
 
     from ._errors import first_line
 
-    fns = {}
-    for entry in manifest.get("regions", []):
-        name, file = entry["backend"], path / entry["file"]
-        lowering = backends[name].get_lowering()
-        try:
-            if entry["format"] == "onnx":
-                if getattr(lowering, "reads_files", False) and "inputs" in entry:
-                    from .export.onnx import OnnxFile
+    file = path / entry["file"]
+    lowering = backend.get_lowering()
+    try:
+        if entry["format"] == "onnx":
+            if getattr(lowering, "reads_files", False) and "inputs" in entry:
+                from .export.onnx import OnnxFile
 
-                    model = OnnxFile(str(file), tuple(entry["inputs"]))  # the library reads it
-                else:
-                    import onnx
-
-                    model = onnx.load(str(file))
-                specs = [(tuple(int(d) for d in shape), dtype) for shape, dtype in entry["outputs"]]
-                fn = lowering.compile(model, specs, bool(entry.get("sole", False)))
-            elif entry["format"] == "relax":
-                fn = lowering.lower(tvm.ir.load_json(file.read_text()))
+                model = OnnxFile(str(file), tuple(entry["inputs"]))  # the library reads it
             else:
-                raise ArtifactError(f"{path}: region {entry['file']} has the unknown format "
-                                    f"{entry['format']!r}: export the model again")
-        except ArtifactError:
-            raise
-        except Exception as err:  # noqa: BLE001 - the library's refusal names the cause
-            raise ArtifactError(f"{path}: {name} could not load its region {entry['file']} "
-                                f"({first_line(err, 300)}); export the model again") from err
-        fns[entry["symbol"]] = fn
-    return fns
+                import onnx
+
+                model = onnx.load(str(file))
+            specs = [(tuple(int(d) for d in shape), dtype) for shape, dtype in entry["outputs"]]
+            return lowering.compile(model, specs, bool(entry.get("sole", False)))
+        if entry["format"] == "relax":
+            return lowering.lower(tvm.ir.load_json(file.read_text()))
+        raise ArtifactError(f"{path}: region {entry['file']} has the unknown format "
+                            f"{entry['format']!r}: export the model again")
+    except ArtifactError:
+        raise
+    except Exception as err:  # noqa: BLE001 - the library's refusal names the cause
+        raise ArtifactError(f"{path}: {backend.name} could not load its region {entry['file']} "
+                            f"({first_line(err, 300)}); export the model again") from err
+
+
+def _decide_close_call(manifest: dict, path: Path, fns: dict, device) -> dict | None:
+    """The region that lists alternates (the model file whole, and the other libraries that
+    ran it within a few percent in the final check): each one that loads here, timed beside
+    the shipped one in this process (``check.at_load.decide``); the faster's callable takes
+    the symbol in ``fns``. Returns the decision's record (None: nothing to decide). An
+    alternate that cannot run here is left out with the reason; nothing fails the load."""
+    from ._errors import first_line
+    from .check.at_load import decide, example_inputs
+    from .registry import get_backend
+
+    entry = next((e for e in manifest.get("regions", []) if e.get("alternates")), None)
+    if entry is None or manifest.get("device") == "cuda":  # (the floors run on the CPU)
+        return None
+    built = manifest.get("alternate_backends") or {}
+    contenders, left_out = {entry["backend"]: fns[entry["symbol"]]}, {}
+    for alt in entry["alternates"]:
+        name = alt["backend"]
+        try:
+            backend = get_backend(name)
+            ok, why = backend.available()
+            if not ok:
+                raise RuntimeError(why)
+            version = built.get(name, {}).get("version")
+            if version is not None and backend.version() != version:
+                raise RuntimeError(f"it is {backend.version()} here, {version} when built")
+            contenders[name] = _lower_region({**entry, "backend": name}, path, backend)
+        except Exception as err:  # noqa: BLE001 - the shipped one still runs
+            left_out[name] = first_line(err, 200)
+    record = {"chose": entry["backend"], "ms": {}, "rounds": 0, "seconds": 0.0}
+    if len(contenders) > 1:
+        try:
+            args = example_inputs(manifest["inputs"], device)
+            chose, record = decide(contenders, args, manifest.get("accuracy", "f32"))
+        except Exception as err:  # noqa: BLE001 - the final check's verdict stands
+            left_out["(timing)"] = first_line(err, 200)
+            chose = entry["backend"]
+        fns[entry["symbol"]] = contenders[chose]
+    record["shipped"] = entry["backend"]
+    record["left_out"] = {**left_out, **record.get("left_out", {})}
+    if record["chose"] != entry["backend"]:
+        logger.info("%s: the model file runs whole on %s (%s), not %s as the final check had "
+                    "it: a close call, decided here", path, record["chose"],
+                    ", ".join(f"{n} {ms:.3f} ms" for n, ms in record["ms"].items()),
+                    entry["backend"])
+    return record
 
 
 def _load_library(file: str):
@@ -622,8 +686,13 @@ def _make_vm(lib, dev, fns: dict):
                     pass
 
 
-def load(path) -> "LoadedModule":
+def load(path, decide: bool = True) -> "LoadedModule":
     """The build saved in directory ``path`` (``save``), ready to run: a ``LoadedModule``.
+
+    ``decide``: where the final check found the model file whole on two graph libraries
+    within a few percent of each other, the build holds both; they are timed side by side
+    here, in the process that will run the model, and the faster is kept (about 2-4 s;
+    ``LoadedModule.decided`` says how it went). ``decide=False`` keeps the final check's.
 
     Refuses with an ``ArtifactError`` naming the cause and the fix: not an artifact, an
     unknown format version, a missing or truncated file, another TVM, another machine
@@ -640,6 +709,7 @@ def load(path) -> "LoadedModule":
     _check_machine(manifest, path, dev)
     backends = _check_backends(manifest, path)
     fns = _lower_regions(manifest, path, backends)
+    decided = _decide_close_call(manifest, path, fns, dev) if decide else None
     try:
         lib = _load_library(str(path / manifest.get("kernels", KERNELS)))
     except Exception as err:  # noqa: BLE001 - a damaged library: say which file
@@ -651,17 +721,21 @@ def load(path) -> "LoadedModule":
         raise ArtifactError(f"{path}: the Relax VM could not be made over {KERNELS} "
                             f"({type(err).__name__}: {str(err).strip()[:300]}); export the "
                             "model again") from err
-    return LoadedModule(path, manifest, vm, lib, dev, fns, time.perf_counter() - t0)
+    return LoadedModule(path, manifest, vm, lib, dev, fns, time.perf_counter() - t0, decided)
 
 
 class LoadedModule:
     """A saved build, loaded: call it with numpy arrays or DLPack tensors (torch) in the
     model's input order (or by input name); it returns the same kind, one output or a
     tuple. ``vm``: the Relax VM (``vm["main"](*tvm_tensors)``); ``manifest``: what the
-    artifact says about itself; ``load_seconds``: how long ``load`` took."""
+    artifact says about itself; ``load_seconds``: how long ``load`` took; ``decided``: the
+    close call timed at load (``{"shipped", "chose", "ms", "rounds", "seconds",
+    "left_out"}``), None where there was none."""
 
-    def __init__(self, path, manifest, vm, executable, device, callables, load_seconds):
+    def __init__(self, path, manifest, vm, executable, device, callables, load_seconds,
+                 decided=None):
         self.path = Path(path)
+        self.decided = decided
         self.manifest = manifest
         self.vm = vm
         self.executable = executable  # the runtime module of kernels.so
@@ -681,8 +755,10 @@ class LoadedModule:
         return [o["name"] for o in self.outputs]
 
     def __repr__(self) -> str:
-        ops = ", ".join(f"{b} {n}" for b, n in sorted(
-            self.manifest.get("placement", {}).get("ops_per_backend", {}).items()))
+        per = dict(self.manifest.get("placement", {}).get("ops_per_backend", {}))
+        if self.decided and self.decided["chose"] != self.decided["shipped"]:
+            per[self.decided["chose"]] = per.pop(self.decided["shipped"], 0)
+        ops = ", ".join(f"{b} {n}" for b, n in sorted(per.items()))
         return (f"LoadedModule({str(self.path)!r}, inputs={self.input_names}, "
                 f"outputs={self.output_names}, ops: {ops or 'tvm'})")
 

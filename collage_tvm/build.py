@@ -436,6 +436,8 @@ def from_log(state: SearchState) -> None:
             report.shipped = logged.get("shipped", "")
             report.whole_model = {"backend": logged["whole_model"], "floor": True,
                                   "why": "the placement log's verdict"}
+            if logged.get("alternates"):
+                report.whole_model["alternates"] = logged["alternates"]
             report.ops_per_backend = {logged["whole_model"]: len(state.graph)}
             state.done = state.result(module=whole)
             return
@@ -510,7 +512,8 @@ def _log_verdict(state: SearchState, placement, shipped_graph) -> None:
         lib = report.whole_model["backend"]
         whole = _floor_module(lib, state.user_file, state.input_shapes, graph)
         if whole is not None:
-            state.log.put(state.key, {**record, "whole_model": lib})
+            state.log.put(state.key, {**record, "whole_model": lib,
+                                      "alternates": report.whole_model.get("alternates", [])})
             report.ops_per_backend = {lib: len(graph)}
             logger.info("collage: %s", report.summary())
             state.done = state.result(placement=placement, module=whole)
@@ -710,6 +713,9 @@ def _final_check(p: Placing, placement, floors: dict, op_level=None, others=None
         report.whole_model = {"backend": verdict.floor, "floor": True,
                               "why": "the model file run whole by it was the fastest "
                                      "correct build"}
+        if verdict.alternates:  # decided again where the saved build is loaded
+            report.whole_model["alternates"] = [{"backend": b, "ms": ms}
+                                                for b, ms in verdict.alternates]
     report.times["compare"] = verdict.seconds
     report.other_load = verdict.other_load
     # A model file that won ships whole; the log keeps the placement it beat (checked

@@ -196,11 +196,13 @@ def _run(args) -> int:
     from .artifact import ArtifactError, load
 
     try:
-        module = load(args.artifact)
+        module = load(args.artifact, decide=args.decide)
     except ArtifactError as err:
         print(f"collage-tvm: error: {err}", file=sys.stderr)
         return 2
     print(f"loaded {args.artifact} in {module.load_seconds * 1e3:.0f} ms: {module!r}")
+    if module.decided:
+        print("  " + decided_text(module.decided))
     try:
         arrays = _run_inputs(args.inputs, module)
         outputs = module(*arrays)
@@ -232,6 +234,17 @@ def _run(args) -> int:
         print(f"latency over {args.bench} runs after {warmup} warm-up: p50 {p50:.3f} ms, "
               f"p90 {p90:.3f} ms, p99 {p99:.3f} ms (mean {np.mean(times):.3f} ms)")
     return 0
+
+
+def decided_text(d: dict) -> str:
+    """One line on the close call ``load`` timed (``LoadedModule.decided``)."""
+    figures = ", ".join(f"{n} {ms:.3f} ms" for n, ms in d["ms"].items()) or "nothing timed"
+    text = (f"close call timed at load ({figures}; {d['rounds']} rounds, {d['seconds']:.1f} s):"
+            f" runs on {d['chose']}" + (" (the search's choice)" if d["chose"] == d["shipped"]
+                                        else f", not {d['shipped']} as the search had it"))
+    if d.get("left_out"):
+        text += "; left out: " + "; ".join(f"{n}: {why}" for n, why in d["left_out"].items())
+    return text
 
 
 def _run_inputs(path, module) -> list:
@@ -729,6 +742,10 @@ def _run_parser(sub) -> None:
                    help="then time N runs after warm-up and print the p50/p90/p99 latency")
     r.add_argument("--warmup", type=int, default=None, metavar="N",
                    help="warm-up runs before --bench (default max(3, N/10))")
+    r.add_argument("--no-decide", dest="decide", action="store_false",
+                   help="where the build holds two graph libraries that ran the model file "
+                        "within a few percent of each other, keep the search's choice rather "
+                        "than timing both here at load (2-4 s)")
 
 
 def _db_parser(sub) -> None:

@@ -294,6 +294,25 @@ def round_log_ratios(mine: list, other: list, tails: bool = False) -> list | Non
     return logs if len(logs) >= PAIRED_MIN_ROUNDS else None
 
 
+def by_round(samples: dict) -> dict:
+    """name -> ms of the functions of ``samples`` (name -> their batches, one a round, as
+    ``interleaved`` appends them), taken round by round over the rounds all of them were
+    timed in (the tails): each batch over the geometric mean of its round's batches (timed
+    within a few seconds of each other), the median of those ratios times the median round.
+    A shared machine's load drifts over seconds: one function's median can land on slower
+    rounds than another's while the rounds themselves say which is ahead (docs/BENCHMARKS.md,
+    "Search time": convnext_base). Empty with fewer than two functions or
+    ``PAIRED_MIN_ROUNDS`` common rounds."""
+    k = min((len(s) for s in samples.values()), default=0)
+    if len(samples) < 2 or k < PAIRED_MIN_ROUNDS:
+        return {}
+    tails = {n: s[-k:] for n, s in samples.items()}
+    rounds = [statistics.geometric_mean([t[i] for t in tails.values()]) for i in range(k)]
+    typical = statistics.median(rounds)
+    return {name: typical * statistics.median(b / r for b, r in zip(batches, rounds))
+            for name, batches in tails.items()}
+
+
 # ---------------------------------------------------------------- the machine's other work
 
 #: Share of the machine's CPU other processes may take while builds are timed against each

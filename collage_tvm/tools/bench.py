@@ -226,6 +226,8 @@ def torch_frameworks(model, inputs, onnx_path: str, collage_executable, check, *
         # of one file, OpenVINO runs the one compiled first a few percent slower (docs/
         # COVERAGE.md), so an instance on either side brackets the build in time
         collage_executable = collage_executable.load()
+        if getattr(collage_executable, "decided", None):  # a close call timed at load
+            extra["collage"] = {"decided_at_load": collage_executable.decided}
     _library_runs({c: makers[fw] for c, fw in controls.items() if fw in runs}, runs, outs,
                   extra)
     builds = {"collage": collage_executable}

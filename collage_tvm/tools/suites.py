@@ -772,7 +772,7 @@ def saved_and_loaded(res, folder: str) -> tuple:
 
     try:
         saved = save(res, folder)
-        load(saved)  # it loads: the build to time is this folder's
+        load(saved, decide=False)  # it loads: the build to time is this folder's
         return LoadLater(lambda: load(saved)), "saved and loaded"
     except Exception as err:  # noqa: BLE001 - the build in memory is still the shipped one
         shutil.rmtree(folder, ignore_errors=True)

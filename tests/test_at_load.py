@@ -1,0 +1,157 @@
+"""A close call decided where the build runs (issue #33): when the user's model file ran whole
+on two graph libraries within a few percent of each other in the final check, the saved
+build holds both and ``collage_tvm.load`` times them side by side in the loading process,
+keeping the faster. Which library wins is the machine's call, so the tests that need a
+winner fix the clock; the builds, sessions and outputs are real."""
+import importlib
+import json
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+import collage_tvm
+from collage_tvm.check.at_load import decide, example_inputs
+from collage_tvm.registry import get_backend
+
+from test_artifact import X, _block_onnx
+
+ns = importlib.import_module("collage_tvm.check.never_slower")
+at_load = importlib.import_module("collage_tvm.check.at_load")
+
+pytestmark = pytest.mark.skipif(
+    not (get_backend("onnxruntime").available()[0] and get_backend("openvino").available()[0]),
+    reason="needs onnxruntime and openvino")
+
+
+def _clock(monkeypatch, figures: dict):
+    """The final check's builds time ``figures[name]`` ms (1 ms for the rest): the builds run,
+    the clock is fixed."""
+    real = ns.evaluate
+    monkeypatch.setattr(ns, "evaluate", lambda *a, **k: {**real(*a, **k), "ms": 1.0})
+    monkeypatch.setattr(ns, "interleaved", lambda runs, **kw: {
+        n: figures.get(n, 1.0) for n in runs})
+    timing = importlib.import_module("collage_tvm.measure.timing")
+    monkeypatch.setattr(timing.OtherLoad, "__exit__", lambda self, *exc: setattr(self, "share", 0.0))
+
+
+def _optimize(path, tmp_path):
+    return collage_tvm.optimize(path, "llvm", ["tvm", "onnxruntime", "openvino"],
+                                db=str(tmp_path / "c.db"), progress=False, isolate=False,
+                                graph_level=False, calibrate_rounds=0, refine_rounds=0)
+
+
+@pytest.fixture(scope="module")
+def close_call(tmp_path_factory):
+    """The model file on ONNX Runtime won by 2% over OpenVINO: (result, saved path)."""
+    tmp = tmp_path_factory.mktemp("close")
+    path = _block_onnx(tmp / "block.onnx")
+    mp = pytest.MonkeyPatch()
+    try:
+        _clock(mp, {"onnxruntime (model file)": 0.100, "openvino (model file)": 0.102})
+        res = _optimize(path, tmp)
+    finally:
+        mp.undo()
+    return res, collage_tvm.save(res, tmp / "art")
+
+
+def test_a_close_floor_is_kept_beside_the_winner_and_saved(close_call):
+    res, path = close_call
+    assert res.report.shipped == "onnxruntime (model file)"
+    assert res.report.whole_model["alternates"] == [{"backend": "openvino", "ms": 0.102}]
+    manifest = json.loads((path / "manifest.json").read_text())
+    entry = manifest["regions"][0]
+    assert entry["backend"] == "onnxruntime"
+    assert [a["backend"] for a in entry["alternates"]] == ["openvino"]
+    # the alternate's library is what the decision may need, not what loading needs
+    assert set(manifest["backends"]) == {"onnxruntime"}
+    assert manifest["alternate_backends"]["openvino"]["version"] == \
+        get_backend("openvino").version()
+
+
+def test_a_floor_past_the_margin_is_no_alternate(tmp_path, monkeypatch):
+    path = _block_onnx(tmp_path / "block.onnx")
+    _clock(monkeypatch, {"onnxruntime (model file)": 0.100, "openvino (model file)": 0.2})
+    res = _optimize(path, tmp_path)
+    assert res.report.shipped == "onnxruntime (model file)"
+    assert "alternates" not in res.report.whole_model
+
+
+def test_load_times_the_close_libraries_here_and_keeps_the_faster(close_call, monkeypatch):
+    res, path = close_call
+    ref = relax.VirtualMachine(res.executable, tvm.cpu())["main"](tvm.runtime.tensor(X)).numpy()
+    # here OpenVINO is the faster: the loaded build runs the file on it
+    monkeypatch.setattr(at_load, "interleaved", lambda fns, **kw: {
+        n: (0.5 if n == "openvino" else 1.0) for n in fns})
+    module = collage_tvm.load(path)
+    assert module.decided["shipped"] == "onnxruntime" and module.decided["chose"] == "openvino", \
+        module.decided
+    assert module.decided["ms"] == {"onnxruntime": 1.0, "openvino": 0.5}
+    assert "ops: openvino" in repr(module)
+    np.testing.assert_allclose(module(X), ref, rtol=1e-4, atol=1e-5)
+    call = next(iter(module._callables.values()))
+    assert hasattr(call, "compiled") and not hasattr(call, "session")  # OpenVINO's, not ORT's
+    # decide=False: the final check's verdict, nothing timed
+    monkeypatch.setattr(at_load, "interleaved", lambda *a, **k: pytest.fail("timed"))
+    plain = collage_tvm.load(path, decide=False)
+    assert plain.decided is None
+    assert hasattr(next(iter(plain._callables.values())), "session")  # ONNX Runtime's
+    np.testing.assert_allclose(plain(X), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_the_decision_at_load_really_times_both(close_call):
+    _, path = close_call
+    module = collage_tvm.load(path)
+    d = module.decided
+    assert set(d["ms"]) <= {"onnxruntime", "openvino"} and d["chose"] in d["ms"]
+    assert len(d["ms"]) == 2 and all(ms > 0 for ms in d["ms"].values())
+    assert d["rounds"] >= 4 and d["seconds"] > 0 and d["left_out"] == {}
+    assert module.load_seconds >= d["seconds"]
+
+
+def test_an_alternate_that_cannot_load_here_is_left_out_with_the_reason(close_call, tmp_path):
+    import shutil
+
+    _, path = close_call
+    copy = tmp_path / "art"
+    shutil.copytree(path, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["regions"][0]["alternates"].append({"backend": "no_such_library", "ms": 0.1})
+    manifest["alternate_backends"]["openvino"]["version"] = "openvino-0.0"
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    module = collage_tvm.load(copy)  # loads all the same, on the shipped library
+    d = module.decided
+    assert d["chose"] == "onnxruntime" and d["ms"] == {}
+    assert "no_such_library" in d["left_out"] and "openvino-0.0" in d["left_out"]["openvino"]
+    assert module(X).shape == (1, 8, 16, 16)
+
+
+def test_an_alternate_whose_outputs_differ_is_left_out():
+    args = example_inputs([{"name": "x", "shape": [2, 3], "dtype": "float32"}], tvm.cpu())
+    right = lambda x: tvm.runtime.tensor(x.numpy() * 2)  # noqa: E731
+    wrong = lambda x: tvm.runtime.tensor(x.numpy() * 2 + 0.5)  # noqa: E731
+    broken = lambda x: 1 / 0  # noqa: E731
+    chose, record = decide({"a": right, "b": wrong, "c": broken}, args)
+    assert chose == "a" and record["ms"] == {}
+    assert "differ" in record["left_out"]["b"] and "ZeroDivisionError" in record["left_out"]["c"]
+
+
+def test_example_inputs_follow_the_specs_and_refuse_a_dynamic_dimension():
+    a, b = example_inputs([{"name": "x", "shape": [2, 3], "dtype": "float32"},
+                           {"name": "ids", "shape": [1, 4], "dtype": "int64"}], tvm.cpu())
+    assert a.shape == (2, 3) and str(a.dtype) == "float32" and np.abs(a.numpy()).sum() > 0
+    assert str(b.dtype) == "int64" and not b.numpy().any()
+    with pytest.raises(ValueError, match="ids has no static shape"):
+        example_inputs([{"name": "ids", "shape": [1, "n"], "dtype": "int64"}], tvm.cpu())
+
+
+def test_run_prints_the_close_call_and_no_decide_keeps_the_search_choice(close_call, capsys):
+    from collage_tvm import cli
+
+    _, path = close_call
+    assert cli.main(["run", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "close call timed at load (onnxruntime" in out and "runs on " in out
+    assert cli.main(["run", str(path), "--no-decide"]) == 0
+    assert "close call" not in capsys.readouterr().out
