@@ -185,9 +185,10 @@ def _write_onnx(model, path: Path) -> None:
 def _save_regions(module, folder: Path, alternates=()) -> tuple:
     """Each external callable the executable calls, written to ``folder`` as its library
     loads it. ``alternates``: the other graph libraries (``{"backend", "ms"}`` each) that ran
-    the model file whole within a few percent of the shipped one in the final check; the
-    file's entry lists them, and ``load`` decides between them (``check.at_load``). Returns
-    (region entries, backend -> region count)."""
+    the shipped build's one file whole (the user's model file, or the model exported as
+    one region) within a few percent of it in the final check; that file's entry lists
+    them, and ``load`` decides between them (``check.at_load``). Returns (region entries,
+    backend -> region count)."""
     import tvm
 
     from .backends._graphlib import output_specs
@@ -222,6 +223,8 @@ def _save_regions(module, folder: Path, alternates=()) -> tuple:
             entry.update(format="onnx", file=f"{REGIONS}/r{k}.onnx", sole=sole,
                          outputs=[[list(s), d] for s, d in specs],
                          inputs=[i.name for i in model.graph.input])
+            if sole and alternates:  # the model as one region: other libraries may run it
+                entry["alternates"] = [dict(a) for a in alternates]
             _write_onnx(model, folder / f"r{k}.onnx")
         else:
             func = made[2]
@@ -330,8 +333,7 @@ def _write_contents(result, tmp: Path, target) -> dict:
     from ._errors import first_line
 
     (tmp / REGIONS).mkdir()
-    regions, count = _save_regions(result.module, tmp / REGIONS,
-                                   result.report.whole_model.get("alternates", ()))
+    regions, count = _save_regions(result.module, tmp / REGIONS, result.report.alternates)
     try:
         result.executable.export_library(str(tmp / KERNELS))
     except Exception as err:
@@ -592,7 +594,7 @@ def _lower_region(entry: dict, path: Path, backend):
 
 
 def _decide_close_call(manifest: dict, path: Path, fns: dict, device) -> dict | None:
-    """The region that lists alternates (the model file whole, and the other libraries that
+    """The region that lists alternates (the model's one file, and the other libraries that
     ran it within a few percent in the final check): each one that loads here, timed beside
     the shipped one in this process (``check.at_load.decide``); the faster's callable takes
     the symbol in ``fns``. Returns the decision's record (None: nothing to decide). An
@@ -631,7 +633,7 @@ def _decide_close_call(manifest: dict, path: Path, fns: dict, device) -> dict | 
     record["shipped"] = entry["backend"]
     record["left_out"] = {**left_out, **record.get("left_out", {})}
     if record["chose"] != entry["backend"]:
-        logger.info("%s: the model file runs whole on %s (%s), not %s as the final check had "
+        logger.info("%s: the model runs whole on %s (%s), not %s as the final check had "
                     "it: a close call, decided here", path, record["chose"],
                     ", ".join(f"{n} {ms:.3f} ms" for n, ms in record["ms"].items()),
                     entry["backend"])

@@ -82,6 +82,10 @@ class BuildReport:
     # file run whole by it ("floor": True) was the fastest correct build of the final check.
     whole_model: dict = field(default_factory=dict)
     floor: str = ""  # why the user's model file was not among the contenders ("" if it was)
+    # The shipped build runs one file whole on a graph library, and others ran it within a
+    # few percent in the final check: {"backend", "ms"} each, timed again at load
+    # (``check.at_load``; ``never_slower.Verdict.alternates``).
+    alternates: list = field(default_factory=list)
     # The share of the machine's CPU other processes took during the final check: above
     # ``measure.timing.BUSY_SHARE`` its verdict is logged as unsure and checked again.
     other_load: float = math.nan
@@ -424,6 +428,7 @@ def from_log(state: SearchState) -> None:
     """The placement log's answer, when it has one: a placement (nothing is measured), or
     the user's file whole on a library (``done``)."""
     logged, report = state.log.get(state.key), state.report
+    report.alternates = list((logged or {}).get("alternates", []))
     if logged and logged.get("unrewritten") and state.unrewritten is not None:
         state.graph, state.mod = state.unrewritten, state.original  # it beat the rewritten graph
     state.recheck = bool(logged and logged.get("unsure") and state.options.compare)
@@ -436,8 +441,6 @@ def from_log(state: SearchState) -> None:
             report.shipped = logged.get("shipped", "")
             report.whole_model = {"backend": logged["whole_model"], "floor": True,
                                   "why": "the placement log's verdict"}
-            if logged.get("alternates"):
-                report.whole_model["alternates"] = logged["alternates"]
             report.ops_per_backend = {logged["whole_model"]: len(state.graph)}
             state.done = state.result(module=whole)
             return
@@ -506,14 +509,14 @@ def _log_verdict(state: SearchState, placement, shipped_graph) -> None:
     record = placement_record(placement, shipped_graph, state.target, report.comparison,
                               report.shipped, report.graph_level)
     record["other_load"] = report.other_load
+    record["alternates"] = report.alternates
     if report.other_load > BUSY_SHARE:
         record["unsure"] = True
     if report.whole_model:  # the user's model file, whole on a library, won
         lib = report.whole_model["backend"]
         whole = _floor_module(lib, state.user_file, state.input_shapes, graph)
         if whole is not None:
-            state.log.put(state.key, {**record, "whole_model": lib,
-                                      "alternates": report.whole_model.get("alternates", [])})
+            state.log.put(state.key, {**record, "whole_model": lib})
             report.ops_per_backend = {lib: len(graph)}
             logger.info("collage: %s", report.summary())
             state.done = state.result(placement=placement, module=whole)
@@ -708,14 +711,12 @@ def _final_check(p: Placing, placement, floors: dict, op_level=None, others=None
                            accuracy=p.options.accuracy, others=others, floors=floors,
                            alone_ms=(report.lean or {}).get("alone_ms"), judge=judge)
     report.shipped, report.comparison = verdict.shipped, verdict.comparison
+    report.alternates = [{"backend": b, "ms": ms} for b, ms in verdict.alternates]
     report.whole_model = {}
     if verdict.floor:
         report.whole_model = {"backend": verdict.floor, "floor": True,
                               "why": "the model file run whole by it was the fastest "
                                      "correct build"}
-        if verdict.alternates:  # decided again where the saved build is loaded
-            report.whole_model["alternates"] = [{"backend": b, "ms": ms}
-                                                for b, ms in verdict.alternates]
     report.times["compare"] = verdict.seconds
     report.other_load = verdict.other_load
     # A model file that won ships whole; the log keeps the placement it beat (checked

@@ -59,7 +59,7 @@ def close_call(tmp_path_factory):
 def test_a_close_floor_is_kept_beside_the_winner_and_saved(close_call):
     res, path = close_call
     assert res.report.shipped == "onnxruntime (model file)"
-    assert res.report.whole_model["alternates"] == [{"backend": "openvino", "ms": 0.102}]
+    assert res.report.alternates == [{"backend": "openvino", "ms": 0.102}]
     manifest = json.loads((path / "manifest.json").read_text())
     entry = manifest["regions"][0]
     assert entry["backend"] == "onnxruntime"
@@ -75,7 +75,33 @@ def test_a_floor_past_the_margin_is_no_alternate(tmp_path, monkeypatch):
     _clock(monkeypatch, {"onnxruntime (model file)": 0.100, "openvino (model file)": 0.2})
     res = _optimize(path, tmp_path)
     assert res.report.shipped == "onnxruntime (model file)"
-    assert "alternates" not in res.report.whole_model
+    assert res.report.alternates == []
+
+
+def test_the_model_as_one_exported_region_carries_its_close_libraries_too(tmp_path,
+                                                                         monkeypatch):
+    # TVM's import whole on ONNX Runtime won by 2% over the same on OpenVINO (the user's file
+    # was slower on both): the region the build exports is what either library runs
+    path = _block_onnx(tmp_path / "block.onnx")
+    _clock(monkeypatch, {"onnxruntime": 0.100, "openvino": 0.102})
+    res = _optimize(path, tmp_path)
+    assert res.report.shipped == "onnxruntime" and not res.report.whole_model
+    assert res.report.alternates == [{"backend": "openvino", "ms": 0.102}]
+    monkeypatch.undo()
+    ref = relax.VirtualMachine(res.executable, tvm.cpu())["main"](tvm.runtime.tensor(X)).numpy()
+    saved = collage_tvm.save(res, tmp_path / "art")
+    entry = json.loads((saved / "manifest.json").read_text())["regions"][0]
+    assert entry["sole"] and entry["label"] != "the model file, whole"
+    assert [a["backend"] for a in entry["alternates"]] == ["openvino"]
+    monkeypatch.setattr(at_load, "interleaved", lambda fns, **kw: {
+        n: (0.5 if n == "openvino" else 1.0) for n in fns})
+    module = collage_tvm.load(saved)
+    assert module.decided["chose"] == "openvino", module.decided
+    np.testing.assert_allclose(module(X), ref, rtol=1e-4, atol=1e-5)
+    # the placement log keeps the close call: the next build ships it again
+    again = _optimize(path, tmp_path)
+    assert again.report.placement_from_log
+    assert again.report.alternates == [{"backend": "openvino", "ms": 0.102}]
 
 
 def test_load_times_the_close_libraries_here_and_keeps_the_faster(close_call, monkeypatch):

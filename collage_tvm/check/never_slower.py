@@ -73,9 +73,10 @@ class Verdict:
     # The share of the machine's CPU other processes took while the builds were timed
     # (``measure.timing.OtherLoad``); above ``BUSY_SHARE`` the verdict is unsure.
     other_load: float = math.nan
-    # A floor won: the other graph libraries whose run of the same file came within
-    # ``AT_LOAD_SHARE`` of it, (backend, ms) each: the saved build decides between them
-    # where it is loaded (``check.at_load``).
+    # The shipped build runs one file whole on a graph library (the user's model file, or
+    # the model as one exported region): the other graph libraries whose run of the same
+    # file came within ``AT_LOAD_SHARE`` of it, (backend, ms) each, fastest first. The saved
+    # build decides between them where it is loaded (``check.at_load``).
     alternates: list = field(default_factory=list)
 
     @property
@@ -136,32 +137,57 @@ def never_slower(graph, placement: Placement, backends: dict, target,
     best = min(ok, key=lambda n: ok[n]["ms"])
     _advise(results, outside, ok[best]["ms"])
     if best == "collage" or ok[best]["ms"] >= ok.get("collage", {"ms": math.inf})["ms"]:
+        if "collage" in ok:
+            verdict.alternates = close_calls("collage", ok, _same_file_runs(
+                builds, graph_of, floors, backends))
         return verdict
     logger.warning("%s (%.3f ms) beat the collage placement (%.3f ms): shipping %s", best,
                    ok[best]["ms"], results["collage"]["ms"], best)
     _ship(verdict, best, builds, op_level, others or {}, floors)
-    if best in floors:
-        verdict.alternates = _close_floors(best, ok, floors)
+    verdict.alternates = close_calls(best, ok, _same_file_runs(builds, graph_of, floors,
+                                                                backends))
     return verdict
 
 
-# The floors within this share of the winning one (the user's file whole on another graph
-# library, as correct) are decided between again where the saved build is loaded
-# (``check.at_load``). The final check runs in the process that searched; a build is loaded
-# and served elsewhere: two libraries 2-4% apart here were ranked the other way round in the
-# timing process (the transformers suite's vit on the AMX Xeon: 0.840 ms on OpenVINO against
-# 0.843 on ONNX Runtime in the final check, then 0.872 against 0.834 in the row; docs/
-# COVERAGE.md).
+# The builds that run the shipped build's file whole on another graph library within this
+# share of it are decided between again where the saved build is loaded (``check.at_load``).
+# The final check runs in the process that searched; a build is loaded and served elsewhere:
+# two libraries 2-4% apart here were ranked the other way round in the timing process (the
+# transformers suite's vit on the AMX Xeon: 0.840 ms on OpenVINO against 0.843 on ONNX
+# Runtime in the final check, then 0.872 against 0.834 in the row; docs/COVERAGE.md).
 AT_LOAD_SHARE = 0.05
 
 
-def _close_floors(best: str, ok: dict, floors: dict) -> list:
-    """[(backend, ms)] of the floors on other libraries within ``AT_LOAD_SHARE`` of the
-    winning floor ``best`` (``ok``: the correct results within the budget)."""
+def _same_file_runs(builds: dict, graph_of: dict, floors: dict, backends: dict) -> dict:
+    """build name -> (the file it runs whole, its graph library) of the builds that run one
+    file whole on a graph library: a floor the user's model file ("model file"), a build
+    whose one group covers the whole graph the model exported as one region (the graph)."""
+    out = {}
+    for name, groups in builds.items():
+        if name in floors:
+            out[name] = ("model file", floors[name].backend)
+        elif groups is not None and len(groups) == 1 \
+                and len(groups[0].nodes) == len(graph_of[name]) \
+                and getattr(backends.get(groups[0].backend), "kind", "") == "graph":
+            out[name] = (id(graph_of[name]), groups[0].backend)
+    return out
+
+
+def close_calls(best: str, ok: dict, runs: dict) -> list:
+    """[(backend, ms)] of the builds that run ``best``'s file whole (``runs``:
+    ``_same_file_runs``) on another graph library, correct and within ``AT_LOAD_SHARE`` of it
+    (``ok``: the correct results within the budget), fastest first, one per library; empty
+    where ``best`` runs no one file whole."""
+    if best not in runs:
+        return []
+    file, lib = runs[best]
     bar = (1 + AT_LOAD_SHARE) * ok[best]["ms"]
-    return [(floors[n].backend, ok[n]["ms"]) for n in sorted(ok, key=lambda n: ok[n]["ms"])
-            if n in floors and n != best and floors[n].backend != floors[best].backend
-            and ok[n]["ms"] <= bar]
+    out: dict = {}
+    for name in sorted((n for n in ok if n in runs), key=lambda n: ok[n]["ms"]):
+        other_file, other = runs[name]
+        if other_file == file and other != lib and other not in out and ok[name]["ms"] <= bar:
+            out[other] = ok[name]["ms"]
+    return list(out.items())
 
 
 def judge_builds(builds: dict, graph_of: dict, floors: dict, backends: dict, target,
