@@ -124,6 +124,22 @@ def test_the_suite_table_sums_up_collage_against_the_best_f32_framework():
     assert "busy" not in text  # no load recorded: nothing said
 
 
+def test_the_table_says_where_a_close_call_at_load_ran_another_library():
+    switched, kept = _row("switched", 1.0), _row("kept", 1.0)
+    for row, chose in ((switched, "openvino"), (kept, "onnxruntime")):
+        row["build"]["shipped"] = "onnxruntime (model file)"
+        row["build"]["frameworks"]["collage"]["decided_at_load"] = {
+            "shipped": "onnxruntime", "chose": chose, "rounds": 15, "left_out": {},
+            "ms": {"onnxruntime": 1.0, "openvino": 0.9 if chose == "openvino" else 1.1}}
+    text = suites.markdown("torchvision", [switched, kept, _row("plain", 1.0)],
+                           {"cpu": "Some CPU", "cores": 2})
+    line = {r.split(" | ")[0][2:]: r for r in text.splitlines() if r.startswith("| ")}
+    assert "| onnxruntime (model file); at load: openvino (timed beside onnxruntime) |" \
+        in line["switched"]
+    assert "| onnxruntime (model file); at load: kept (timed beside openvino) |" in line["kept"]
+    assert line["plain"].endswith("| collage |")
+
+
 def test_a_row_below_the_goal_by_no_more_than_its_a_a_spread_is_within_noise():
     close, far, none = _row("close", 0.95), _row("far", 0.90), _row("none", 0.95)
     for r, spread in ((close, 0.06), (far, 0.04)):

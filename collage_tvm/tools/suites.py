@@ -1195,12 +1195,24 @@ def _torch_markdown(rows: list) -> list:
                  *(_framework_cell(fw.get(n)) for n in ("onnxruntime", "openvino",
                                                         "openvino (default)", "pytorch")),
                  _versus_cell(b), *([_default_cell(b)] if reduced else []), best,
-                 b.get("shipped", "")]
+                 _shipped_cell(b)]
         lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     lines += ["", versus_summary(rows)]
     if reduced:
         lines += ["", default_summary(rows)]
     return lines
+
+
+def _shipped_cell(b: dict) -> str:
+    """What the search shipped, and where a close call timed at load (``check.at_load``)
+    ran the file on another library in the timing process, that one."""
+    d = (b.get("frameworks", {}).get("collage") or {}).get("decided_at_load") or {}
+    text = b.get("shipped", "")
+    if d.get("chose") and d["chose"] != d.get("shipped"):
+        text += f"; at load: {d['chose']} (timed beside {d['shipped']})"
+    elif d.get("ms"):
+        text += f"; at load: kept (timed beside {', '.join(n for n in d['ms'] if n != d['chose'])})"
+    return text
 
 
 def cpu_name(machine: dict) -> str:
