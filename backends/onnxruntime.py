@@ -37,21 +37,34 @@ def _whole_call(sess, in_names: list, out_names: list, specs: list, run_options)
     the inputs, each output handed to TVM by DLPack (copied once into an aligned buffer
     where ONNX Runtime's is not 64-byte aligned, as TVM requires). The I/O binding path of
     the pieces was measurably slower than ``run`` for a whole small model (the commit that
-    made this change has the figures)."""
+    made this change has the figures).
+
+    As little Python as possible runs per call: right after a run, while ONNX Runtime's
+    threads spin, every step here took many times its usual time (on the 2-core AMX Xeon:
+    ``ndarray.ctypes`` 15 us instead of 0.8), and the ~40 us this callable spent around the
+    run was 1-3% of a small model's latency (docs/COVERAGE.md)."""
     import tvm
 
     run = sess._sess.run  # the public wrapper only adds checks
-
-    def call(*args):
-        outs = run(out_names, {n: as_numpy(a) for n, a in zip(in_names, args)}, run_options)
-        return single_or_tuple([_to_tvm(o, spec) for o, spec in zip(outs, specs)])
+    from_dlpack, view = tvm.runtime.from_dlpack, np.from_dlpack
 
     def _to_tvm(array, spec):
-        if array.ctypes.data % 64 == 0 and array.flags.c_contiguous:
-            return tvm.runtime.from_dlpack(array)
-        out, view = new_output(*spec)
-        view[...] = array
-        return out
+        try:
+            return from_dlpack(array)  # 64-byte aligned and contiguous: no copy
+        except Exception:  # noqa: BLE001 - TVM refuses it: one aligned copy
+            out, buffer = new_output(*spec)
+            buffer[...] = array
+            return out
+
+    if len(out_names) == 1 and len(in_names) == 1:
+        (name,), spec = in_names, specs[0]
+
+        def call(arg):
+            return _to_tvm(run(out_names, {name: view(arg)}, run_options)[0], spec)
+    else:
+        def call(*args):
+            outs = run(out_names, {n: view(a) for n, a in zip(in_names, args)}, run_options)
+            return single_or_tuple([_to_tvm(o, spec) for o, spec in zip(outs, specs)])
 
     call.session = sess
     return call
