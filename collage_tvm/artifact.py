@@ -19,8 +19,8 @@ and library versions, CPU features, every file whole) and refuses with one
 handed to its library (an ONNX Runtime session, an OpenVINO compiled model, a oneDNN
 kernel), registered under the symbol the executable calls, and the Relax VM is made over
 ``kernels.so``. Nothing is searched or compiled by TVM. The one thing timed: a close call
-the final check left between two graph libraries running the model file whole (the
-region's "alternates"), decided in the loading process (``check.at_load``; ``load(...,
+the final check left between two graph libraries running one file whole (the region's
+"alternates"), decided in the loading process (``check.at_load``; ``load(...,
 decide=False)`` skips it).
 
 The VM binds the packed functions it calls when it is created, so the regions' callables
@@ -212,8 +212,6 @@ def _save_regions(module, folder: Path, alternates=()) -> tuple:
             entry.update(format="onnx", file=f"{REGIONS}/r{k}.onnx", sole=True,
                          outputs=[[list(s), d] for s, d in specs],
                          inputs=[i.name for i in proto.graph.input])
-            if alternates:
-                entry["alternates"] = [dict(a) for a in alternates]
             _write_onnx(proto, folder / f"r{k}.onnx")
         elif _graph_library_exports(lowering):
             func = made[2]
@@ -223,13 +221,13 @@ def _save_regions(module, folder: Path, alternates=()) -> tuple:
             entry.update(format="onnx", file=f"{REGIONS}/r{k}.onnx", sole=sole,
                          outputs=[[list(s), d] for s, d in specs],
                          inputs=[i.name for i in model.graph.input])
-            if sole and alternates:  # the model as one region: other libraries may run it
-                entry["alternates"] = [dict(a) for a in alternates]
             _write_onnx(model, folder / f"r{k}.onnx")
         else:
             func = made[2]
             (folder / f"r{k}.json").write_text(tvm.ir.save_json(func))
             entry.update(format="relax", file=f"{REGIONS}/r{k}.json")
+        if entry.get("sole") and alternates:  # one file, the whole model: others may run it
+            entry["alternates"] = [dict(a) for a in alternates]
         entries.append(entry)
         count[name] = count.get(name, 0) + 1
     return entries, count
@@ -691,8 +689,9 @@ def _make_vm(lib, dev, fns: dict):
 def load(path, decide: bool = True) -> "LoadedModule":
     """The build saved in directory ``path`` (``save``), ready to run: a ``LoadedModule``.
 
-    ``decide``: where the final check found the model file whole on two graph libraries
-    within a few percent of each other, the build holds both; they are timed side by side
+    ``decide``: where the final check found one file run whole by two graph libraries
+    within a few percent of each other (the model file, or the model as one region), the
+    build holds both; they are timed side by side
     here, in the process that will run the model, and the faster is kept (about 2-4 s;
     ``LoadedModule.decided`` says how it went). ``decide=False`` keeps the final check's.
 

@@ -136,16 +136,15 @@ def never_slower(graph, placement: Placement, backends: dict, target,
         return verdict
     best = min(ok, key=lambda n: ok[n]["ms"])
     _advise(results, outside, ok[best]["ms"])
+    same_file = _same_file_runs(builds, graph_of, floors, backends)
     if best == "collage" or ok[best]["ms"] >= ok.get("collage", {"ms": math.inf})["ms"]:
         if "collage" in ok:
-            verdict.alternates = close_calls("collage", ok, _same_file_runs(
-                builds, graph_of, floors, backends))
+            verdict.alternates = close_calls("collage", ok, same_file)
         return verdict
     logger.warning("%s (%.3f ms) beat the collage placement (%.3f ms): shipping %s", best,
                    ok[best]["ms"], results["collage"]["ms"], best)
     _ship(verdict, best, builds, op_level, others or {}, floors)
-    verdict.alternates = close_calls(best, ok, _same_file_runs(builds, graph_of, floors,
-                                                                backends))
+    verdict.alternates = close_calls(best, ok, same_file)
     return verdict
 
 
