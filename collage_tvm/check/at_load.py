@@ -1,7 +1,8 @@
 """A close call of the final check decided again where the saved build is loaded (DESIGN.md,
 "never slower"): when one file (the user's model file, or the model exported as one region)
-ran whole on two graph libraries within ``never_slower.AT_LOAD_SHARE`` of each other, the saved build holds both, and ``artifact.load``
-times them side by side in the process that will serve the model, then keeps the faster.
+ran whole on two graph libraries within ``never_slower.AT_LOAD_SHARE`` of each other, the
+saved build holds both, and ``artifact.load`` times them side by side in the process that
+will serve the model, then keeps the faster.
 
 The final check runs in the process that searched: hundreds of builds made and dropped, the
 libraries' pools and caches in the state the search left them. A build is served elsewhere,
