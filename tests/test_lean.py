@@ -297,3 +297,49 @@ def test_tvm_far_slower_than_the_libraries_is_measured_a_few_times_not_everywher
     with_ratio = tvm_measured()
     monkeypatch.setattr(lean.Floors, "relative_floor", lambda self, c: 0.0)
     assert with_ratio < tvm_measured()
+
+
+def test_a_rerun_over_the_same_cost_db_takes_the_kept_verdict_and_measures_nothing(tmp_path):
+    # The real Measurer's verdict in a real cost DB; its costs from the table. The second
+    # search's DB knows more than the first measured (as a carved region adds): asked again
+    # on the floors those costs lower, the DP could want more measured; the kept verdict
+    # stands instead. With a measured candidate forgotten (a failure of the moment), the
+    # verdict does not stand and the search measures again.
+    from collage_tvm.byoc import candidate_vm
+    from collage_tvm.measure.db import CostDB
+    from collage_tvm.measure.measurer import LEAN_KEY, Measurer
+    from collage_tvm.target import make_target
+
+    graph, backends, candidates, table = _problem(blocks=6)
+
+    class TableMeasurer(Measurer):
+        def __init__(self, db, known):
+            super().__init__(make_target("llvm"), db, candidate_vm, isolate=False,
+                             progress=False)
+            self.asked, self.table_known = [], known
+
+        def known(self, graph, candidates, backends):
+            return {c: table[c] for c in candidates if c in self.table_known}
+
+        def costs(self, graph, candidates, backends, cutoffs=None):
+            self.asked += candidates
+            return {c: table[c] for c in candidates}
+
+    db = CostDB(str(tmp_path / "c.db"))
+    first = TableMeasurer(db, set())
+    raw, rep = lean_costs(first, graph, candidates, backends, EPS, switch={}, gap=0.3)
+    first.close()
+    measured = {c for c in candidates if math.isfinite(raw[c])}
+    assert rep.skipped > 0 and any(r["key"].startswith(LEAN_KEY) for r in db.rows())
+    extra = {c for c in candidates if c not in measured and len(c.nodes) > 1}
+    assert extra
+    again = TableMeasurer(db, measured | set(list(extra)[:3]))
+    raw2, rep2 = lean_costs(again, graph, candidates, backends, EPS, switch={}, gap=0.3)
+    again.close()
+    assert again.asked == [] and rep2.stopped == "db" and rep2.measured == 0
+    assert all(raw2[c] == table[c] for c in measured)  # the DB's costs
+    forgot = next(iter(measured))
+    third = TableMeasurer(db, measured - {forgot})
+    _, rep3 = lean_costs(third, graph, candidates, backends, EPS, switch={}, gap=0.3)
+    third.close()
+    assert forgot in third.asked and rep3.stopped in ("measured", "gap")

@@ -35,6 +35,8 @@ WHOLE_KEY = "|whole"  # the suffix of a candidate's key when it is the whole mod
 COST_MODEL = "cold"
 SWITCH_KEY = "__switch__"
 SIDE_KEY = "__side_by_side__"
+# A lean search's verdict: which candidates it left unmeasured (``Measurer.keep_skipped``).
+LEAN_KEY = "__lean__"
 
 
 def probe_function(backend) -> relax.Function:
@@ -418,6 +420,34 @@ class Measurer:
         measured once (``placer.lean`` hands one's cost to the others)."""
         return {c: bk for bk, (_, cands) in self._by_key(graph, candidates, backends).items()
                 for c in cands}
+
+    def skipped_before(self, graph, candidates, backends: dict, tag: str = "") -> set | None:
+        """The identities (``identities``) a lean search over these same candidates, with
+        the parameters ``tag``, left unmeasured, as the cost DB keeps them (``keep_skipped``);
+        None when it keeps no such verdict."""
+        rec = self.db.get(*self._lean_key(graph, candidates, backends, tag), self.device)
+        if rec is None or not isinstance(rec.extra.get("skipped"), list):
+            return None
+        return {tuple(x) for x in rec.extra["skipped"]}
+
+    def keep_skipped(self, graph, candidates, backends: dict, skipped: set, lower_ms: float,
+                     tag: str = "") -> None:
+        """Keep a lean search's verdict in the cost DB: the identities it left unmeasured
+        (``skipped``) and its floors' bound (``lower_ms``). The next search over the same
+        candidates and DB takes it rather than asking the DP again on floors that the
+        costs measured since (carved regions, a later stage's) may have lowered."""
+        name, version, key = self._lean_key(graph, candidates, backends, tag)
+        self.db.put(name, version, key, self.device,
+                    lower_ms if math.isfinite(lower_ms) else 0.0, None,
+                    {"label": "lean search", "skipped": sorted(list(x) for x in skipped)})
+
+    def _lean_key(self, graph, candidates, backends: dict, tag: str) -> tuple:
+        """(backend, version, key) of the lean verdict over ``candidates``."""
+        idents = sorted(set(self.identities(graph, candidates, backends).values()))
+        names = sorted({name for name, _ in idents})
+        digest = hashlib.sha1("|".join([tag, *(f"{n}:{k}" for n, k in idents)]).encode())
+        return ("+".join(names), "+".join(backends[n].version() for n in names),
+                f"{LEAN_KEY}:{digest.hexdigest()}")
 
     def _on(self, graph) -> "_GraphCache":
         """What is kept about ``graph`` across calls (renewed when another graph comes)."""

@@ -25,6 +25,12 @@ answer, wherever every floor held) or when the best cover of measured candidates
 ``GAP`` of the DP's answer on floors: no cover of candidates not yet measured can then be
 more than ``GAP`` faster, as far as the floors hold. ``LeanReport`` says which, and how
 many candidates were never measured.
+
+The verdict (which candidates were left unmeasured) is kept in the cost DB
+(``Measurer.keep_skipped``). A later search over the same candidates whose DB answers every
+other one takes it and measures nothing: asked again, the DP would see floors lowered by
+what was measured since (carved regions; the shares and rates all the costs give at once
+rather than round by round), and on a noisy machine that has sent it back to measuring.
 """
 from __future__ import annotations
 
@@ -61,7 +67,9 @@ class LeanReport:
     floors_broken: int = 0  # measured below their floor (the floors were not floors there)
     lower_ms: float = 0.0   # the DP's answer on floors when the loop stopped
     upper_ms: float = math.inf  # the best cover of measured candidates then
-    stopped: str = ""       # "measured": the DP chose measured candidates only; "gap"
+    # "measured": the DP chose measured candidates only; "gap"; "db": an earlier search's
+    # verdict, kept in the cost DB, stands (every candidate it measured is known)
+    stopped: str = ""
     # The DP's answer over TVM's candidates alone, on measured costs and floors: the least
     # TVM alone can take, as far as the floors hold; ``alone_ms``: the same for each
     # single-backend build of TVM or an op library the final check makes (build name -> ms:
@@ -219,10 +227,12 @@ def lean_costs(measurer, graph, candidates: list, backends: dict, eps: dict, swi
     rep.known = len(raw)
     for c, cost in raw.items():
         floors.observe(c, cost)
+    tag = f"gap={gap}|slack={slack}|parts={parts_slack}"
+    settled = _settled(measurer, graph, candidates, backends, raw, tag)
     singles = [c for c in floors.singles_of_heavy(candidates) if backends[c.backend].is_external]
     for first in (singles, floors.largest(candidates, backends)):  # the largest after: shares
         todo = [c for c in first if c not in raw]
-        if todo:
+        if todo and not settled:
             rep.seeded += _measure(measurer, graph, todo, backends, raw, floors, same)
     rep.measured = rep.seeded
     floors_at_measure: dict = {}
@@ -238,6 +248,10 @@ def lean_costs(measurer, graph, candidates: list, backends: dict, eps: dict, swi
         todo = [g for g in placement.groups if g not in raw]
         if not todo:
             rep.stopped, rep.upper_ms = "measured", placement.cost
+            break
+        if settled:
+            rep.stopped = "db"
+            rep.upper_ms = _measured_cover(graph, candidates, raw, eps, switch)
             break
         if gap is not None:
             t0 = time.perf_counter()
@@ -255,12 +269,28 @@ def lean_costs(measurer, graph, candidates: list, backends: dict, eps: dict, swi
         floors_at_measure.update({c: est[c] for c in todo})
         rep.measured += _measure(measurer, graph, todo, backends, raw, floors, same)
     _finish(rep, candidates, raw, eps, floors_at_measure)
+    if not settled and hasattr(measurer, "keep_skipped"):
+        ident = measurer.identities(graph, candidates, backends)
+        measurer.keep_skipped(graph, candidates, backends,
+                              {ident[c] for c in candidates if c not in raw}, rep.lower_ms, tag)
     builds = {"tvm-only": ("tvm",), **{f"{n}+tvm": (n, "tvm") for n, b in backends.items()
                                        if b.is_external and b.kind == "op"}}
     rep.alone_ms = {build: _alone(graph, [c for c in candidates if c.backend in names], raw,
                                   floors, eps) for build, names in builds.items()}
     rep.tvm_alone_ms = rep.alone_ms["tvm-only"]
     return {c: raw.get(c, math.inf) for c in candidates}, rep
+
+
+def _settled(measurer, graph, candidates: list, backends: dict, raw: dict, tag: str) -> bool:
+    """Whether an earlier search's verdict over these candidates, kept in the cost DB,
+    stands: every candidate it did not leave unmeasured is known (a failure of the moment
+    it met is not: that one is measured again, and the search runs as new)."""
+    before = getattr(measurer, "skipped_before", None)
+    skipped = before(graph, candidates, backends, tag) if before is not None else None
+    if skipped is None:
+        return False
+    ident = measurer.identities(graph, candidates, backends)
+    return all(c in raw for c in candidates if ident[c] not in skipped)
 
 
 def _alone(graph, mine: list, raw: dict, floors: Floors, eps: dict) -> float:
