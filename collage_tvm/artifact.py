@@ -19,8 +19,9 @@ and library versions, CPU features, every file whole) and refuses with one
 handed to its library (an ONNX Runtime session, an OpenVINO compiled model, a oneDNN
 kernel), registered under the symbol the executable calls, and the Relax VM is made over
 ``kernels.so``. Nothing is searched or compiled by TVM. The one thing timed: a close call
-the final check left between two graph libraries running one file whole (the region's
-"alternates"), decided in the loading process (``check.at_load``; ``load(...,
+the final check left between two graph libraries running one file whole, or the model
+exported as one region and the user's own file (the region's "alternates"), decided in the
+loading process (``check.at_load``; ``load(...,
 decide=False)`` skips it).
 
 The VM binds the packed functions it calls when it is created, so the regions' callables
@@ -49,6 +50,8 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 KERNELS = "kernels.so"
 REGIONS = "regions"
+# The user's model file, where a close call at load may run it (``_save_regions``)
+ALTERNATE_FILE = "model_file.onnx"
 PLACEMENT = "placement.json"
 
 # LLVM features whose instructions TVM's kernels may hold: a CPU without one of them cannot
@@ -182,13 +185,15 @@ def _write_onnx(model, path: Path) -> None:
     onnx.load_external_data_for_model(model, str(path.parent))
 
 
-def _save_regions(module, folder: Path, alternates=()) -> tuple:
+def _save_regions(module, folder: Path, alternates=(), model_file=None) -> tuple:
     """Each external callable the executable calls, written to ``folder`` as its library
     loads it. ``alternates``: the other graph libraries (``{"backend", "ms"}`` each) that ran
     the shipped build's one file whole (the user's model file, or the model exported as
     one region) within a few percent of it in the final check; that file's entry lists
-    them, and ``load`` decides between them (``check.at_load``). Returns (region entries,
-    backend -> region count)."""
+    them, and ``load`` decides between them (``check.at_load``). One with "source": "model
+    file" ran the user's model file beside an exported region: ``model_file`` (its ONNX
+    ModelProto) is written as ``ALTERNATE_FILE`` and the alternate names it (left out
+    without it). Returns (region entries, backend -> region count)."""
     import tvm
 
     from .backends._graphlib import output_specs
@@ -227,10 +232,31 @@ def _save_regions(module, folder: Path, alternates=()) -> tuple:
             (folder / f"r{k}.json").write_text(tvm.ir.save_json(func))
             entry.update(format="relax", file=f"{REGIONS}/r{k}.json")
         if entry.get("sole") and alternates:  # one file, the whole model: others may run it
-            entry["alternates"] = [dict(a) for a in alternates]
+            entry["alternates"] = _alternates(alternates, folder, model_file)
+            if not entry["alternates"]:
+                del entry["alternates"]
         entries.append(entry)
         count[name] = count.get(name, 0) + 1
     return entries, count
+
+
+def _alternates(alternates, folder: Path, model_file) -> list:
+    """The region entry's alternates (``_save_regions``): one that runs the user's model
+    file names the file written for it and its inputs."""
+    out = []
+    for alt in alternates:
+        alt = dict(alt)
+        if alt.get("source") == "model file":
+            if model_file is None:
+                logger.info("the close call with %s on the user's model file is not saved: "
+                            "the result does not hold the file", alt["backend"])
+                continue
+            if not (folder / ALTERNATE_FILE).exists():
+                _write_onnx(model_file, folder / ALTERNATE_FILE)
+            alt.update(file=f"{REGIONS}/{ALTERNATE_FILE}",
+                       inputs=[i.name for i in model_file.graph.input])
+        out.append(alt)
+    return out
 
 
 def _whole_model_names(module) -> tuple:
@@ -331,7 +357,8 @@ def _write_contents(result, tmp: Path, target) -> dict:
     from ._errors import first_line
 
     (tmp / REGIONS).mkdir()
-    regions, count = _save_regions(result.module, tmp / REGIONS, result.report.alternates)
+    regions, count = _save_regions(result.module, tmp / REGIONS, result.report.alternates,
+                                   getattr(result, "model_file", None))
     try:
         result.executable.export_library(str(tmp / KERNELS))
     except Exception as err:
@@ -616,7 +643,8 @@ def _decide_close_call(manifest: dict, path: Path, fns: dict, device) -> dict | 
             version = built.get(name, {}).get("version")
             if version is not None and backend.version() != version:
                 raise RuntimeError(f"it is {backend.version()} here, {version} when built")
-            contenders[name] = _lower_region({**entry, "backend": name}, path, backend)
+            own = {k: alt[k] for k in ("file", "inputs") if k in alt}  # the user's file
+            contenders[name] = _lower_region({**entry, "backend": name, **own}, path, backend)
         except Exception as err:  # noqa: BLE001 - the shipped one still runs
             left_out[name] = first_line(err, 200)
     record = {"chose": entry["backend"], "ms": {}, "rounds": 0, "seconds": 0.0}

@@ -82,9 +82,10 @@ class BuildReport:
     # file run whole by it ("floor": True) was the fastest correct build of the final check.
     whole_model: dict = field(default_factory=dict)
     floor: str = ""  # why the user's model file was not among the contenders ("" if it was)
-    # The shipped build runs one file whole on a graph library, and others ran it within a
-    # few percent in the final check: {"backend", "ms"} each, timed again at load
-    # (``check.at_load``; ``never_slower.Verdict.alternates``).
+    # The shipped build runs one file whole on a graph library, and others ran it (or the
+    # user's model file, "source": "model file") within a few percent in the final check:
+    # {"backend", "ms"[, "source"]} each, timed again at load (``check.at_load``;
+    # ``never_slower.close_calls``).
     alternates: list = field(default_factory=list)
     # The share of the machine's CPU other processes took during the final check: above
     # ``measure.timing.BUSY_SHARE`` its verdict is logged as unsure and checked again.
@@ -114,6 +115,9 @@ class SearchResult:
     target: tvm.target.Target
     module: tvm.IRModule        # the imported, normalized model
     tuning: object = None       # the TuningDB whose records TVM's kernels use, else None
+    # The user's model file (ONNX ModelProto, at the input shapes the final check ran it)
+    # where an alternate of the report runs it ("source": "model file"), else None
+    model_file: object = None
 
 
 @dataclass
@@ -124,6 +128,7 @@ class CollageResult:
     graph: DataflowGraph | None  # None: the whole model stayed on TVM (report.kept_on_tvm)
     report: BuildReport
     target: tvm.target.Target | None = None  # what TVM's kernels were compiled for
+    model_file: object = None   # as ``SearchResult.model_file``: saved for the decision at load
 
     def save(self, path, **kwargs):
         """``collage_tvm.save(self, path, ...)``: the build as a directory that
@@ -352,12 +357,30 @@ def _search_model(model, target, options, db, placement_log, example_inputs, inp
         for stage in STAGES:
             stage(state)
             if state.done is not None:
+                state.done.model_file = _model_file_alternate(state)
                 return state.done
         raise AssertionError("the last stage always finishes the search")
     finally:
         state.user_file.close()
         if state.devices is not None:
             state.devices.close()
+
+
+def _model_file_alternate(state: SearchState):
+    """The user's model file as the final check ran it (at the input shapes given), where an
+    alternate of the report runs it: the saved build holds it for the decision at load."""
+    if not any(a.get("source") == "model file" for a in state.report.alternates):
+        return None
+    from .byoc.whole import with_input_shapes
+
+    try:
+        return with_input_shapes(state.user_file.load(), state.input_shapes)
+    except Exception as err:  # noqa: BLE001 - the alternate goes, the build stands
+        logger.warning("the user's model file could not be read again (%s): its close call "
+                       "is not saved for the decision at load", first_line(err))
+        state.report.alternates = [a for a in state.report.alternates
+                                   if a.get("source") != "model file"]
+        return None
 
 
 def start(model, target, options, example_inputs=None, input_shapes=None, **stores) -> SearchState:
@@ -711,7 +734,8 @@ def _final_check(p: Placing, placement, floors: dict, op_level=None, others=None
                            accuracy=p.options.accuracy, others=others, floors=floors,
                            alone_ms=(report.lean or {}).get("alone_ms"), judge=judge)
     report.shipped, report.comparison = verdict.shipped, verdict.comparison
-    report.alternates = [{"backend": b, "ms": ms} for b, ms in verdict.alternates]
+    report.alternates = [{"backend": b, "ms": ms, **({"source": src} if src else {})}
+                         for b, ms, src in verdict.alternates]
     report.whole_model = {}
     if verdict.floor:
         report.whole_model = {"backend": verdict.floor, "floor": True,
@@ -852,7 +876,7 @@ def optimize(model, target="llvm", backends=None, db=None, *, options: SearchOpt
         executable, lowered = _compile(found)
     _let_go()
     return CollageResult(executable, lowered, found.placement, found.graph, found.report,
-                         found.target)
+                         found.target, found.model_file)
 
 
 def _compile(found: SearchResult) -> tuple:

@@ -181,3 +181,55 @@ def test_run_prints_the_close_call_and_no_decide_keeps_the_search_choice(close_c
     assert "close call timed at load (onnxruntime" in out and "runs on " in out
     assert cli.main(["run", str(path), "--no-decide"]) == 0
     assert "close call" not in capsys.readouterr().out
+
+
+def test_beside_an_exported_region_the_user_s_own_file_is_an_alternate_too(tmp_path,
+                                                                          monkeypatch):
+    # TVM's import whole on OpenVINO won by 2% over the user's file on ONNX Runtime (the
+    # transformers suite's vit on the AMX Xeon, the other way round in the row): the saved
+    # build holds the user's file too, and the decision at load may run it instead
+    path = _block_onnx(tmp_path / "block.onnx")
+    _clock(monkeypatch, {"openvino": 0.100, "onnxruntime (model file)": 0.102})
+    res = _optimize(path, tmp_path)
+    assert res.report.shipped == "openvino" and not res.report.whole_model
+    assert res.report.alternates == [{"backend": "onnxruntime", "ms": 0.102,
+                                      "source": "model file"}]
+    assert res.model_file is not None
+    monkeypatch.undo()
+    ref = relax.VirtualMachine(res.executable, tvm.cpu())["main"](tvm.runtime.tensor(X)).numpy()
+    saved = collage_tvm.save(res, tmp_path / "art")
+    entry = json.loads((saved / "manifest.json").read_text())["regions"][0]
+    assert entry["backend"] == "openvino" and entry["label"] != "the model file, whole"
+    alt = entry["alternates"][0]
+    assert alt["backend"] == "onnxruntime" and alt["file"] == "regions/model_file.onnx"
+    assert (saved / alt["file"]).stat().st_size > 0 and alt["inputs"]
+    monkeypatch.setattr(at_load, "interleaved", lambda fns, **kw: {
+        n: (0.5 if n == "onnxruntime" else 1.0) for n in fns})
+    module = collage_tvm.load(saved)
+    assert module.decided["chose"] == "onnxruntime" and module.decided["left_out"] == {}
+    call = next(iter(module._callables.values()))
+    assert hasattr(call, "session")  # ONNX Runtime's, on the user's file
+    np.testing.assert_allclose(module(X), ref, rtol=1e-4, atol=1e-5)
+    # the placement log keeps it: the next build (nothing measured) saves the file again
+    again = _optimize(path, tmp_path)
+    assert again.report.placement_from_log and again.report.alternates == res.report.alternates
+    assert again.model_file is not None
+    # a result without the file saves the other alternates only
+    again.model_file = None
+    bare = json.loads((collage_tvm.save(again, tmp_path / "bare") / "manifest.json")
+                      .read_text())["regions"][0]
+    assert "alternates" not in bare
+
+
+def test_close_calls_take_the_user_s_file_beside_a_region_not_a_region_beside_the_file():
+    ok = {"collage": {"ms": 1.0}, "openvino": {"ms": 1.0},
+          "onnxruntime (model file)": {"ms": 1.03}, "openvino (model file)": {"ms": 1.01},
+          "onnxruntime": {"ms": 1.2}}
+    runs = {"openvino": (1, "openvino"), "onnxruntime": (1, "onnxruntime"),
+            "onnxruntime (model file)": ("model file", "onnxruntime"),
+            "openvino (model file)": ("model file", "openvino")}
+    # the same library never stands for two files; ONNX Runtime's region is past 5%
+    assert ns.close_calls("openvino", ok, runs) == [("onnxruntime", 1.03, "model file")]
+    # shipping the user's file: the regions are no alternates
+    assert ns.close_calls("openvino (model file)", ok, runs) == \
+        [("onnxruntime", 1.03, "")]

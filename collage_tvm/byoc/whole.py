@@ -84,6 +84,22 @@ def _copy(proto):
     return copy
 
 
+def with_input_shapes(proto, input_shapes: dict | None):
+    """``proto`` with the shapes the user gave (input name -> shape) in place of the declared
+    ones: a copy where they differ, ``proto`` itself where they do not."""
+    changed = _changed_shapes(proto, input_shapes)
+    if not changed:
+        return proto
+    proto = _copy(proto)
+    for vi in proto.graph.input:
+        if vi.name in changed:
+            dims = vi.type.tensor_type.shape.dim
+            del dims[:]
+            for d in changed[vi.name]:
+                dims.add().dim_value = int(d)
+    return proto
+
+
 def whole_model_module(proto, backend, input_shapes: dict | None = None,
                        like: relax.Function | None = None,
                        path: str | None = None) -> tvm.IRModule:
@@ -97,16 +113,9 @@ def whole_model_module(proto, backend, input_shapes: dict | None = None,
     is not serialized again (over 2 GiB, not copied to a temporary file either)."""
     import onnx
 
-    input_shapes = _changed_shapes(proto, input_shapes)
-    if input_shapes:  # the shapes the user gave replace the declared ones before inference
-        proto = _copy(proto)
-        path = None
-        for vi in proto.graph.input:
-            if vi.name in input_shapes:
-                dims = vi.type.tensor_type.shape.dim
-                del dims[:]
-                for d in input_shapes[vi.name]:
-                    dims.add().dim_value = int(d)
+    shaped = with_input_shapes(proto, input_shapes)
+    if shaped is not proto:
+        proto, path = shaped, None
     # inferred without the weights' data (protobuf cannot write a model over 2 GiB)
     inferred = onnx.shape_inference.infer_shapes(skeleton(proto), strict_mode=False,
                                                  data_prop=True)
