@@ -55,6 +55,44 @@ def test_graph_library_runs_groups_and_multi_output_groups(lib):
     assert got["match"], got["max_err"]
 
 
+def _split_func():
+    """x -> split in three (one tuple) -> the items multiplied and added: attention's
+    q, k, v taken apart (swin's qkv.unbind)."""
+    x = relax.Var("x", relax.TensorType((3, 4, 8), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.nn.relu(x))
+            parts = bb.emit(relax.op.split(y, 3, axis=0))
+            q, k, v = (bb.emit(relax.TupleGetItem(parts, i)) for i in range(3))
+            a = bb.emit(relax.op.multiply(q, k))
+            out = bb.emit_output(relax.op.add(a, v))
+        bb.emit_func_output(out)
+    return bb.get()["main"]
+
+
+@pytest.mark.parametrize("lib", GRAPH_LIBS)
+def test_a_library_region_takes_the_items_of_a_split_made_outside_it(lib):
+    # the split on TVM, its items on the library: each field is a parameter of the region
+    # (a library takes tensors; the graph level had offered such regions to OpenVINO on
+    # swin and each one failed to export, "'TupleType' object has no attribute 'dtype'")
+    g = DataflowGraph(_split_func())
+    assert isinstance(g.nodes[1].var.ty, relax.TupleType)
+    target = make_target("llvm")
+    backends = {"tvm": get_backend("tvm"), lib: get_backend(lib)}
+    ref = evaluate(tvm.compile(tvm.IRModule({"main": g.func}), target), g, target)
+    groups = [Candidate("tvm", frozenset([0])), Candidate("tvm", frozenset([1])),
+              Candidate(lib, frozenset(range(2, len(g))))]
+    ex, mod = compile_placement(g, groups, backends, target)
+    got = evaluate(ex, g, target, ref["outputs"])
+    assert got["match"], got["max_err"]
+    from collage_tvm.graph.subgraph import extract_function
+
+    func, inputs, _, _ = extract_function(g, frozenset(range(2, len(g))))
+    assert [type(p.ty).__name__ for p in func.params] == ["TensorType"] * 3
+    assert [(v.name, j) for v, j in inputs] == [(g.nodes[1].var.name, j) for j in range(3)]
+
+
 def test_library_versions_and_probes():
     for lib in GRAPH_LIBS:
         b = get_backend(lib)

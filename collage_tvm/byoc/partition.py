@@ -53,10 +53,10 @@ def partition(graph: DataflowGraph, groups, backends: dict) -> tvm.IRModule:
                                           "collage.label": group.label,
                                           "collage.sole_group": sole,
                                           "collage.group": k})
-                    args = [vmap[v] for v in inputs]
+                    args = _args(bb, vmap, inputs)
                 else:
                     sub = sub.with_attrs({"Primitive": True, "collage.label": group.label})
-                    args = [vmap[v] for v in inputs] + list(consts)
+                    args = _args(bb, vmap, inputs) + list(consts)
                 gv = bb.add_func(sub, f"collage_{backend.name}_g{k}")
                 call = bb.emit(relax.Call(gv, args), name_hint=f"g{k}")
                 if len(outputs) == 1:
@@ -70,3 +70,10 @@ def partition(graph: DataflowGraph, groups, backends: dict) -> tvm.IRModule:
     for gv, f in graph.globals.items():  # the PrimFuncs main's call_tir bindings run
         mod[gv] = f
     return mod
+
+
+def _args(bb, vmap: dict, inputs: list) -> list:
+    """A group's call arguments (``extract_function``'s ``inputs``): a var's value, or a
+    field of a tuple's, taken out before the call."""
+    return [vmap[v] if not isinstance(v, tuple)
+            else bb.emit(relax.TupleGetItem(vmap[v[0]], v[1])) for v in inputs]

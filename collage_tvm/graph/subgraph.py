@@ -32,19 +32,37 @@ def group_boundary(graph: DataflowGraph, group) -> tuple[list, list]:
 
 
 def extract_function(graph: DataflowGraph, group, lift_constants: bool = False):
-    """The group as ``relax.Function``; returns (func, input_vars, output_node_indices, consts).
+    """The group as ``relax.Function``; returns (func, inputs, output_node_indices, consts).
 
-    With ``lift_constants`` every non-scalar constant becomes a trailing parameter (TVM's
-    FuseTIR accepts no tensor constants inside a primitive function); ``consts`` lists them.
+    ``inputs``: what each parameter takes, in order: a var of the graph, or (var, j), field
+    ``j`` of a tuple-typed var (a ``split``'s result whose items the group takes: a library
+    takes tensors, so each field is a parameter, and the group's ``TupleGetItem`` of it is
+    that parameter). With ``lift_constants`` every non-scalar constant becomes a trailing
+    parameter (TVM's FuseTIR accepts no tensor constants inside a primitive function);
+    ``consts`` lists them.
     """
-    inputs, outputs = group_boundary(graph, group)
-    new_params = [relax.Var(v.name, v.ty) for v in inputs]
-    vmap = dict(zip(inputs, new_params))
+    boundary, outputs = group_boundary(graph, group)
+    inputs, new_params, vmap, fields = [], [], {}, {}
+    for v in boundary:
+        if isinstance(v.ty, relax.TupleType):
+            fields[v] = [relax.Var(f"{v.name}_{j}", t) for j, t in enumerate(v.ty.fields)]
+            inputs += [(v, j) for j in range(len(fields[v]))]
+            new_params += fields[v]
+            vmap[v] = relax.Tuple(fields[v])
+        else:
+            inputs.append(v)
+            new_params.append(relax.Var(v.name, v.ty))
+            vmap[v] = new_params[-1]
     consts: list = []
     const_params: list = []
     bindings = []
     for i in sorted(group):
         node = graph.nodes[i]
+        got = node.value
+        if isinstance(got, relax.TupleGetItem) and got.tuple_value in fields \
+                and i not in outputs and node.match_ty is None:
+            vmap[node.var] = fields[got.tuple_value][got.index]  # the field's parameter
+            continue
         value = substitute(node.value, vmap)
         if lift_constants:
             value = _lift_constants(value, consts, const_params)
