@@ -187,11 +187,12 @@ def _write_onnx(model, path: Path) -> None:
 
 def _save_regions(module, folder: Path, alternates=(), model_file=None) -> tuple:
     """Each external callable the executable calls, written to ``folder`` as its library
-    loads it. ``alternates``: the other graph libraries (``{"backend", "ms"}`` each) that ran
+    loads it. ``alternates``: the graph libraries (``{"backend", "ms"}`` each) that ran
     the shipped build's one file whole (the user's model file, or the model exported as
     one region) within a few percent of it in the final check; that file's entry lists
     them, and ``load`` decides between them (``check.at_load``). One with "source": "model
-    file" ran the user's model file beside an exported region: ``model_file`` (its ONNX
+    file" ran the user's model file beside an exported region (on another library or the
+    region's own): ``model_file`` (its ONNX
     ModelProto) is written as ``ALTERNATE_FILE`` and the alternate names it (left out
     without it). Returns (region entries, backend -> region count)."""
     import tvm
@@ -618,10 +619,17 @@ def _lower_region(entry: dict, path: Path, backend):
                             f"({first_line(err, 300)}); export the model again") from err
 
 
+def alternate_label(alt: dict) -> str:
+    """An alternate's name in the decision at load: its library, and "(model file)" where it
+    runs the user's file (the library may be the shipped one's, on the exported region)."""
+    return f"{alt['backend']} ({alt['source']})" if alt.get("source") else alt["backend"]
+
+
 def _decide_close_call(manifest: dict, path: Path, fns: dict, device) -> dict | None:
     """The region that lists alternates (the model's one file, and the other libraries that
-    ran it within a few percent in the final check): each one that loads here, timed beside
-    the shipped one in this process (``check.at_load.decide``); the faster's callable takes
+    ran it within a few percent in the final check, or the user's file beside an exported
+    region, on any library): each one that loads here, timed beside the shipped one in this
+    process (``check.at_load.decide``, by ``alternate_label``); the faster's callable takes
     the symbol in ``fns``. Returns the decision's record (None: nothing to decide). An
     alternate that cannot run here is left out with the reason; nothing fails the load."""
     from ._errors import first_line
@@ -635,6 +643,7 @@ def _decide_close_call(manifest: dict, path: Path, fns: dict, device) -> dict | 
     contenders, left_out = {entry["backend"]: fns[entry["symbol"]]}, {}
     for alt in entry["alternates"]:
         name = alt["backend"]
+        label = alternate_label(alt)
         try:
             backend = get_backend(name)
             ok, why = backend.available()
@@ -644,9 +653,9 @@ def _decide_close_call(manifest: dict, path: Path, fns: dict, device) -> dict | 
             if version is not None and backend.version() != version:
                 raise RuntimeError(f"it is {backend.version()} here, {version} when built")
             own = {k: alt[k] for k in ("file", "inputs") if k in alt}  # the user's file
-            contenders[name] = _lower_region({**entry, "backend": name, **own}, path, backend)
+            contenders[label] = _lower_region({**entry, "backend": name, **own}, path, backend)
         except Exception as err:  # noqa: BLE001 - the shipped one still runs
-            left_out[name] = first_line(err, 200)
+            left_out[label] = first_line(err, 200)
     record = {"chose": entry["backend"], "ms": {}, "rounds": 0, "seconds": 0.0}
     if len(contenders) > 1:
         try:

@@ -176,14 +176,14 @@ def _same_file_runs(builds: dict, graph_of: dict, floors: dict, backends: dict) 
 def close_calls(best: str, ok: dict, runs: dict) -> list:
     """[(backend, ms, source)] of the builds that run ``best``'s file whole (``runs``:
     ``_same_file_runs``) on another graph library, correct and within ``AT_LOAD_SHARE`` of it
-    (``ok``: the correct results within the budget), fastest first, one per library; empty
-    where ``best`` runs no one file whole. ``source`` is "" for ``best``'s own file; where
-    ``best`` runs the model exported as one region, the user's model file run whole by a
-    library counts too (source "model file"): the same model, another file (the transformers
-    suite's vit on the AMX Xeon: TVM's import whole on OpenVINO shipped at 0.855 ms, the
-    user's file on ONNX Runtime took 0.830 in the row). A build shipping the user's file
-    gets no exported region as an alternate (the saved build would have to export one), and
-    no library stands for two files: the decision at load is between libraries."""
+    (``ok``: the correct results within the budget), fastest first, one per library and
+    file; empty where ``best`` runs no one file whole. ``source`` is "" for ``best``'s own
+    file; where ``best`` runs the model exported as one region, the user's model file run
+    whole counts too (source "model file"), on another library or on ``best``'s own: the
+    same model, another file (the transformers suite's vit on the AMX Xeon: TVM's import
+    whole on ONNX Runtime shipped at 0.810 ms, the user's file on the same library took
+    0.796 in the row). A build shipping the user's file gets no exported region as an
+    alternate (the saved build would have to export one)."""
     if best not in runs:
         return []
     file, lib = runs[best]
@@ -194,9 +194,9 @@ def close_calls(best: str, ok: dict, runs: dict) -> list:
         source = "" if other_file == file else other_file
         if source not in ("", "model file") or ok[name]["ms"] > bar:
             continue
-        if other != lib and other not in out:
-            out[other] = (ok[name]["ms"], source)
-    return [(b, ms, source) for b, (ms, source) in out.items()]
+        if (other, source) != (lib, "") and (other, source) not in out:
+            out[(other, source)] = ok[name]["ms"]
+    return [(b, ms, source) for (b, source), ms in out.items()]
 
 
 def judge_builds(builds: dict, graph_of: dict, floors: dict, backends: dict, target,
