@@ -42,6 +42,22 @@ def _optimize(path, tmp_path):
                                 graph_level=False, calibrate_rounds=0, refine_rounds=0)
 
 
+def _saved(res, tmp_path, monkeypatch):
+    """The clock put back, ``res`` saved: (its outputs on X, the saved build's path, the
+    manifest's first region entry)."""
+    monkeypatch.undo()
+    ref = relax.VirtualMachine(res.executable, tvm.cpu())["main"](tvm.runtime.tensor(X)).numpy()
+    saved = collage_tvm.save(res, tmp_path / "art")
+    return ref, saved, json.loads((saved / "manifest.json").read_text())["regions"][0]
+
+
+def _load_choosing(saved, monkeypatch, winner: str):
+    """``saved`` loaded with ``winner`` the fastest in the timing at load."""
+    monkeypatch.setattr(at_load, "interleaved", lambda fns, **kw: {
+        n: (0.5 if n == winner else 1.0) for n in fns})
+    return collage_tvm.load(saved)
+
+
 @pytest.fixture(scope="module")
 def close_call(tmp_path_factory):
     """The model file on ONNX Runtime won by 2% over OpenVINO: (result, saved path)."""
@@ -87,15 +103,10 @@ def test_the_model_as_one_exported_region_carries_its_close_libraries_too(tmp_pa
     res = _optimize(path, tmp_path)
     assert res.report.shipped == "onnxruntime" and not res.report.whole_model
     assert res.report.alternates == [{"backend": "openvino", "ms": 0.102}]
-    monkeypatch.undo()
-    ref = relax.VirtualMachine(res.executable, tvm.cpu())["main"](tvm.runtime.tensor(X)).numpy()
-    saved = collage_tvm.save(res, tmp_path / "art")
-    entry = json.loads((saved / "manifest.json").read_text())["regions"][0]
+    ref, saved, entry = _saved(res, tmp_path, monkeypatch)
     assert entry["sole"] and entry["label"] != "the model file, whole"
     assert [a["backend"] for a in entry["alternates"]] == ["openvino"]
-    monkeypatch.setattr(at_load, "interleaved", lambda fns, **kw: {
-        n: (0.5 if n == "openvino" else 1.0) for n in fns})
-    module = collage_tvm.load(saved)
+    module = _load_choosing(saved, monkeypatch, "openvino")
     assert module.decided["chose"] == "openvino", module.decided
     np.testing.assert_allclose(module(X), ref, rtol=1e-4, atol=1e-5)
     # the placement log keeps the close call: the next build ships it again
@@ -108,9 +119,7 @@ def test_load_times_the_close_libraries_here_and_keeps_the_faster(close_call, mo
     res, path = close_call
     ref = relax.VirtualMachine(res.executable, tvm.cpu())["main"](tvm.runtime.tensor(X)).numpy()
     # here OpenVINO is the faster: the loaded build runs the file on it
-    monkeypatch.setattr(at_load, "interleaved", lambda fns, **kw: {
-        n: (0.5 if n == "openvino" else 1.0) for n in fns})
-    module = collage_tvm.load(path)
+    module = _load_choosing(path, monkeypatch, "openvino")
     assert module.decided["shipped"] == "onnxruntime" and module.decided["chose"] == "openvino", \
         module.decided
     assert module.decided["ms"] == {"onnxruntime": 1.0, "openvino": 0.5}
@@ -195,17 +204,12 @@ def test_beside_an_exported_region_the_user_s_own_file_is_an_alternate_too(tmp_p
     assert res.report.alternates == [{"backend": "onnxruntime", "ms": 0.102,
                                       "source": "model file"}]
     assert res.model_file is not None
-    monkeypatch.undo()
-    ref = relax.VirtualMachine(res.executable, tvm.cpu())["main"](tvm.runtime.tensor(X)).numpy()
-    saved = collage_tvm.save(res, tmp_path / "art")
-    entry = json.loads((saved / "manifest.json").read_text())["regions"][0]
+    ref, saved, entry = _saved(res, tmp_path, monkeypatch)
     assert entry["backend"] == "openvino" and entry["label"] != "the model file, whole"
     alt = entry["alternates"][0]
     assert alt["backend"] == "onnxruntime" and alt["file"] == "regions/model_file.onnx"
     assert (saved / alt["file"]).stat().st_size > 0 and alt["inputs"]
-    monkeypatch.setattr(at_load, "interleaved", lambda fns, **kw: {
-        n: (0.5 if n == "onnxruntime (model file)" else 1.0) for n in fns})
-    module = collage_tvm.load(saved)
+    module = _load_choosing(saved, monkeypatch, "onnxruntime (model file)")
     assert module.decided["chose"] == "onnxruntime (model file)"
     assert module.decided["left_out"] == {}
     call = next(iter(module._callables.values()))
@@ -249,17 +253,12 @@ def test_the_user_s_file_on_the_shipped_region_s_own_library_is_decided_at_load(
     assert res.report.shipped == "onnxruntime" and not res.report.whole_model
     assert {"backend": "onnxruntime", "ms": 0.102, "source": "model file"} \
         in res.report.alternates
-    monkeypatch.undo()
-    ref = relax.VirtualMachine(res.executable, tvm.cpu())["main"](tvm.runtime.tensor(X)).numpy()
-    saved = collage_tvm.save(res, tmp_path / "art")
-    entry = json.loads((saved / "manifest.json").read_text())["regions"][0]
+    ref, saved, entry = _saved(res, tmp_path, monkeypatch)
     assert entry["backend"] == "onnxruntime"
     mine = [a for a in entry["alternates"] if a["backend"] == "onnxruntime"]
     assert len(mine) == 1 and mine[0]["file"] == "regions/model_file.onnx"
     assert mine[0]["file"] != entry["file"]
-    monkeypatch.setattr(at_load, "interleaved", lambda fns, **kw: {
-        n: (0.5 if n == "onnxruntime (model file)" else 1.0) for n in fns})
-    module = collage_tvm.load(saved)
+    module = _load_choosing(saved, monkeypatch, "onnxruntime (model file)")
     assert module.decided["shipped"] == "onnxruntime"
     assert module.decided["chose"] == "onnxruntime (model file)"
     assert "onnxruntime" in module.decided["ms"] and module.decided["left_out"] == {}
