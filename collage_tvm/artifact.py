@@ -244,10 +244,12 @@ def _save_regions(module, folder: Path, alternates=(), model_file=None) -> tuple
 def _alternates(alternates, folder: Path, model_file) -> list:
     """The region entry's alternates (``_save_regions``): one that runs the user's model
     file names the file written for it and its inputs."""
+    from .check.never_slower import MODEL_FILE
+
     out = []
     for alt in alternates:
         alt = dict(alt)
-        if alt.get("source") == "model file":
+        if alt.get("source") == MODEL_FILE:
             if model_file is None:
                 logger.info("the close call with %s on the user's model file is not saved: "
                             "the result does not hold the file", alt["backend"])
@@ -622,7 +624,9 @@ def _lower_region(entry: dict, path: Path, backend):
 def alternate_label(alt: dict) -> str:
     """An alternate's name in the decision at load: its library, and "(model file)" where it
     runs the user's file (the library may be the shipped one's, on the exported region)."""
-    return f"{alt['backend']} ({alt['source']})" if alt.get("source") else alt["backend"]
+    from .check.never_slower import file_label
+
+    return file_label(alt["backend"], alt.get("source") or "")
 
 
 def _decide_close_call(manifest: dict, path: Path, fns: dict, device) -> dict | None:

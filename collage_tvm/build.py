@@ -20,8 +20,9 @@ import tvm
 from tvm import relax
 
 from ._memory import release_memory
-from .check import (first_line, floor, latency_evaluator, never_slower, ops_per_backend,
-                    outputs_on, single_backend_builds, tvm_reference)
+from .check import (MODEL_FILE, file_label, first_line, floor, latency_evaluator,
+                    never_slower, ops_per_backend, outputs_on, single_backend_builds,
+                    tvm_reference)
 from .frontend import ModelError, dynamic_input, load_model, normalize_for_collage
 from .frontend.model_file import ModelFile, model_file
 from .graph import DataflowGraph, NotDataflow
@@ -175,7 +176,7 @@ def _floors(user_file: ModelFile, backends: dict, target, accuracy, input_shapes
         return {}
     libs = {n: b for n, b in backends.items()
             if b.kind == "graph" and hasattr(b.get_lowering(), "compile")}
-    floors = {f"{n} (model file)": floor(n, user_file, b, input_shapes, main, target)
+    floors = {file_label(n): floor(n, user_file, b, input_shapes, main, target)
               for n, b in libs.items()}
     if parse_accuracy(accuracy).strict:
         for name in list_backends():
@@ -183,7 +184,7 @@ def _floors(user_file: ModelFile, backends: dict, target, accuracy, input_shapes
             if (variant.variant_of in libs and variant.precision != "f32"
                     and variant.device == libs[variant.variant_of].device
                     and variant.available()[0]):
-                floors[f"{name} (model file)"] = floor(name, user_file, variant, input_shapes,
+                floors[file_label(name)] = floor(name, user_file, variant, input_shapes,
                                                        main, target, budget=variant.precision)
     if not floors:
         report.floor = "no graph library among the backends runs a model file"
@@ -369,7 +370,7 @@ def _search_model(model, target, options, db, placement_log, example_inputs, inp
 def _model_file_alternate(state: SearchState):
     """The user's model file as the final check ran it (at the input shapes given), where an
     alternate of the report runs it: the saved build holds it for the decision at load."""
-    if not any(a.get("source") == "model file" for a in state.report.alternates):
+    if not any(a.get("source") == MODEL_FILE for a in state.report.alternates):
         return None
     from .byoc.whole import with_input_shapes
 
@@ -379,7 +380,7 @@ def _model_file_alternate(state: SearchState):
         logger.warning("the user's model file could not be read again (%s): its close call "
                        "is not saved for the decision at load", first_line(err))
         state.report.alternates = [a for a in state.report.alternates
-                                   if a.get("source") != "model file"]
+                                   if a.get("source") != MODEL_FILE]
         return None
 
 

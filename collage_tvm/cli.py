@@ -182,6 +182,10 @@ def _print_build(name: str, r: dict, base: float, budget: bool) -> None:
         return
     if r.get("outside_budget"):
         same += f"  (outside the budget: {r['outside_budget']}, not shipped)"
+    if r.get("lost_to"):  # memory was short: freed after losing side by side, not shippable
+        same += f"  (memory short: lost to {r['lost_to']} side by side, freed)"
+    if r.get("set_aside"):
+        same += "  (memory short: set aside, timed before the next builds)"
     if r.get("ops") and name.startswith("collage"):  # what the searched ones place where
         same += "  [" + ", ".join(f"{b} {n} ops" for b, n in sorted(r["ops"].items())) + "]"
     print(f"{name:<26}{r['ms']:>12.3f}{r['ms'] / base:>11.2f}x  "

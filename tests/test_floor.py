@@ -156,6 +156,7 @@ def test_a_final_check_short_of_memory_keeps_the_fastest_build_so_far_and_frees_
     # its final check, 1.2 GB of weights): when one more build may not fit, the builds held
     # so far meet side by side and only the fastest correct one stays for the next.
     monkeypatch.setattr(ns, "_available", lambda: 0)
+    monkeypatch.setattr(ns, "room_beside_one", lambda weights: True)  # (else: set aside)
     _fixed_clock(monkeypatch, "onnxruntime (model file)")
     _machine_busy(monkeypatch, 0.0)
     res = _search(model_path, tmp_path)

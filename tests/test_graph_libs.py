@@ -337,6 +337,7 @@ def test_when_memory_is_short_the_final_check_holds_two_builds_and_ships_no_free
     held = []
     real = ns.interleaved
     monkeypatch.setattr(ns, "memory_short", lambda weights: True)
+    monkeypatch.setattr(ns, "room_beside_one", lambda weights: True)
     monkeypatch.setattr(ns, "interleaved", lambda fns, **kw: (held.append(len(fns)),
                                                               real(fns, **kw))[1])
     verdict = ns.never_slower(g, Placement(groups, 1.0), backends, make_target("llvm"))
@@ -348,6 +349,32 @@ def test_when_memory_is_short_the_final_check_holds_two_builds_and_ships_no_free
     assert verdict.shipped not in lost
     kept = set(res) - lost - {n for n, r in res.items() if "same_as" in r}
     assert len(kept) <= 2 and verdict.shipped in kept  # the last two met side by side
+
+
+def test_when_one_build_leaves_too_little_room_it_is_set_aside_and_can_still_ship(
+        monkeypatch):
+    """regnet_y_128gf (2.6 GB of weights) on 24 GB: with one build kept, the next one's
+    compile did not fit. The lowering cache is emptied first; then each build is set aside
+    before the next is made: its figures stand, it is never timed beside another, and the
+    fastest correct one ships all the same."""
+    ns, lib, g, backends, Placement, groups = _final_check_case()
+    held, forgotten = [], []
+    real = ns.interleaved
+    monkeypatch.setattr(ns, "memory_short", lambda weights: True)
+    monkeypatch.setattr(ns, "room_beside_one", lambda weights: False)
+    monkeypatch.setattr(ns, "forget_lowered", lambda: forgotten.append(1))
+    monkeypatch.setattr(ns, "interleaved", lambda fns, **kw: (held.append(len(fns)),
+                                                              real(fns, **kw))[1])
+    verdict = ns.never_slower(g, Placement(groups, 1.0), backends, make_target("llvm"))
+    res = verdict.comparison
+    built = {n for n, r in res.items() if "same_as" not in r and "skipped" not in r}
+    assert {"collage", "tvm-only"} <= built, res
+    aside = {n for n, r in res.items() if r.get("set_aside")}
+    assert forgotten and aside and all(h == 1 for h in held), (res, held)
+    assert not any("lost_to" in r for r in res.values()), res
+    assert all(r["match"] for r in res.values()), res
+    ok = {n: r["ms"] for n, r in res.items() if r["match"]}
+    assert res[verdict.shipped]["ms"] == min(ok.values()), res
 
 
 def test_a_final_check_timed_beside_other_work_times_its_contenders_again(monkeypatch):

@@ -2,9 +2,10 @@
 from .baselines import byoc_groups, graph_lib_groups, single_backend_builds
 from .evaluate import (compare_outputs, evaluate, first_line, latency_evaluator, outputs_on,
                        run_outputs, tvm_reference)
-from .never_slower import (SLOW_BUILD_FACTOR, Floor, Verdict, floor, never_slower,
-                           ops_per_backend)
+from .never_slower import (MODEL_FILE, SLOW_BUILD_FACTOR, Floor, Verdict, file_label, floor,
+                           never_slower, ops_per_backend)
 
 __all__ = ["byoc_groups", "graph_lib_groups", "single_backend_builds", "compare_outputs",
-           "evaluate", "first_line", "latency_evaluator", "outputs_on", "run_outputs", "tvm_reference", "SLOW_BUILD_FACTOR", "Floor", "Verdict", "floor",
+           "evaluate", "first_line", "latency_evaluator", "outputs_on", "run_outputs", "tvm_reference", "MODEL_FILE", "SLOW_BUILD_FACTOR", "Floor",
+           "file_label", "Verdict", "floor",
            "never_slower", "ops_per_backend"]

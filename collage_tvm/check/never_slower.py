@@ -12,7 +12,7 @@ from typing import Callable
 from .._memory import release_memory
 from ..graph.subgraph import constant_bytes
 from ..measure.estimate import node_flops
-from ..byoc import compile_placement
+from ..byoc import compile_placement, forget_lowered
 from ..measure.timing import (BUSY_SHARE, OtherLoad, by_round, interleaved,
                               round_log_ratios)
 from ..placement import Placement
@@ -158,6 +158,16 @@ def never_slower(graph, placement: Placement, backends: dict, target,
 AT_LOAD_SHARE = 0.05
 
 
+# The ``source`` of a contender that runs the user's own model file whole on a library.
+MODEL_FILE = "model file"
+
+
+def file_label(library: str, source: str = MODEL_FILE) -> str:
+    """A contender's name: its library, and its source where it is not the shipped file
+    ("onnxruntime (model file)"): the floors of the final check, the decision at load."""
+    return f"{library} ({source})" if source else library
+
+
 def _same_file_runs(builds: dict, graph_of: dict, floors: dict, backends: dict) -> dict:
     """build name -> (the file it runs whole, its graph library) of the builds that run one
     file whole on a graph library: a floor the user's model file ("model file"), a build
@@ -165,7 +175,7 @@ def _same_file_runs(builds: dict, graph_of: dict, floors: dict, backends: dict) 
     out = {}
     for name, groups in builds.items():
         if name in floors:
-            out[name] = ("model file", floors[name].backend)
+            out[name] = (MODEL_FILE, floors[name].backend)
         elif groups is not None and len(groups) == 1 \
                 and len(groups[0].nodes) == len(graph_of[name]) \
                 and getattr(backends.get(groups[0].backend), "kind", "") == "graph":
@@ -192,7 +202,7 @@ def close_calls(best: str, ok: dict, runs: dict) -> list:
     for name in sorted((n for n in ok if n in runs), key=lambda n: ok[n]["ms"]):
         other_file, other = runs[name]
         source = "" if other_file == file else other_file
-        if source not in ("", "model file") or ok[name]["ms"] > bar:
+        if source not in ("", MODEL_FILE) or ok[name]["ms"] > bar:
             continue
         if (other, source) != (lib, "") and (other, source) not in out:
             out[(other, source)] = ok[name]["ms"]
@@ -288,8 +298,8 @@ def _time_builds(builds, graph_of, floors, backends, target, accuracy, weights,
             results[name] = {"same_as": same}
             logger.info("end to end: %s is the same placement as %s", name, same)
             continue
-        if len(runs) > 1 and memory_short(weights):
-            _narrow(runs, results, outputs, builds, accuracy, target, floors)
+        if runs and memory_short(weights):
+            _make_room(runs, results, outputs, builds, accuracy, target, floors, weights)
         why = (_hopeless_by_estimate(alone_ms.get(name), cutoff)
                or _hopeless_like_tvm_only(graph_of[name], builds[name], results, cutoff))
         if why:
@@ -599,6 +609,40 @@ def memory_short(weights: int) -> bool:
     """Whether one more build of a model with ``weights`` bytes of weights may not fit in
     the memory left (``BUILD_HOLDS`` times the weights, and a gigabyte to spare)."""
     return _available() < BUILD_HOLDS * weights + (1 << 30)
+
+
+def room_beside_one(weights: int) -> bool:
+    """Whether the next build fits beside the one build kept (``_make_room``, after
+    narrowing): the memory free now is what is left with it held."""
+    return not memory_short(weights)
+
+
+def _make_room(runs: dict, results: dict, outputs: dict, builds: dict, accuracy, target,
+               floors: dict, weights: int) -> None:
+    """Memory is short for the next build (``memory_short``). First the lowering cache goes
+    (``byoc.forget_lowered``: the libraries' callables of builds no longer held, the search's
+    graph-level placements among them; a held build keeps its own); then the builds held are
+    narrowed to the fastest correct one (``_narrow``); and where even that one leaves too
+    little beside the next build (regnet_y_128gf, 2.6 GB of weights: 6.3 GB free with one
+    build kept, and the next build's compile killed the process), it is set aside too: its
+    figures stand, taken before the next builds rather than beside them ("set_aside"), and it
+    can still ship (the shipped build is compiled again after the check)."""
+    forget_lowered()
+    release_memory()
+    if not memory_short(weights):
+        logger.info("end to end: memory was short: the lowering cache freed (%.1f GB free "
+                    "now)", _available() / 1e9)
+        return
+    if len(runs) > 1:
+        _narrow(runs, results, outputs, builds, accuracy, target, floors)
+    if runs and not room_beside_one(weights):
+        (kept,) = runs
+        del runs[kept]
+        results[kept]["set_aside"] = True
+        release_memory()
+        logger.warning("end to end: memory is short even for one build beside the next: %s "
+                       "set aside, its figures taken before the next builds stand (%.1f GB "
+                       "free now)", kept, _available() / 1e9)
 
 
 def _narrow(runs: dict, results: dict, outputs: dict, builds: dict, accuracy, target,
