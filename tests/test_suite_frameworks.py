@@ -249,6 +249,69 @@ def test_the_collage_build_is_loaded_between_the_frameworks_and_their_a_a_contro
     assert suites._bracketed(0.9, None) == 0.9 and suites._bracketed(None, 1.1) is None
 
 
+def test_a_model_too_large_for_every_framework_at_once_is_timed_a_group_at_a_time(
+        monkeypatch, tmp_path):
+    """regnet_y_128gf (2.6 GB of weights) on 24 GB: seven sessions at once do not fit. Each
+    library and control is then made and timed beside Collage (and PyTorch) on its own, one
+    group's sessions gone before the next; each figure is its group's ratio to Collage, put
+    on the first group's Collage figure, so the row's ratios are the groups' own."""
+    import psutil
+
+    from collage_tvm.tools import bench
+
+    made, alive = [], set()
+
+    class Session:
+        def __init__(self, name):
+            self.name = name
+            alive.add(name)
+            made.append((name, sorted(alive)))
+
+        def __del__(self):
+            alive.discard(self.name)
+
+    def maker(name):
+        return lambda: (Session(name), [0.0], *(["bf16"] if "default" in name else []))
+
+    monkeypatch.setattr(bench, "_library_makers", lambda path, arrays: {
+        n: maker(n) for n in ("onnxruntime", "openvino", "openvino (default)")})
+    monkeypatch.setattr(bench, "_torch_runs", lambda *a: ({"pytorch": None}, {"pytorch": [0.0]},
+                                                          {}))
+    rounds = iter(range(100))
+
+    def collage_runs(builds, arrays, runs, outs):
+        runs["collage"], outs["collage"] = builds["collage"], [0.0]
+
+    def times(runs, extra, controls):  # Collage at 10, 20, 30 ms in the successive groups;
+        k = next(rounds) + 1  # each framework at 1.1x the Collage beside it
+        return {n: (10.0 * k if n == "collage" else 11.0 * k) for n in runs}
+
+    monkeypatch.setattr(bench, "_collage_runs", collage_runs)
+    monkeypatch.setattr(bench, "_framework_times", times)
+    model = tmp_path / "m.onnx"
+    model.write_bytes(b"0" * 1000)
+    controls = {suites.CONTROL: "onnxruntime"}
+    assert suites.framework_groups(str(model), controls) is None  # a small model: all at once
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("M", (), {"available": 10})())
+    groups = suites.framework_groups(str(model), controls)
+    assert groups == [{"onnxruntime"}, {"openvino"}, {"openvino (default)"}, {suites.CONTROL}]
+    rows = suites._timed_in_groups(
+        lambda only: bench.torch_frameworks(
+            lambda *x: torch.zeros(1), (torch.zeros(1),), str(model),
+            bench.LoadLater(lambda: "the build"),
+            lambda out, ref, precision: {"match": True, "max_err": 0.0, "rel_err": 0.0},
+            controls=controls, only=only), groups)
+    assert [n for n, _ in made] == ["onnxruntime", "openvino", "openvino (default)", "onnxruntime"]
+    assert all(len(with_it) == 1 for _, with_it in made)  # never two sessions at once
+    assert rows["collage"]["ms"] == 10.0
+    for name in ("onnxruntime", "openvino", "openvino (default)", suites.CONTROL):
+        assert rows[name]["ms"] == pytest.approx(11.0), rows[name]  # 1.1x its own Collage
+        assert rows[name]["group_ms"] == pytest.approx(rows[name]["collage_ms"] * 1.1)
+        assert "batches" not in rows[name]
+    assert rows["openvino (default)"]["precision"] == "bf16"
+    assert suites.versus(rows)["vs_best_f32"] == pytest.approx(1.1)
+
+
 def test_a_row_timed_on_a_busy_machine_says_so():
     quiet, busy = _row("quiet", 1.10), _row("busy", 0.80)
     quiet["build"].update(other_load=0.02, frameworks_other_load=0.05)

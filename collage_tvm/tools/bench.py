@@ -179,7 +179,7 @@ ROW_RUNOFF_ROUNDS = 45
 def torch_frameworks(model, inputs, onnx_path: str, collage_executable, check, *,
                      collage_f32=None, torch_compile: bool = False,
                      autocast: bool = False, label: str = "the model",
-                     controls: dict | None = None) -> dict:
+                     controls: dict | None = None, only=None) -> dict:
     """What a user runs instead of Collage, timed interleaved in this process with the
     shipped Collage build (``collage_executable``: an executable, or a saved build loaded
     back, ``artifact.LoadedModule``, as the suites time it, or a ``LoadLater`` of one) on the
@@ -204,6 +204,10 @@ def torch_frameworks(model, inputs, onnx_path: str, collage_executable, check, *
       "openvino_aa_spread"). The controls are made after the Collage build where that is a
       ``LoadLater``, the frameworks before it.
 
+    ``only``: the names of the libraries and controls to make (None: all), PyTorch and
+    Collage always (``suites.framework_row`` times them a group at a time where all at once
+    would not fit in memory).
+
     ``check(outputs, reference, precision)`` -> {"match", "max_err", "rel_err"} judges each
     row against PyTorch's outputs. A framework that fails to load or compile the model is
     reported with its error instead of a latency. Returns ``_rows``.
@@ -218,9 +222,10 @@ def torch_frameworks(model, inputs, onnx_path: str, collage_executable, check, *
         ref = _numpy_outputs(model(*inputs))
     runs, outs, extra = _torch_runs(model, inputs, ref, torch_compile, autocast, label)
     arrays = [i.numpy() for i in inputs]
-    controls = dict(controls or {})
+    controls = {c: fw for c, fw in (controls or {}).items() if only is None or c in only}
     makers = _library_makers(onnx_path, arrays)
-    _library_runs(makers, runs, outs, extra)
+    _library_runs({n: m for n, m in makers.items() if only is None or n in only}, runs, outs,
+                  extra)
     if isinstance(collage_executable, LoadLater):
         # made now, between the frameworks and their A/A controls: of two compiled instances
         # of one file, OpenVINO runs the one compiled first a few percent slower (docs/
@@ -228,8 +233,8 @@ def torch_frameworks(model, inputs, onnx_path: str, collage_executable, check, *
         collage_executable = collage_executable.load()
         if getattr(collage_executable, "decided", None):  # a close call timed at load
             extra["collage"] = {"decided_at_load": collage_executable.decided}
-    _library_runs({c: makers[fw] for c, fw in controls.items() if fw in runs}, runs, outs,
-                  extra)
+    _library_runs({c: makers[fw] for c, fw in controls.items()
+                   if fw in runs or (only is not None and fw not in only)}, runs, outs, extra)
     builds = {"collage": collage_executable}
     if collage_f32 is not None:
         builds["collage (f32)"] = collage_f32

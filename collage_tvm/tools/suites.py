@@ -843,6 +843,7 @@ def framework_row(make, name: str, onnx_path: str, executable, rtol: float = 1e-
     controls = {CONTROL: "onnxruntime", OPENVINO_F32_CONTROL: "openvino"}
     if accuracy != "f32":
         controls[OPENVINO_CONTROL] = "openvino (default)"
+    groups = framework_groups(onnx_path, controls)
     tries = []  # (the share of the CPU other processes took, A/A spread, rows), per timing
     for attempt in range(1 + BUSY_RETRIES):
         if attempt:
@@ -850,9 +851,11 @@ def framework_row(make, name: str, onnx_path: str, executable, rtol: float = 1e-
                   f"timed: timing them again in {BUSY_PAUSE_S:.0f} s", flush=True)
             time.sleep(BUSY_PAUSE_S)
         with OtherLoad() as load:
-            rows = torch_frameworks(model, inputs, onnx_path, executable,
-                                    _framework_check(rtol, atol), label=name,
-                                    controls=controls)
+            rows = _timed_in_groups(
+                lambda only: torch_frameworks(model, inputs, onnx_path, executable,
+                                              _framework_check(rtol, atol), label=name,
+                                              controls=controls, only=only),
+                groups)
         tries.append((load.share, _widest_spread(versus(rows)), rows))
         if not _noisy(*tries[-1][:2]):  # (load nan: not measurable here)
             break
@@ -861,10 +864,66 @@ def framework_row(make, name: str, onnx_path: str, executable, rtol: float = 1e-
             if "error" not in r else r for fw, r in rows.items()}
     out = {"frameworks": rows, **versus(rows), "threads": host_cores(),
            "frameworks_other_load": share}
+    if groups is not None:  # too large to hold every framework at once: a group at a time
+        out["frameworks_grouped"] = [sorted(g) for g in groups]
     if len(tries) > 1:
         out["frameworks_loads"] = [t[0] for t in tries]
         out["frameworks_aa_spreads"] = [t[1] for t in tries]
     return out
+
+
+# What one framework's session (or compiled model) of a file holds, in multiples of the
+# file's weights (``check.never_slower``'s measurements: an ONNX Runtime session 1.8x,
+# OpenVINO 2.5x); the Collage build loaded is counted as one more.
+SESSION_HOLDS = 2.5
+
+
+def framework_groups(onnx_path: str, controls: dict) -> list | None:
+    """None where the frameworks, their A/A controls and the Collage build fit in memory at
+    once (``SESSION_HOLDS`` times the file's weights each, PyTorch's model once, a gigabyte
+    to spare); else one group per library or control, each timed beside Collage and PyTorch
+    on its own (``_timed_in_groups``): torchvision's regnet_y_128gf (2.6 GB of weights)
+    would need about 43 GB at once, 17 a group."""
+    import psutil
+
+    from .bench import GLUE_LIBRARIES
+
+    folder = os.path.dirname(os.path.abspath(onnx_path))
+    weights = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder)
+                  if os.path.isfile(os.path.join(folder, f)))  # the file and its data files
+    names = [*GLUE_LIBRARIES, "openvino (default)", *controls]
+    need = (SESSION_HOLDS * (len(names) + 1) + 1) * weights + (1 << 30)
+    if need < psutil.virtual_memory().available:
+        return None
+    return [{n} for n in names]
+
+
+def _timed_in_groups(time_frameworks, groups: list | None) -> dict:
+    """``time_frameworks(only)`` (``bench.torch_frameworks``'s rows) for all at once
+    (``groups`` None), else for each group in turn, Collage and PyTorch timed in each. Then
+    each framework's figure is its own group's ratio to Collage times Collage's figure in
+    the first group ("ms"; "group_ms" its own, "collage_ms" Collage's beside it), so every
+    ratio ``versus`` takes is one timed interleaved; the batches are left out (a round of one
+    group is not a round of another)."""
+    if groups is None:
+        return time_frameworks(None)
+    merged: dict = {}
+    base = None
+    for group in groups:
+        rows = time_frameworks(group)
+        collage = rows.get("collage", {}).get("ms", math.nan)
+        if base is None:
+            base = collage
+            merged = {n: {k: v for k, v in r.items() if k != "batches"}
+                      for n, r in rows.items() if n in ("collage", "pytorch")}
+        for n in group & set(rows):
+            r = {k: v for k, v in rows[n].items() if k != "batches"}
+            if "error" not in r and math.isfinite(r.get("ms", math.nan)):
+                r["group_ms"], r["collage_ms"] = r["ms"], collage
+                r["ms"] = r["ms"] * base / collage
+            merged[n] = r
+        release_memory()
+    return merged
 
 
 def _bracketed(before: float | None, after: float | None) -> float | None:
