@@ -310,6 +310,9 @@ def test_a_model_too_large_for_every_framework_at_once_is_timed_a_group_at_a_tim
         assert "batches" not in rows[name]
     assert rows["openvino (default)"]["precision"] == "bf16"
     assert suites.versus(rows)["vs_best_f32"] == pytest.approx(1.1)
+    cell = suites._versus_cell({"vs_best_f32": 1.1, "best_f32": ("onnxruntime", 11.0),
+                                "frameworks_grouped": [sorted(g) for g in groups]})
+    assert cell.startswith("1.10x (onnxruntime)") and "group of its own" in cell
 
 
 def test_a_row_timed_on_a_busy_machine_says_so():
