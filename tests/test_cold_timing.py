@@ -81,6 +81,36 @@ def test_timing_loops_flush_the_caches_when_asked():
     assert len(both) == 2 and all(t > 0 for t in both)
 
 
+def test_a_flush_writes_every_byte_of_its_buffer_on_every_thread():
+    """The flush before a cold sample is split over the cores; every part is written
+    each time (a part left out would leave its share of the cache warm)."""
+    from collage_tvm.measure.timing import _Flush
+
+    for threads in (1, 2, 3):
+        flush = _Flush((1 << 20) + 24, threads=threads)
+        try:
+            assert len(flush.parts) == threads
+            buf = flush.buf
+            flush()
+            flush()
+            assert buf.size == ((1 << 20) + 24) // 8 and (buf == 2).all()
+        finally:
+            flush.close()
+        assert flush.buf is None  # its megabytes let go with it
+
+
+def test_cold_samples_come_three_a_batch():
+    """A cold sample's cost is its flush: batches of ``LONG_REPEAT`` however short the
+    call, until two batches' medians agree."""
+    from collage_tvm.measure.timing import LONG_REPEAT
+
+    vm = _SleepVM(0.2)
+    ms, _, extra = time_main(vm, [], None, flush_bytes=1 << 16)
+    assert 0.15 < ms < 20 and extra["repeats"] % LONG_REPEAT == 0, (ms, extra)
+    assert extra["repeats"] <= 4 * LONG_REPEAT
+    assert not vm.batches  # timed here, one call after each flush, not by TVM's evaluator
+
+
 def test_other_load_counts_other_processes_busy_beside_a_timing():
     """The final check's verdict is unsure when other processes kept the CPU busy
     (``OtherLoad``): a spinning process on every core is seen as most of the machine."""

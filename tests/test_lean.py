@@ -338,7 +338,12 @@ def test_a_rerun_over_the_same_cost_db_takes_the_kept_verdict_and_measures_nothi
     again.close()
     assert again.asked == [] and rep2.stopped == "db" and rep2.measured == 0
     assert all(raw2[c] == table[c] for c in measured)  # the DB's costs
-    forgot = next(iter(measured))
+    # Forgotten: a group of the placement chosen (every lean search measures those; an
+    # arbitrary measured candidate the DP may never need again: the set's order, and so
+    # this test, then varied with the hash seed)
+    chosen = place(graph.producers, candidates,
+                   {c: max(0.0, v - EPS[c.backend]) for c, v in raw.items()}, EPS).groups
+    forgot = min((c for c in chosen if c in measured), key=lambda c: (min(c.nodes), c.backend))
     third = TableMeasurer(db, measured - {forgot})
     _, rep3 = lean_costs(third, graph, candidates, backends, EPS, switch={}, gap=0.3)
     third.close()

@@ -11,6 +11,7 @@ None on the CPU.
 from __future__ import annotations
 
 import math
+import os
 import random
 import statistics
 import time
@@ -23,15 +24,48 @@ def _done(sync) -> float:
 
 
 class _Flush:
-    """Evicts the CPU's caches: writes a buffer of ``nbytes`` (twice the last-level cache)."""
+    """Evicts the CPU's caches: writes a buffer of ``nbytes`` (twice the last-level cache),
+    its parts side by side on ``threads`` threads (numpy lets go of the GIL on a large
+    array), one a core by default. A cold sample (``time_main``) is one call after a
+    flush, and the flush is most of its cost: TVM's own (``time_evaluator``'s
+    ``cache_flush_bytes``) allocates its buffer for each batch and writes it with one
+    thread (``docs/BENCHMARKS.md``, "Search time", has the search it slowed)."""
 
-    def __init__(self, nbytes: int):
+    def __init__(self, nbytes: int, threads: int | None = None):
         import numpy as np
 
         self.buf = np.zeros(max(1, nbytes // 8), dtype=np.int64)
+        threads = max(1, min(threads or _cores(), len(self.buf)))
+        self.parts = np.array_split(self.buf, threads)
+        self._pool = None
+        if threads > 1:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(threads, thread_name_prefix="collage-flush")
 
     def __call__(self) -> None:
-        self.buf += 1
+        if self._pool is None:
+            self.buf += 1
+            return
+        for done in [self._pool.submit(_add_one, part) for part in self.parts]:
+            done.result()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+        self.buf = self.parts = None
+
+
+def _add_one(part) -> None:
+    part += 1
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 #: A call at least this long (ms, warm) is timed in batches of ``LONG_REPEAT`` samples: each
@@ -55,9 +89,10 @@ def time_main(vm, args, dev, cutoff_ms: float | None = None, target_ms: float = 
     timed one call per sample.
 
     ``flush_bytes``: each sample is one call after ``flush_bytes`` were written through the
-    caches (TVM's ``cache_flush_bytes``): the kernel's weights come from memory, as they do
-    in a whole run of a model whose weights the last-level cache cannot hold
-    (``Measurer.costs``). 0: calls back to back, weights in cache.
+    caches (``_Flush``, on every core), ``LONG_REPEAT`` samples a batch: the kernel's
+    weights come from memory, as they do in a whole run of a model whose weights the
+    last-level cache cannot hold (``Measurer.costs``). 0: calls back to back, weights in
+    cache.
 
     ``run``: the VM's main captured as a CUDA graph (``cuda_graph.capture``); when it was
     captured, its replays are what is timed (``extra["cuda_graph"]``), in a loop here
@@ -83,6 +118,7 @@ def time_main(vm, args, dev, cutoff_ms: float | None = None, target_ms: float = 
         number = max(1, int(target_ms / max(warm_ms, 1e-3)))
     if warm_ms >= LONG_MS:
         repeat = min(repeat, LONG_REPEAT)
+    flush = None
     if replay is not None:
         def evaluator():
             out = []
@@ -93,19 +129,31 @@ def time_main(vm, args, dev, cutoff_ms: float | None = None, target_ms: float = 
                 out.append((_done(sync) - t0) / number)
             return out
     elif flush_bytes:
-        flushed = vm.module.time_evaluator("main", dev, number=1, repeat=repeat,
-                                           cache_flush_bytes=int(flush_bytes))
-        evaluator = lambda: flushed(*args).results  # noqa: E731
+        flush = _Flush(int(flush_bytes))
+        repeat = min(repeat, LONG_REPEAT)  # a cold sample's cost is its flush's
+
+        def evaluator():
+            out = []
+            for _ in range(repeat):
+                flush()
+                t0 = _done(sync)
+                fn(*args)
+                out.append(_done(sync) - t0)
+            return out
     else:
         timer = vm.time_evaluator("main", dev, number=number, repeat=repeat)
         evaluator = lambda: timer(*args).results  # noqa: E731
     samples: list = []
     medians: list = []
-    for _ in range(max_batches):
-        samples += [r * 1e3 for r in evaluator()]
-        medians.append(statistics.median(samples))
-        if len(medians) >= 2 and abs(medians[-1] - medians[-2]) <= 0.03 * medians[-2]:
-            break
+    try:
+        for _ in range(max_batches):
+            samples += [r * 1e3 for r in evaluator()]
+            medians.append(statistics.median(samples))
+            if len(medians) >= 2 and abs(medians[-1] - medians[-2]) <= 0.03 * medians[-2]:
+                break
+    finally:
+        if flush is not None:
+            flush.close()
     extra = {"repeats": len(samples) * number}
     if replay is not None:
         extra["cuda_graph"] = True
@@ -170,9 +218,13 @@ def time_side_by_side(runs: list, rounds: int = 9, target_ms: float = 2.0, sync=
     number = [3 if flush is not None else max(1, int(target_ms / max(loop(fn, args, 1), 1e-3)))
               for fn, args in runs]
     samples: list = [[] for _ in runs]
-    for _ in range(rounds):
-        for k, (fn, args) in enumerate(runs):
-            samples[k].append(loop(fn, args, number[k]))
+    try:
+        for _ in range(rounds):
+            for k, (fn, args) in enumerate(runs):
+                samples[k].append(loop(fn, args, number[k]))
+    finally:
+        if flush is not None:
+            flush.close()
     return [statistics.median(s) for s in samples]
 
 
