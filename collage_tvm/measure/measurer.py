@@ -27,12 +27,16 @@ from .worker import WorkerPool, _message, new_owner, shared_worker
 logger = logging.getLogger("collage_tvm")
 
 EPSILON_KEY = "__epsilon__"
-COLD_KEY = "|cold"  # the suffix of a candidate's key when it is timed with cold caches
+# The suffix of a candidate's key when it is timed with cold caches. "|cold2": since the
+# flush runs on every core (``timing._Flush``); costs after TVM's own flush ("|cold") ran
+# higher (ViT-B/16's OpenVINO region 238 ms against 162) and are not mixed with these.
+COLD_KEY = "|cold2"
 WHOLE_KEY = "|whole"  # the suffix of a candidate's key when it is the whole model
 # The cost model's revision, part of the placement-log key (``build.placement_key``): a
 # placement searched on costs the measurer no longer gives is searched again (most of its
-# costs come back from the DB). "cold": large candidates timed with cold caches (2026-11-25).
-COST_MODEL = "cold"
+# costs come back from the DB). "cold": large candidates timed with cold caches (2026-11-25);
+# "cold2": after a flush on every core (``COLD_KEY``, 2026-11-28).
+COST_MODEL = "cold2"
 SWITCH_KEY = "__switch__"
 SIDE_KEY = "__side_by_side__"
 # A lean search's verdict: which candidates it left unmeasured (``Measurer.keep_skipped``).
