@@ -11,7 +11,6 @@ None on the CPU.
 from __future__ import annotations
 
 import math
-import os
 import random
 import statistics
 import time
@@ -34,8 +33,10 @@ class _Flush:
     def __init__(self, nbytes: int, threads: int | None = None):
         import numpy as np
 
+        from ..target import host_cores
+
         self.buf = np.zeros(max(1, nbytes // 8), dtype=np.int64)
-        threads = max(1, min(threads or _cores(), len(self.buf)))
+        threads = max(1, min(threads or host_cores(), len(self.buf)))
         self.parts = np.array_split(self.buf, threads)
         self._pool = None
         if threads > 1:
@@ -59,13 +60,6 @@ class _Flush:
 
 def _add_one(part) -> None:
     part += 1
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 #: A call at least this long (ms, warm) is timed in batches of ``LONG_REPEAT`` samples: each
