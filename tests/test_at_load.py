@@ -27,7 +27,18 @@ pytestmark = pytest.mark.skipif(
 
 def _clock(monkeypatch, figures: dict):
     """The final check's builds time ``figures[name]`` ms (1 ms for the rest): the builds run,
-    the clock is fixed."""
+    the clock is fixed. The search's TVM kernels cost at most 2 us, so its placement stays
+    on TVM: measured for real, a slow sample of the TVM kernels could make it the whole
+    model on ONNX Runtime (one build in three on a busy 2-vCPU machine), and then that
+    contender is "collage", not the "onnxruntime" the figures name."""
+    measurer = importlib.import_module("collage_tvm.measure.measurer")
+    cached = measurer.Measurer._cached
+
+    def capped(self, name, version, key, label, measure):
+        cost = cached(self, name, version, key, label, measure)
+        return min(cost, 0.002) if name == "tvm" and not key.startswith("__") else cost
+
+    monkeypatch.setattr(measurer.Measurer, "_cached", capped)
     real = ns.evaluate
     monkeypatch.setattr(ns, "evaluate", lambda *a, **k: {**real(*a, **k), "ms": 1.0})
     monkeypatch.setattr(ns, "interleaved", lambda runs, **kw: {
