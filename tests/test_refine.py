@@ -321,6 +321,54 @@ def test_time_main_sizes_its_samples_on_a_warm_call():
     assert extra["repeats"] >= 100  # 1 ms of a call well under 10 us, ten samples at least
 
 
+def _slow_first_vm(first_s: float, then_s: float):
+    """A VM whose main sleeps ``first_s`` on its first call, ``then_s`` after (its
+    ``time_evaluator`` calls main)."""
+    import time
+
+    calls = [0]
+
+    def main():
+        calls[0] += 1
+        time.sleep(first_s if calls[0] == 1 else then_s)
+
+    class FakeVM:
+        def __getitem__(self, name):
+            return main
+
+        def time_evaluator(self, name, dev, number, repeat):
+            def run():
+                out = []
+                for _ in range(repeat):
+                    t0 = time.perf_counter()
+                    for _ in range(number):
+                        main()
+                    out.append((time.perf_counter() - t0) / number)
+                return type("R", (), {"results": out})()
+            return run
+
+    return FakeVM(), calls
+
+
+def test_a_slow_first_run_near_the_cutoff_gets_a_second_look():
+    # A kernel of microseconds whose first call took 20 ms (a lazy start) against a cutoff of
+    # 10 ms: its warm second run is under the cutoff, so it is timed, not cut short at 20 ms.
+    from collage_tvm.measure.timing import SECOND_LOOK_MS, time_main
+
+    assert SECOND_LOOK_MS > 10
+    vm, calls = _slow_first_vm(0.020, 0.0)
+    ms, why, extra = time_main(vm, [], None, cutoff_ms=10.0)
+    assert why is None and ms < 1.0 and extra["repeats"] > 2, (ms, why, extra)
+    # slow on the second run too: cut short after two runs, at the warm one's time
+    vm, calls = _slow_first_vm(0.020, 0.015)
+    ms, why, extra = time_main(vm, [], None, cutoff_ms=10.0)
+    assert why and "cut short" in why and calls[0] == 2 and 14 < ms < 40, (ms, why)
+    # far past the cutoff (a hopeless kernel of a big model): one run is enough
+    vm, calls = _slow_first_vm((10.0 + SECOND_LOOK_MS + 20) / 1e3, 0.0)
+    ms, why, extra = time_main(vm, [], None, cutoff_ms=10.0)
+    assert why and "cut short" in why and calls[0] == 1 and extra["repeats"] == 1
+
+
 def test_a_second_measurement_of_the_same_candidate_reuses_its_build(tmp_path):
     # The second pass and side-by-side re-timing time a candidate again: the process that
     # measures keeps the build under the candidate's key; a measurer's end forgets it.
