@@ -17,7 +17,7 @@ demo: setup
 	$(PY) tutorials/demo.py
 
 test: setup
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" --durations=15
 
 test-slow: setup
 	$(PY) -m pytest -q -m slow
