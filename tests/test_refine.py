@@ -288,39 +288,6 @@ def test_a_child_that_drops_its_pipe_but_lingers_is_a_failed_measurement_not_a_c
     assert math.isinf(cost) and "measurement process died" in reason
 
 
-def test_time_main_sizes_its_samples_on_a_warm_call():
-    # A fresh build's first call can be far slower than the rest (lazy initialisation):
-    # the samples are sized on a warm call, so a fast kernel is called many times per
-    # sample, not once.
-    import time
-
-    from collage_tvm.measure.timing import time_main
-
-    calls = [0]
-
-    def main():
-        calls[0] += 1
-        if calls[0] == 1:
-            time.sleep(0.05)
-
-    class FakeVM:
-        def __getitem__(self, name):
-            return main
-
-        def time_evaluator(self, name, dev, number, repeat):
-            def run():
-                t0 = time.perf_counter()
-                for _ in range(number * repeat):
-                    main()
-                per = (time.perf_counter() - t0) / (number * repeat)
-                return type("R", (), {"results": [per] * repeat})()
-            return run
-
-    ms, why, extra = time_main(FakeVM(), [], None, target_ms=1.0)
-    assert why is None and ms < 1.0
-    assert extra["repeats"] >= 100  # 1 ms of a call well under 10 us, ten samples at least
-
-
 def _slow_first_vm(first_s: float, then_s: float):
     """A VM whose main sleeps ``first_s`` on its first call, ``then_s`` after (its
     ``time_evaluator`` calls main)."""
@@ -330,7 +297,9 @@ def _slow_first_vm(first_s: float, then_s: float):
 
     def main():
         calls[0] += 1
-        time.sleep(first_s if calls[0] == 1 else then_s)
+        s = first_s if calls[0] == 1 else then_s
+        if s:
+            time.sleep(s)
 
     class FakeVM:
         def __getitem__(self, name):
@@ -348,6 +317,18 @@ def _slow_first_vm(first_s: float, then_s: float):
             return run
 
     return FakeVM(), calls
+
+
+def test_time_main_sizes_its_samples_on_a_warm_call():
+    # A fresh build's first call can be far slower than the rest (lazy initialisation):
+    # the samples are sized on a warm call, so a fast kernel is called many times per
+    # sample, not once.
+    from collage_tvm.measure.timing import time_main
+
+    vm, _ = _slow_first_vm(0.05, 0.0)
+    ms, why, extra = time_main(vm, [], None, target_ms=1.0)
+    assert why is None and ms < 1.0
+    assert extra["repeats"] >= 100  # 1 ms of a call well under 10 us, ten samples at least
 
 
 def test_a_slow_first_run_near_the_cutoff_gets_a_second_look():
