@@ -6,14 +6,31 @@ import pytest
 from collage_tvm.measure import timing
 
 
-@pytest.fixture(autouse=True)
-def _short_settle(monkeypatch):
-    """Interleaved timings in tests pause 2 ms before each batch instead of 50: the tests
-    check what is compared and chosen, not how fairly a loaded CI machine times it (the
-    pause itself is tested in test_baselines.py, which passes ``settle_s``). The final
-    check's runoff stops at the re-timing's 7 rounds, open close calls too (their own tests
-    in test_floor.py set the rounds they check)."""
-    monkeypatch.setattr(timing, "SETTLE_S", 0.002)
+@pytest.fixture(autouse=True, scope="session")
+def _short_timing():
+    """Timings in tests are short: the tests check what is compared and chosen, not how
+    fairly a loaded CI machine times it. Session-wide, so that module-scoped fixtures (a
+    bench run that serves several tests) time under them too.
+
+    - Interleaved timings pause 2 ms before each batch instead of 50 (the pause itself is
+      tested in test_baselines.py, which passes ``settle_s``).
+    - The final check's runoff stops at the re-timing's 7 rounds, open close calls too
+      (their own tests in test_floor.py set the rounds they check).
+    - The frameworks a row or a bench is judged against: 6 rounds of 20-ms batches, 8 with
+      the runoff (the product: 15 of 200 ms, 45), enough for a paired ratio
+      (``timing.PAIRED_MIN_ROUNDS``) of figures nobody reads.
+    - A timing found noisy (other load, an A/A control astray) is timed again after half a
+      second, not ten (the retries themselves are tested with a clock of their own)."""
     never_slower = importlib.import_module("collage_tvm.check.never_slower")
-    monkeypatch.setattr(never_slower, "RUNOFF_ROUNDS", 7)
-    monkeypatch.setattr(never_slower, "RUNOFF_MAX_ROUNDS", 7)
+    from collage_tvm.tools import bench, suites
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(timing, "SETTLE_S", 0.002)
+        mp.setattr(never_slower, "RUNOFF_ROUNDS", 7)
+        mp.setattr(never_slower, "RUNOFF_MAX_ROUNDS", 7)
+        mp.setattr(bench, "FRAMEWORK_ROUNDS", timing.PAIRED_MIN_ROUNDS + 1)
+        mp.setattr(bench, "ROW_RUNOFF_ROUNDS", timing.PAIRED_MIN_ROUNDS + 3)
+        mp.setattr(bench, "FRAMEWORK_BATCH_MS", 20.0)
+        mp.setattr(never_slower, "BUSY_RETRY_S", 0.5)
+        mp.setattr(suites, "BUSY_PAUSE_S", 0.5)
+        yield

@@ -174,6 +174,8 @@ FRAMEWORK_ROUNDS = 15
 # the ones whose ratio the noise can turn.
 ROW_RUNOFF_MARGIN = 0.10
 ROW_RUNOFF_ROUNDS = 45
+# Each function's batch in those rounds: calls for at least this many ms (``interleaved``).
+FRAMEWORK_BATCH_MS = 200.0
 
 
 def torch_frameworks(model, inputs, onnx_path: str, collage_executable, check, *,
@@ -353,7 +355,7 @@ def _framework_times(runs: dict, extra: dict, controls: dict | None = None) -> d
     from collage_tvm.measure.timing import interleaved
 
     samples: dict = {}
-    ms = interleaved(runs, rounds=FRAMEWORK_ROUNDS, samples=samples)
+    ms = interleaved(runs, rounds=FRAMEWORK_ROUNDS, min_ms=FRAMEWORK_BATCH_MS, samples=samples)
     mine = [n for n in ("collage", "collage (f32)") if n in ms]
     controls = controls or {}
     f32 = [ms[n] for n in ms if n not in mine and n not in controls
@@ -375,7 +377,7 @@ def _framework_times(runs: dict, extra: dict, controls: dict | None = None) -> d
               f"{ROW_RUNOFF_ROUNDS} rounds", flush=True)
         ms.update(interleaved({n: runs[n] for n in runs if n in close},
                               rounds=ROW_RUNOFF_ROUNDS - FRAMEWORK_ROUNDS,
-                              samples={n: samples[n] for n in close}))
+                              min_ms=FRAMEWORK_BATCH_MS, samples={n: samples[n] for n in close}))
     for n in ms:
         # the batches in round order (batch i of two figures: the same round, side by
         # side; ``suites.versus`` pairs them)
