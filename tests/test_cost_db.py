@@ -240,6 +240,25 @@ def test_failures_are_sorted_by_kind_and_only_those_of_the_moment_are_retried():
     assert CostRecord(1.5, None, 0.0).failure_kind is None
 
 
+def test_a_cost_cut_on_a_lazy_first_run_is_measured_again_once():
+    # Before the second look (timing.SECOND_LOOK_MS), a 3 us kernel whose first call took
+    # 0.3 ms was cut there and its cost recorded at 0.3 ms: a later run measures it again.
+    from collage_tvm.measure.timing import SECOND_LOOK_MS
+
+    lazy = "cut short: first run 0.300 ms > cutoff 0.060 ms"
+    assert CostRecord(0.3, lazy, 0.0).retry
+    far = f"cut short: first run {60.0 + SECOND_LOOK_MS + 1:.3f} ms > cutoff 60.000 ms"
+    assert not CostRecord(111.0, far, 0.0).retry  # hopeless at once: a true cut
+    assert not CostRecord(0.3, "cut short: first runs 0.300 and 0.200 ms > cutoff 0.060 ms",
+                          0.0).retry  # warm too: a true cut
+    db = CostDB(None)
+    db.put("tvm", "1", "k", "dev", 0.3, lazy, {"label": "conv"})
+    m = _cached_measurer(db)
+    assert m._cached("tvm", "1", "k", "conv", lambda: (0.003, None, {"repeats": 500})) == 0.003
+    assert m.retried == 1 and not db.get("tvm", "1", "k", "dev").retry
+    assert m._cached("tvm", "1", "k", "conv", lambda: (9.0, None, {})) == 0.003  # kept now
+
+
 def _cached_measurer(db):
     """A measurer's ``_cached`` (the DB lookup-or-measure) without a worker or target."""
     from collage_tvm.measure.measurer import Measurer

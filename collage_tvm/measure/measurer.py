@@ -35,8 +35,10 @@ WHOLE_KEY = "|whole"  # the suffix of a candidate's key when it is the whole mod
 # The cost model's revision, part of the placement-log key (``build.placement_key``): a
 # placement searched on costs the measurer no longer gives is searched again (most of its
 # costs come back from the DB). "cold": large candidates timed with cold caches (2026-11-25);
-# "cold2": after a flush on every core (``COLD_KEY``, 2026-11-28).
-COST_MODEL = "cold2"
+# "cold2": after a flush on every core (``COLD_KEY``, 2026-11-28); "cold2-look": a first
+# run near the cutoff gets a second look (``timing.SECOND_LOOK_MS``) and the costs cut on
+# such a run before are measured again (``db.cut_before_second_look``), 2026-11-29.
+COST_MODEL = "cold2-look"
 SWITCH_KEY = "__switch__"
 SIDE_KEY = "__side_by_side__"
 # A lean search's verdict: which candidates it left unmeasured (``Measurer.keep_skipped``).
@@ -300,8 +302,7 @@ class Measurer:
             raise DeadlinePassed(f"{name} {label}: not measured, the deadline has passed")
         if rec is not None:
             self.retried += 1
-            logger.info("%s %s: measuring again once (it failed earlier: %s)", name, label,
-                        rec.reason)
+            logger.info("%s %s: measuring again once (earlier: %s)", name, label, rec.reason)
         cost, reason, extra = measure()
         self.measured += 1
         if math.isinf(cost):
