@@ -10,7 +10,7 @@ from tvm import relax
 from ..graph.subgraph import random_inputs
 from ..byoc import compile_placement
 from ..measure.cuda_graph import capture, flat_numpy
-from ..measure.timing import SECOND_LOOK_MS, time_main
+from ..measure.timing import past_second_look, time_main
 from .._errors import first_line  # noqa: F401 - re-exported: the check's reasons
 from ..precision import Accuracy, compare_outputs  # noqa: F401 - compare_outputs re-exported
 from ..target import device_sync, target_device
@@ -39,7 +39,7 @@ def evaluate(executable, graph, target, reference=None, seed=0,
     t0 = time.perf_counter()
     outputs = run_outputs(vm, args)
     first_ms = (time.perf_counter() - t0) * 1e3
-    if first_run_counts and cutoff_ms is not None and first_ms > cutoff_ms + SECOND_LOOK_MS \
+    if first_run_counts and past_second_look(first_ms, cutoff_ms) \
             and device_sync(target) is None:
         result = {"ms": first_ms, "outputs": outputs, "match": None, "max_err": math.nan,
                   "run": lambda: vm["main"](*args), "timed_once": True, "cuda_graph": None}

@@ -24,7 +24,6 @@ import json
 import logging
 import math
 import os
-import re
 import sqlite3
 import threading
 import time
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import Iterator
 
 from .._files import aside_name, file_lock, write_json_atomic
+from .timing import cut_before_second_look
 
 logger = logging.getLogger("collage_tvm")
 
@@ -106,24 +106,10 @@ class CostRecord:
         """A failure of the moment (timeout, out of memory, a crashed measuring process) not
         yet retried: measured again once by a later run; a real "cannot run" stays. So is a
         cost cut short on a first run that ``timing.time_main`` now gives a second look
-        (``cut_before_second_look``): a lazy start recorded as the candidate's cost."""
+        (``timing.cut_before_second_look``): a lazy start recorded as the candidate's cost."""
         if not self.failed:
             return cut_before_second_look(self.reason)
         return self.failure_kind in TRANSIENT and not self.extra.get("retried")
-
-
-_FIRST_RUN_CUT = re.compile(r"cut short: first run ([0-9.]+) ms > cutoff ([0-9.]+) ms")
-
-
-def cut_before_second_look(reason: str | None) -> bool:
-    """Whether ``reason`` is a cost cut short on its first run, when that run was past the
-    cutoff by no more than ``timing.SECOND_LOOK_MS``: written by the measurer before the
-    second look (2026-11-28), which times such a candidate warm. A cut after two runs, or
-    after one far past the cutoff, is a true one."""
-    from .timing import SECOND_LOOK_MS
-
-    found = _FIRST_RUN_CUT.match(reason or "")
-    return found is not None and float(found[1]) <= float(found[2]) + SECOND_LOOK_MS
 
 
 # Failures of the moment rather than of the candidate: retried once (``CostRecord.retry``).

@@ -37,7 +37,7 @@ WHOLE_KEY = "|whole"  # the suffix of a candidate's key when it is the whole mod
 # costs come back from the DB). "cold": large candidates timed with cold caches (2026-11-25);
 # "cold2": after a flush on every core (``COLD_KEY``, 2026-11-28); "cold2-look": a first
 # run near the cutoff gets a second look (``timing.SECOND_LOOK_MS``) and the costs cut on
-# such a run before are measured again (``db.cut_before_second_look``), 2026-11-29.
+# such a run before are measured again (``timing.cut_before_second_look``), 2026-11-29.
 COST_MODEL = "cold2-look"
 SWITCH_KEY = "__switch__"
 SIDE_KEY = "__side_by_side__"
