@@ -819,7 +819,7 @@ def _graph_level(p: Placing, placement, evaluate=None):
         return placement
     t0 = time.perf_counter()
     gl = GraphLevelSearch(p.graph, placement, libs, evaluate or latency_evaluator(
-        p.graph, p.backends, p.target, p.options.accuracy))
+        p.graph, p.backends, p.target, p.options.accuracy), call_ms=report.epsilon)
     timed = _timed_anyway(p, gl, placement)
     if timed:
         logger.info("graph-level: skipped: %s", timed)
@@ -831,6 +831,7 @@ def _graph_level(p: Placing, placement, evaluate=None):
     report.graph_level = {"libraries": sorted(libs), "genes": gl.n_genes,
                           "eligible_groups": len(gl.eligible), "seed_ms": res.seed_ms,
                           "best_ms": res.best_ms, "evaluated": res.evaluated,
+                          "bounded": res.bounded,
                           "invalid": len(res.invalid), "stopped": res.stopped,
                           "history": res.history,
                           "invalid_reasons": sorted(set(res.invalid.values()))[:10]}

@@ -114,7 +114,9 @@ def _print_search(rep) -> None:
         print(f"graph-level: {gl['eligible_groups']} groups could move to "
               f"{'/'.join(gl['libraries'])}; op-level {gl['seed_ms']:.3f} ms -> best "
               f"{gl['best_ms']:.3f} ms; {gl['evaluated']} placements measured "
-              f"({gl['invalid']} invalid); stopped by {gl['stopped']}")
+              f"({gl['invalid']} invalid)"
+              + (f", {gl['bounded']} not built (their library calls' overheads alone lose)"
+                 if gl.get("bounded") else "") + f"; stopped by {gl['stopped']}")
         for reason in gl.get("invalid_reasons", [])[:3]:
             print(f"  invalid: {reason}")
     elif gl.get("skipped"):

@@ -112,6 +112,40 @@ def test_search_finds_the_optimum_of_a_fake_latency_model(overhead, expect_all):
     assert res.stopped in ("saturation", "exhausted", "budget")
 
 
+@pytest.mark.parametrize("overhead", [0.1, 2.0, 50.0])
+def test_placements_whose_library_calls_alone_lose_are_not_built(overhead):
+    """With each library call's least time known (its measured per-call overhead), a
+    placement whose calls alone take BOUND_MARGIN times the best measured is not built:
+    the search finds the same optimum, builds fewer placements, and none it left unbuilt
+    could have won (the fake model's latency of each is past the best)."""
+    from collage_tvm.placer.graph_level import BOUND_MARGIN
+
+    g = _diamond_chain()
+    cost = {"tvm": 0.0, "ort": overhead}
+    evaluate, plain_calls = _fake_latency(g, cost)
+    plain = GraphLevelSearch(g, _op_level(g), {"ort": _lib("ort")}, evaluate, seed=1)
+    plain_res = plain.run(budget_s=30, population=8, patience=6)
+    evaluate, calls = _fake_latency(g, cost)
+    search = GraphLevelSearch(g, _op_level(g), {"ort": _lib("ort")}, evaluate, seed=1,
+                              call_ms={"ort": overhead, "not-a-library": 1e9})
+    res = search.run(budget_s=30, population=8, patience=6)
+    built, plain_built = len(calls), len(plain_calls)  # before the brute force adds its own
+    assert res.best_ms == pytest.approx(_brute_force(search)) == pytest.approx(plain_res.best_ms)
+    assert res.bounded == len(search.bounded) and res.evaluated == len(search.memo)
+    assert not set(search.bounded) & set(search.memo)  # left unbuilt: never evaluated
+    truth = {search.key(gs): search.evaluate(gs)[0] for gs in
+             (search.decode(list(genes))[0]
+              for genes in itertools.product([0, 1], repeat=search.n_genes))}
+    for key, bound in search.bounded.items():
+        assert bound > BOUND_MARGIN * res.best_ms
+        assert truth[key] >= bound > res.best_ms  # a lower bound, and a loser
+    if overhead == 50.0:  # one call costs more than the whole seed: only the seed is built
+        assert res.evaluated == 1 and res.bounded > 0
+        assert built == 1 < plain_built
+    if overhead == 0.1:  # calls cheap against the work: nothing can be bounded out
+        assert res.bounded == 0
+
+
 def test_search_is_repeatable_and_leaves_the_global_random_alone():
     """DEAP draws from the global ``random``: the search seeds it from its own seed and
     gives it back, so the same seed finds the same placement and a caller's stream of

@@ -1,4 +1,6 @@
 """Graph-library backends (onnxruntime, openvino) end to end, and the two-level search on them."""
+import math
+
 import numpy as np
 import pytest
 import tvm
@@ -165,7 +167,8 @@ def test_a_graph_level_with_only_final_check_builds_to_reach_is_left_to_the_fina
     off = collage_tvm.optimize(path, "llvm", ["tvm"] + GRAPH_LIBS, db=str(tmp_path / "c.db"),
                                placement_log=str(tmp_path / "off.json"), isolate=False,
                                progress=False, graph_level=True, budget=20, compare=False)
-    assert off.report.graph_level["history"] and off.report.graph_level["evaluated"] >= 2
+    gl = off.report.graph_level  # each placement measured, or left unbuilt as a sure loser
+    assert gl["history"] and gl["evaluated"] >= 1 and gl["evaluated"] + gl["bounded"] >= 2
 
 
 class _FailsOnLargeSubgraphs:
@@ -194,9 +197,15 @@ class _FailsOnLargeSubgraphs:
 
 
 @pytest.mark.skipif("onnxruntime" not in GRAPH_LIBS, reason="onnxruntime unavailable")
-def test_graph_library_failure_marks_the_individual_invalid_and_search_goes_on(tmp_path):
+def test_graph_library_failure_marks_the_individual_invalid_and_search_goes_on(tmp_path,
+                                                                              monkeypatch):
     from collage_tvm.patterns.graph_rule import exportable, one_anchor_group
+    from collage_tvm.placer import graph_level
     from collage_tvm.registry import add_backend_pattern_rule
+
+    # The model runs in microseconds on TVM, under one library call: every offload would be
+    # left unbuilt as a sure loser (graph_level.BOUND_MARGIN); here they must be built.
+    monkeypatch.setattr(graph_level, "BOUND_MARGIN", math.inf)
 
     register_backend("flakyort", kind="graph", lowering=_FailsOnLargeSubgraphs())
     add_backend_pattern_rule("flakyort", exportable, one_anchor_group, max_size=3)

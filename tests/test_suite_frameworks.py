@@ -124,6 +124,18 @@ def test_the_suite_table_sums_up_collage_against_the_best_f32_framework():
     assert "busy" not in text  # no load recorded: nothing said
 
 
+def test_a_row_s_log_line_gives_its_error_beside_the_output_scale(tmp_path):
+    # random weights can make a large output: the suite judges the error relative to the
+    # outputs' largest magnitude, and the log says so instead of a bare 4.5e+02
+    row = _row("wide", 1.0)
+    row["build"].update(max_err=450.0, scale=1.1e5)
+    *_, line = suites._torch_suite("torchvision", ["resnet18"], "usual", ["tvm"], None,
+                                   str(tmp_path), False, 1.0, False, "f32", True)
+    text = line(row)
+    assert "max err 4.5e+02 of 1.1e+05" in text, text
+    assert "| 4.5e+02 of 1.1e+05 |" in suites.markdown("torchvision", [row])
+
+
 def test_the_table_says_where_a_close_call_at_load_ran_another_library():
     switched, kept = _row("switched", 1.0), _row("kept", 1.0)
     for row, chose in ((switched, "openvino"), (kept, "onnxruntime")):

@@ -24,6 +24,12 @@ placement, memoised on the decoded placement; an individual whose build fails or
 outputs differ from the reference is invalid (infinite latency, reason logged) and the
 search goes on. The search stops when the time budget is spent or the best latency has
 not improved for ``patience`` generations (saturation).
+
+A placement is not built when it cannot win (``call_ms``): each of its graph-library calls
+takes at least that library's measured per-call overhead (the op level's epsilon), and
+when their sum alone is ``BOUND_MARGIN`` times the best latency measured so far, the
+placement is counted as bounded out, not built and timed. A model of a few tiny operators
+(an onnx node test's microseconds, under one library call) measures only its seed.
 """
 from __future__ import annotations
 
@@ -39,6 +45,11 @@ from ..placement import Candidate, Placement, merge_offloaded, order_groups, val
 
 logger = logging.getLogger("collage_tvm")
 
+# How far a placement's graph-library calls, at their per-call overheads alone, must be
+# past the best latency measured for the placement to be left unbuilt: the overheads and
+# the placements are timed apart (a busy moment can inflate one), so only a clear loss.
+BOUND_MARGIN = 1.2
+
 
 @dataclass
 class GraphLevelResult:
@@ -49,16 +60,19 @@ class GraphLevelResult:
     evaluated: int = 0                # distinct placements built and timed
     invalid: dict = field(default_factory=dict)   # decoded key -> reason
     stopped: str = ""                 # "budget" | "saturation" | "exhausted"
+    bounded: int = 0                  # distinct placements not built: their calls' overheads lose
 
 
 class GraphLevelSearch:
     """Set up once per (graph, op-level placement, graph libraries); ``run`` does the search."""
 
     def __init__(self, graph, placement: Placement, graph_libs: dict, evaluate: Callable,
-                 order: Callable | None = None, seed: int = 0):
+                 order: Callable | None = None, seed: int = 0, call_ms: dict | None = None):
         """``graph_libs``: name -> Backend (kind ``graph``), each with pattern rules.
         ``evaluate(groups) -> (ms, reason)``: build and time a placement (inf + reason if invalid).
         ``order(graph, groups)``: an executable order of groups (default: ``order_groups``).
+        ``call_ms``: library -> the least one call into it takes (ms; its measured per-call
+        overhead): placements whose calls alone lose are not built (``lower_bound``).
         """
         order = order or order_groups
         self.graph, self.placement, self.evaluate, self.order = graph, placement, evaluate, order
@@ -77,6 +91,9 @@ class GraphLevelSearch:
         self.rng = random.Random(seed)
         self.memo: dict = {}
         self.invalid: dict = {}
+        self.call_ms = {lib: ms for lib, ms in (call_ms or {}).items()
+                        if lib in graph_libs and math.isfinite(ms) and ms > 0}
+        self.bounded: dict = {}  # key -> lower bound (ms) of a placement left unbuilt
 
     @property
     def n_genes(self) -> int:
@@ -121,10 +138,28 @@ class GraphLevelSearch:
             return math.inf
         return self.fitness_of(groups)
 
+    def lower_bound(self, groups) -> float:
+        """The least a placement can take: its graph-library calls at their per-call
+        overheads (``call_ms``; 0 for a library without one), the rest at nothing."""
+        return sum(self.call_ms.get(g.backend, 0.0) for g in groups)
+
+    def known(self, key) -> bool:
+        """Whether the placement of ``key`` was measured or bounded out already."""
+        return key in self.memo or key in self.bounded
+
     def fitness_of(self, groups) -> float:
-        """Measured latency of a placement (memoised; inf and a logged reason if invalid)."""
+        """Measured latency of a placement (memoised; inf and a logged reason if invalid);
+        its lower bound, unmeasured, when that alone is ``BOUND_MARGIN`` times the best
+        latency measured so far."""
         key = self.key(groups)
+        if key in self.bounded:
+            return self.bounded[key]
         if key not in self.memo:
+            best = min(self.memo.values(), default=math.inf)
+            bound = self.lower_bound(groups)
+            if bound > BOUND_MARGIN * best:
+                self.bounded[key] = bound
+                return bound
             ms, reason = self.evaluate(groups)
             self.memo[key] = ms
             if reason:
@@ -179,6 +214,7 @@ class GraphLevelSearch:
         result.best_ms = best.fitness.values[0]
         result.placement = Placement(groups, result.best_ms, chosen)
         result.evaluated = len(self.memo)
+        result.bounded = len(self.bounded)
         result.invalid = dict(self.invalid)
         return result
 
@@ -196,7 +232,7 @@ class GraphLevelSearch:
             for ind in pop:
                 if not ind.fitness.valid:
                     ind.fitness.values = (math.inf,) if out_of_time() and \
-                        self.key(self.decode(ind)[0]) not in self.memo else (self.fitness(ind),)
+                        not self.known(self.key(self.decode(ind)[0])) else (self.fitness(ind),)
 
         pop = [Individual(s) for s in self.seeds()]
         while len(pop) < population:
@@ -215,7 +251,7 @@ class GraphLevelSearch:
                 # Every evaluation costs a build and a timing run: an offspring that decodes
                 # to a placement already measured is mutated again (a few tries).
                 for _ in range(3):
-                    if self.key(self.decode(ind)[0]) not in self.memo:
+                    if not self.known(self.key(self.decode(ind)[0])):
                         break
                     toolbox.mutate(ind)
                     del ind.fitness.values
@@ -255,7 +291,7 @@ class GraphLevelSearch:
             result.stopped = "budget"
         elif saturated:
             result.stopped = "saturation"
-        elif last_gen or len(self.memo) >= self._distinct_placements():
+        elif last_gen or len(self.memo) + len(self.bounded) >= self._distinct_placements():
             result.stopped = "exhausted"
         return bool(result.stopped)
 

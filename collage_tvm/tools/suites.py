@@ -696,7 +696,7 @@ def _torch_suite(suite, only, input_size, backends, db, out_dir, graph_level, bu
         b = row["build"]
         if b["status"] != "built":
             return f"{b['status']}: {b['error']}"
-        text = f"built, match {b['match']}, max err {b['max_err']:.1e}"
+        text = f"built, match {b['match']}, max err {_err_text(b)}"
         if b.get("vs_best_f32") is not None:
             best, ms = b["best_f32"]
             text += (f"; collage {b['frameworks']['collage']['ms']:.3f} ms, best f32 "
@@ -1128,11 +1128,18 @@ def input_signal(model, inputs, expected) -> float:
     return change / scale if scale else 0.0
 
 
+def _err_text(b: dict) -> str:
+    """A built row's largest absolute error, beside the outputs' scale where the row has
+    it (the suite judges relative to it: with random weights a 4.5e+02 can be 0.4% of
+    the outputs' largest magnitude)."""
+    return f"{b['max_err']:.1e}" + (f" of {b['scale']:.1e}" if "scale" in b else "")
+
+
 def _build_cell(b: dict) -> list:
     if b["status"] != "built":
         return [f"{b['status']}: {b['error']}", "", "", "", "", ""]
     best = f"{b['best'][0]} {b['best'][1]:.3f}" if b.get("best") else ""
-    err = f"{b['max_err']:.1e}" + (f" of {b['scale']:.1e}" if "scale" in b else "")
+    err = _err_text(b)
     match = "yes" if b["match"] else "**NO**"
     if b.get("weights", "initialised") != "initialised":
         match += " (He-normal weights)"
