@@ -403,3 +403,21 @@ def test_the_model_file_whole_is_read_by_the_library_from_the_users_file(model_p
     whole_model_module(dynamic, backend, {"x": (1, 3, 16, 16)}, path=model_path)
     assert isinstance(seen[0], onnx.ModelProto)
     assert seen[0].graph.input[0].type.tensor_type.shape.dim[0].dim_value == 1
+
+
+def test_the_final_check_s_batches_hold_a_thousand_calls_of_a_microsecond_model(monkeypatch):
+    """A round's batch lasts 200 ms, shorter where the fastest build's call takes
+    microseconds (BATCH_CALLS of its calls, at least 50 ms): the rounds stay, the seconds
+    a tiny model's check spends on batches of tens of thousands of calls go."""
+    from collage_tvm.target import make_target
+
+    seen = []
+    monkeypatch.setattr(ns, "interleaved", lambda fns, **kw: (seen.append(kw["min_ms"]),
+                                                              {n: 1.0 for n in fns})[1])
+    for ms, want in ((0.006, ns.SHORT_BATCH_MS), (0.1, 100.0), (0.7, ns.BATCH_MS),
+                     (300.0, ns.BATCH_MS)):
+        results = {"a": {"ms": 3 * ms}, "b": {"ms": ms}}
+        ns._time_again(results, {"a": None, "b": None}, make_target("llvm"))
+        assert seen[-1] == pytest.approx(want), ms
+    ns._time_again({"a": {"ms": 0.006}}, {"a": None}, make_target("llvm"), min_ms=7.0)
+    assert seen[-1] == 7.0  # a caller's own batch length is kept

@@ -530,6 +530,23 @@ def _correct_ms(results, runs, outside) -> dict:
 DROP_MARGIN = 0.05
 
 
+# A round's batch of each build lasts ``BATCH_MS`` (``interleaved``'s ``min_ms``); where the
+# fastest build's call takes microseconds, ``BATCH_CALLS`` of them and at least
+# ``SHORT_BATCH_MS`` (``_batch_ms``). A 6-us model's 200-ms batch is 33,000 calls: the
+# verdict rests on the rounds, paired, and their count stays; shorter batches put a
+# round's builds closer in time. An onnx node test spent 7-10 s on this check.
+BATCH_MS = 200.0
+SHORT_BATCH_MS = 50.0
+BATCH_CALLS = 1000
+
+
+def _batch_ms(results, fns) -> float:
+    """How long each build's batch of a round lasts (ms): ``BATCH_CALLS`` calls of the
+    fastest of ``fns`` by its figure so far, within ``SHORT_BATCH_MS``..``BATCH_MS``."""
+    fastest = min((results[n]["ms"] for n in fns), default=math.inf)
+    return min(BATCH_MS, max(SHORT_BATCH_MS, BATCH_CALLS * fastest))
+
+
 def _time_again(results, fns: dict, target, samples: dict | None = None, outside=(),
                 **kw) -> None:
     """``fns`` (name -> run) timed side by side (``interleaved``, ``kw`` passed on), a build
@@ -540,6 +557,7 @@ def _time_again(results, fns: dict, target, samples: dict | None = None, outside
     dropped by)."""
     samples = {} if samples is None else samples
     dropped: set = set()
+    kw.setdefault("min_ms", _batch_ms(results, fns))
     for name, ms in interleaved(fns, sync=device_sync(target), samples=samples,
                                 drop=DROP_MARGIN, dropped=dropped,
                                 lead={n for n in fns if n not in outside}, **kw).items():
