@@ -12,7 +12,7 @@ def _short_timing():
     fairly a loaded CI machine times it. Session-wide, so that module-scoped fixtures (a
     bench run that serves several tests) time under them too.
 
-    - Interleaved timings pause 2 ms before each batch instead of 50 (the pause itself is
+    - Interleaved timings pause at most 2 ms before each batch, not 50 (the pause itself is
       tested in test_baselines.py, which passes ``settle_s``).
     - The final check's runoff stops at the re-timing's 7 rounds, open close calls too
       (their own tests in test_floor.py set the rounds they check).

@@ -1,7 +1,10 @@
 """collage_tvm.measure.timing.interleaved: the timing every comparison of whole builds goes through."""
+import threading
 import time
 
-from collage_tvm.measure.timing import interleaved
+import numpy as np
+
+from collage_tvm.measure.timing import interleaved, settle
 
 
 def test_interleaved_does_not_charge_a_function_for_what_the_one_before_left_behind():
@@ -34,8 +37,21 @@ def test_interleaved_does_not_charge_a_function_for_what_the_one_before_left_beh
     assert len(calls) > 10
 
 
+def _spin_until(state: dict) -> None:
+    """A thread of this process that keeps a core busy until ``state["until"]`` (a pool
+    spinning). Its work is numpy's, which lets go of the GIL: the main thread's timing is
+    not held up by it, only by what the test says the spin costs."""
+    buf = np.ones(1 << 18)
+
+    def spin():
+        while time.perf_counter() < state["until"]:
+            np.add(buf, 1.0, out=buf)
+
+    threading.Thread(target=spin, daemon=True).start()
+
+
 def test_interleaved_lets_what_the_function_before_left_behind_settle():
-    # "spinner" keeps the machine busy for 30 ms after its last call (a thread pool spinning
+    # "spinner" keeps a thread spinning for 30 ms after its last call (a thread pool spinning
     # on every core): more than one untimed 1 ms call absorbs. A function timed within that
     # window pays 5 ms a call.
     state = {"until": 0.0}
@@ -43,6 +59,7 @@ def test_interleaved_lets_what_the_function_before_left_behind_settle():
     def spinner():
         time.sleep(0.001)
         state["until"] = time.perf_counter() + 0.03
+        _spin_until(state)
 
     def victim():
         time.sleep(0.006 if time.perf_counter() < state["until"] else 0.001)
@@ -50,9 +67,20 @@ def test_interleaved_lets_what_the_function_before_left_behind_settle():
     ms = interleaved({"spinner": spinner, "victim": victim}, rounds=3, min_ms=5.0,
                      settle_s=0.04)
     assert ms["victim"] < 3.0, ms
-    dirty = interleaved({"spinner": spinner, "victim": victim}, rounds=3, min_ms=5.0,
-                        settle_s=0.0)
-    assert dirty["victim"] > 3.0, dirty  # the pause is what keeps it fair
+    dirty: dict = {}
+    interleaved({"spinner": spinner, "victim": victim}, rounds=3, min_ms=5.0, settle_s=0.0,
+                samples=dirty)
+    # the pause is what keeps it fair: a batch right after the spinner's pays without it
+    assert max(dirty["victim"]) > 3.0, dirty
+
+
+def test_the_pause_before_a_batch_lasts_while_a_thread_spins_and_no_longer():
+    # A tiny model's call wakes no pool: its batches need not wait the whole pause.
+    assert settle(0.3) < 0.1
+    _spin_until({"until": time.perf_counter() + 0.08})
+    waited = settle(0.5)
+    assert 0.07 < waited < 0.3, waited
+    assert settle(0.0) == 0.0
 
 
 def test_interleaved_counts_the_batches_an_earlier_call_kept():

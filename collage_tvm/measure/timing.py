@@ -252,11 +252,39 @@ def time_side_by_side(runs: list, rounds: int = 9, target_ms: float = 2.0, sync=
     return [statistics.median(s) for s in samples]
 
 
-#: Seconds ``interleaved`` waits before each batch: long enough for the thread pools of the
-#: function before it to stop spinning (without it, a model file on ONNX Runtime timed right
-#: after another ONNX Runtime build of the same model was charged for that build's spinning
-#: threads beyond what one untimed call absorbs; ``tests/test_baselines.py`` shows the case).
+#: Seconds ``interleaved`` waits at most before each batch: long enough for the thread pools
+#: of the function before it to stop spinning (without it, a model file on ONNX Runtime timed
+#: right after another ONNX Runtime build of the same model was charged for that build's
+#: spinning threads beyond what one untimed call absorbs; ``tests/test_baselines.py`` shows
+#: the case). An ONNX Runtime session's pool spins for ~40 ms after a batch of a small
+#: convolution on the 2-core Xeon; OpenVINO's for ~1 ms; nothing spins after a call too small
+#: to wake a pool. The pause ends sooner once the process is quiet (``settle``).
 SETTLE_S = 0.05
+#: ``settle`` looks at the process's CPU time in steps of this many seconds, and takes a step
+#: in which the process's threads other than the caller's used under ``QUIET_SHARE`` of it
+#: as quiet: a spinning thread uses all of it.
+SETTLE_STEP_S = 0.01
+QUIET_SHARE = 0.2
+
+
+def settle(max_s: float) -> float:
+    """Sleep until the threads this process left running (a library's pool still spinning
+    after its last call) have gone idle: steps of ``SETTLE_STEP_S`` until one in which the
+    other threads used under ``QUIET_SHARE`` of its time in CPU, at most ``max_s`` in all
+    (a process that stays busy, a build compiling beside it, waits ``max_s`` as before).
+    Returns the seconds waited. A tiny model's batches, whose calls wake no pool, no longer
+    wait 50 ms each: an onnx node test's final check spent half its time in these pauses."""
+    waited = 0.0
+    while waited < max_s:
+        step = min(SETTLE_STEP_S, max_s - waited)
+        c0, t0, w0 = time.process_time(), time.thread_time(), time.perf_counter()
+        time.sleep(step)
+        dt = time.perf_counter() - w0
+        others = (time.process_time() - c0) - (time.thread_time() - t0)
+        waited += dt
+        if others < QUIET_SHARE * max(dt, step):
+            break
+    return waited
 ORDER_SEED = 0  # ``interleaved``'s order of the functions in each round
 
 
@@ -272,10 +300,10 @@ def interleaved(fns: dict, rounds: int = 7, min_ms: float = 200.0, sync=None,
                 lead=None) -> dict:
     """Median ms per call of each function, timed in alternating rounds (noise hits all alike).
 
-    Each batch starts after a pause of ``settle_s`` and with one untimed call: whatever the
-    function before it left behind (a library's thread pool still spinning on every core,
-    the cache full of other weights) would otherwise slow down the function that comes
-    next. Each round runs the functions in a fresh order (shuffled, seeded: the same calls
+    Each batch starts after a pause of up to ``settle_s`` (``settle``) and with one untimed
+    call: whatever the function before it left behind (a library's thread pool still
+    spinning on every core, the cache full of other weights) would otherwise slow down the
+    function that comes next. Each round runs the functions in a fresh order (shuffled, seeded: the same calls
     time alike), so that what one function leaves behind beyond the pause does not fall on
     the same other function every round (rounds that only started one function further
     along kept each function's predecessor fixed), and slow drift of the machine favours
@@ -311,7 +339,7 @@ def interleaved(fns: dict, rounds: int = 7, min_ms: float = 200.0, sync=None,
         order.shuffle(names)
         for name in names:
             fn = fns[name]
-            time.sleep(settle_s)  # the last batch's spinning threads go idle
+            settle(settle_s)  # the last batch's spinning threads go idle
             fn()  # lead-in, untimed
             t0 = _done(sync)
             for _ in range(number[name]):
