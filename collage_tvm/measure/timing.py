@@ -88,6 +88,7 @@ def cut_before_second_look(reason: str | None) -> bool:
     found = _FIRST_RUN_CUT.match(reason or "")
     return found is not None and not past_second_look(float(found[1]), float(found[2]))
 
+
 #: A call at least this long (ms, warm) is timed in batches of ``LONG_REPEAT`` samples: each
 #: sample is then one call that already spans many of the machine's scheduling ticks, and a
 #: library region of a large model (tens of ms, weights flushed before each call) cost
@@ -257,7 +258,7 @@ def time_side_by_side(runs: list, rounds: int = 9, target_ms: float = 2.0, sync=
 #: right after another ONNX Runtime build of the same model was charged for that build's
 #: spinning threads beyond what one untimed call absorbs; ``tests/test_baselines.py`` shows
 #: the case). An ONNX Runtime session's pool spins for ~40 ms after a batch of a small
-#: convolution on the 2-core Xeon; OpenVINO's for ~1 ms; nothing spins after a call too small
+#: convolution on a 2-vCPU AMD EPYC Zen 4; OpenVINO's for ~1 ms; nothing spins after a call too small
 #: to wake a pool. The pause ends sooner once the process is quiet (``settle``).
 SETTLE_S = 0.05
 #: ``settle`` looks at the process's CPU time in steps of this many seconds, and takes a step
