@@ -245,7 +245,7 @@ def test_close_calls_take_the_user_s_file_beside_a_region_not_a_region_beside_th
             "onnxruntime (model file)": ("model file", "onnxruntime"),
             "openvino (model file)": ("model file", "openvino")}
     # beside OpenVINO's region, the user's file on OpenVINO and on ONNX Runtime; ONNX
-    # Runtime's region is past 5%
+    # Runtime's region is past 10%
     assert ns.close_calls("openvino", ok, runs) == [("openvino", 1.01, "model file"),
                                                      ("onnxruntime", 1.03, "model file")]
     # shipping the user's file: the regions are no alternates
