@@ -255,7 +255,22 @@ def test_close_builds_meet_again_in_more_rounds_and_the_runoff_decides(monkeypat
     assert calls == [({"a", "b"}, ns.RUNOFF_ROUNDS)]
     assert results["a"] == {"ms": 1.0, "first_ms": 1.04, "match": True, "runoff": True}
     assert results["b"]["ms"] == 1.05 and results["b"]["first_ms"] == 1.0
-    assert results["far"] == {"ms": 1.5, "match": True}
+    # "far" lost to "b" by over the margin: whatever the runoff's rounds do to the close
+    # builds' figures, it cannot ship (the verdict leaves out what is "outrun_by" another)
+    assert results["far"] == {"ms": 1.5, "match": True, "outrun_by": "b"}
+    assert "outrun_by" not in results["wrong"] and "outrun_by" not in results["bf16"]
+    # the runoff's rounds fell on a slow stretch: both close builds rose past the one left
+    # out (timm's hardcorenas_a on a host at two speeds); it stays out
+    monkeypatch.setattr(ns, "interleaved", lambda fns, **kw: {"a": 1.6, "b": 1.65})
+    slow = {"a": {"ms": 1.04, "match": True}, "b": {"ms": 1.0, "match": True},
+            "left": {"ms": 1.12, "match": True}}
+    ns._runoff(slow, {n: None for n in slow}, set(), tvm.target.Target("llvm"))
+    assert slow["left"]["ms"] < slow["a"]["ms"] and slow["left"]["outrun_by"] == "b"
+    # a runoff again (a busy machine's second timing) decides afresh
+    monkeypatch.setattr(ns, "interleaved", clock)
+    slow["left"]["ms"] = 1.01
+    ns._runoff(slow, {n: None for n in slow}, set(), tvm.target.Target("llvm"))
+    assert "outrun_by" not in slow["left"]
     # the batches the re-timing took count: only the rounds missing are timed
     calls.clear()
     ns._runoff({"a": {"ms": 1.0, "match": True}, "b": {"ms": 1.01, "match": True}},
