@@ -258,8 +258,8 @@ def time_side_by_side(runs: list, rounds: int = 9, target_ms: float = 2.0, sync=
 #: right after another ONNX Runtime build of the same model was charged for that build's
 #: spinning threads beyond what one untimed call absorbs; ``tests/test_baselines.py`` shows
 #: the case). An ONNX Runtime session's pool spins for ~40 ms after a batch of a small
-#: convolution on a 2-vCPU AMD EPYC Zen 4; OpenVINO's for ~1 ms; nothing spins after a call too small
-#: to wake a pool. The pause ends sooner once the process is quiet (``settle``).
+#: convolution on a 2-vCPU AMD EPYC Zen 4; OpenVINO's for ~1 ms; nothing spins after a call
+#: too small to wake a pool. The pause ends sooner once the process is quiet (``settle``).
 SETTLE_S = 0.05
 #: ``settle`` looks at the process's CPU time in steps of this many seconds, and takes a step
 #: in which the process's threads other than the caller's used under ``QUIET_SHARE`` of it
@@ -286,6 +286,8 @@ def settle(max_s: float) -> float:
         if others < QUIET_SHARE * max(dt, step):
             break
     return waited
+
+
 ORDER_SEED = 0  # ``interleaved``'s order of the functions in each round
 
 
@@ -304,11 +306,11 @@ def interleaved(fns: dict, rounds: int = 7, min_ms: float = 200.0, sync=None,
     Each batch starts after a pause of up to ``settle_s`` (``settle``) and with one untimed
     call: whatever the function before it left behind (a library's thread pool still
     spinning on every core, the cache full of other weights) would otherwise slow down the
-    function that comes next. Each round runs the functions in a fresh order (shuffled, seeded: the same calls
-    time alike), so that what one function leaves behind beyond the pause does not fall on
-    the same other function every round (rounds that only started one function further
-    along kept each function's predecessor fixed), and slow drift of the machine favours
-    none. ``settle_s``: ``SETTLE_S`` unless given.
+    function that comes next. Each round runs the functions in a fresh order (shuffled,
+    seeded: the same calls time alike), so that what one function leaves behind beyond the
+    pause does not fall on the same other function every round (rounds that only started
+    one function further along kept each function's predecessor fixed), and slow drift of
+    the machine favours none. ``settle_s``: ``SETTLE_S`` unless given.
     ``samples``: name -> the ms per call of each batch, kept from an earlier call (extended
     in place with this call's; the median is over them all).
     ``drop``: after each round, a function with ``DROP_AFTER`` batches or more whose fastest
