@@ -373,6 +373,44 @@ def test_an_open_close_call_is_timed_on_up_to_the_cap(monkeypatch, noise, b_fact
         assert results["a"]["ms"] < results["b"]["ms"]
 
 
+def test_a_build_settled_as_slower_stays_behind_the_leader_timed_on(monkeypatch):
+    """Three close builds: "c" is surely 6% behind "a" after the runoff's rounds, "a" and
+    "b" are open and timed on, and the host turns twice as slow for those rounds. "c" is
+    timed no more, and its figure follows the leader's ("settled_against"): it stays 6%
+    behind instead of keeping the fast rounds' figure and shipping."""
+    monkeypatch.setattr(ns, "RUNOFF_ROUNDS", 15)
+    monkeypatch.setattr(ns, "RUNOFF_MAX_ROUNDS", 45)
+    monkeypatch.setattr(ns, "RUNOFF_STEP", 10)
+    import random
+
+    rng = random.Random(1)
+    base = {"a": 100.0, "b": 100.0, "c": 106.0}
+    calls = []
+
+    def clock(fns, rounds=7, samples=None, **kw):
+        calls.append(set(fns))
+        for _ in range(rounds):
+            i = len(samples["a"])
+            speed = 1.0 if i < 15 else 2.0
+            wobble = {"a": 1 + 0.001 * (i % 3), "b": 1 + 0.1 * rng.gauss(0, 1),
+                      "c": 1 + 0.001 * (i % 2)}
+            for n in fns:
+                samples[n].append(base[n] * speed * wobble[n])
+        return {n: statistics.median(samples[n]) for n in fns}
+
+    monkeypatch.setattr(ns, "interleaved", clock)
+    results = {n: {"ms": ms, "match": True} for n, ms in base.items()}
+    samples = {n: [] for n in base}
+    ns._runoff(results, {n: None for n in base}, set(), tvm.target.Target("llvm"), samples)
+    assert calls[0] == {"a", "b", "c"} and calls[1:] and all(c == {"a", "b"} for c in calls[1:])
+    assert results["c"]["rounds"] == 15 and results["a"]["rounds"] > 15
+    assert results["c"]["settled_against"] == "a" and "settled_against" not in results["a"]
+    leader = min(("a", "b"), key=lambda n: results[n]["ms"])
+    assert results["a"]["ms"] > 150  # the leader's figure moved with the slow rounds
+    assert min(results, key=lambda n: results[n]["ms"]) == leader
+    assert abs(results["c"]["ms"] / results["a"]["ms"] - 1.06) < 0.01
+
+
 @pytest.mark.parametrize("library", ["onnxruntime", "openvino"])
 def test_the_model_file_whole_is_read_by_the_library_from_the_users_file(model_path,
                                                                          monkeypatch, library):

@@ -448,6 +448,7 @@ def _runoff(results, runs, outside, target, samples: dict | None = None) -> None
     round (``_by_round``); "runoff" marks those timed here."""
     for r in results.values():  # an earlier runoff's (``_retime_when_busy`` times again)
         r.pop("outrun_by", None)
+        r.pop("settled_against", None)
     ok = _correct_ms(results, runs, outside)
     fastest = min(ok.values(), default=math.inf)
     close = {n: runs[n] for n, ms in ok.items()
@@ -489,18 +490,33 @@ def _settle(results, close: dict, target, samples: dict) -> None:
     """The builds whose ranking against the leader the rounds so far leave open
     (``_open_calls``) timed on with it, ``RUNOFF_STEP`` rounds at a time, until none is
     open or each has ``RUNOFF_MAX_ROUNDS`` batches; their figures taken round by round
-    again among themselves."""
+    again among themselves.
+
+    A build settled on the way is timed no more, and its figure stays tied to the leader it
+    was settled against ("settled_against"): its ratio to it, times the leader's figure at
+    the end. Left as it was, its figure would keep the rounds before while the leader's
+    moved with the host: on a host at two speeds, rounds timed on in the slow one lift the
+    leader past a build settled as slower, and that build would ship (the runoff's builds
+    against the ones it left out; ``_runoff``)."""
+    tied: list = []  # (name, leader, ratio), in the order settled
     while True:
         todo = _open_calls(results, {n: samples[n] for n in close})
         k = min((len(samples[n]) for n in todo), default=RUNOFF_MAX_ROUNDS)
         if len(todo) < 2 or k >= RUNOFF_MAX_ROUNDS:
-            return
+            break
+        leader = min(todo, key=lambda n: results[n]["ms"])
+        tied += [(n, leader, results[n]["ms"] / results[leader]["ms"])
+                 for n in close if n not in todo]
         close = {n: close[n] for n in todo}
         _time_again(results, close, target, rounds=min(RUNOFF_STEP, RUNOFF_MAX_ROUNDS - k),
                     samples=samples)
         _by_round(results, {n: samples[n] for n in close})
         for name in close:
             results[name]["runoff"] = True
+    # a leader settled later is tied first: the builds tied to it follow its new figure
+    for name, leader, ratio in reversed(tied):
+        results[name]["ms"] = ratio * results[leader]["ms"]
+        results[name]["settled_against"] = leader
 
 
 def _open_calls(results, samples: dict) -> set:
