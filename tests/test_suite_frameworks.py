@@ -124,6 +124,32 @@ def test_the_suite_table_sums_up_collage_against_the_best_f32_framework():
     assert "busy" not in text  # no load recorded: nothing said
 
 
+def test_the_summary_says_where_the_search_itself_ended_on_a_mix():
+    """"No mixed placement shipped" has two causes: the search proposed none, or the final
+    check timed its mix behind a single library. The summary tells them apart, with the
+    mix's time over the fastest single build's, nearest first."""
+    whole, near, far = _row("whole", 1.0), _row("near", 1.0), _row("far", 1.0)
+    whole["build"]["collage_ops"] = {"openvino": 300, "tvm": 0}
+    near["build"].update(collage_ops={"openvino": 290, "tvm": 10}, collage_ms=10.4,
+                         best=("openvino", 10.0), shipped="openvino")
+    far["build"].update(collage_ops={"onnxruntime": 100, "openvino": 200}, collage_ms=30.0,
+                        best=("openvino (model file)", 10.0), shipped="openvino (model file)")
+    st = suites.suite_stats([far, whole, near])
+    assert st["searched_mixed"] == [("near", pytest.approx(1.04)), ("far", pytest.approx(3.0))]
+    assert st["mixed"] == [] and st["searched_known"] == 3
+    assert suites.searched_a_mix(whole["build"]) is None
+    summary = suites.markdown("torchvision", [far, whole, near]).strip().splitlines()[-1]
+    assert "The search ended on a mix on 2 (near 1.04x, far 3.00x" in summary, summary
+    # no mix proposed: said so; rows that do not record the placement: nothing claimed
+    summary = suites.markdown("torchvision", [whole]).strip().splitlines()[-1]
+    assert "ended on one backend running the whole model on every row." in summary, summary
+    assert "The search ended" not in suites.markdown("torchvision", [_row("old", 1.0)])
+    from collage_tvm.tools import docs
+    table = docs.suite_summary([{"suite": "torchvision", "rows": [far, whole, near]}])
+    assert "| search ended on a mix (nearest) |" in table
+    assert table.strip().splitlines()[-1].endswith("| 2 (1.04x, near) |"), table
+
+
 def test_a_row_s_log_line_gives_its_error_beside_the_output_scale(tmp_path):
     # random weights can make a large output: the suite judges the error relative to the
     # outputs' largest magnitude, and the log says so instead of a bare 4.5e+02

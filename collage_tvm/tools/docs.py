@@ -13,7 +13,7 @@ named files (paths relative to the page's folder). Kinds:
 - ``suite-summary``: one line per suite file: the rows, the median and worst of Collage
   against the best f32 framework (and against OpenVINO at its default precision, for a
   file searched under a reduced accuracy budget), the rows below the goal, the clear and
-  the mixed wins.
+  the mixed wins, and the rows whose search ended on a mix at all.
 - ``optimize-report``: an ``optimize`` report's final check (``BuildReport.comparison``):
   every build it timed, its latency, correctness and operators per backend.
 - ``call-tir-survey``: what TVM's ONNX importer writes as ``call_tir`` and what is raised
@@ -77,7 +77,8 @@ def suite_summary(docs: list) -> str:
     head = ["suite"] + (["machine"] if several else []) + [
             "accuracy", "input", "rows", "median vs best f32", "worst", "below "
             f"{suites.GOAL}x", "median vs OpenVINO default", "worst", f"below {suites.GOAL}x",
-            "wins by 3%+", "mixed placements shipped", "mixed wins by 3%+"]
+            "wins by 3%+", "mixed placements shipped", "mixed wins by 3%+",
+            "search ended on a mix (nearest)"]
     lines = ["| " + " | ".join(head) + " |",
              "|---|---|---|" + "---|" * several + "---:|" * (len(head) - 3 - several)]
     for doc in docs:
@@ -91,9 +92,19 @@ def suite_summary(docs: list) -> str:
                        _below(st)] if st else ["", "", ""])
         main = default or f32
         cells += [str(len(main["wins"])) if main else "", str(len(main["mixed"])) if main else "",
-                  ", ".join(main["mixed_wins"]) or "0" if main else ""]
+                  ", ".join(main["mixed_wins"]) or "0" if main else "", _searched(main)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(_machines(docs) + [""] + lines) + "\n"
+
+
+def _searched(st: dict | None) -> str:
+    """How many rows' search ended on a mixed placement, and the nearest of them to the
+    fastest single build (``suites.searched_a_mix``)."""
+    if not st:
+        return ""
+    searched = st["searched_mixed"]
+    return str(len(searched)) + (f" ({searched[0][1]:.2f}x, {searched[0][0]})"
+                                 if searched else "")
 
 
 def _below(st: dict) -> str:

@@ -1365,7 +1365,9 @@ def suite_stats(rows: list, key: str = "vs_best_f32") -> dict | None:
     """Over the rows where Collage built, matches and has the figure ``key`` ("vs_best_f32"
     or "vs_openvino_default"): {"rows", "median", "worst": (model, x), "below": models under
     ``GOAL``, "wins": models at ``CLEAR_WIN`` or more, "mixed": models that shipped a mixed
-    placement (``is_mixed``), "mixed_wins"}; None when no row has it."""
+    placement (``is_mixed``), "mixed_wins", "searched_mixed": [(model, x)] for the rows whose
+    search ended on a mix (``searched_a_mix``), x its final-check time over the fastest
+    single build's, nearest first}; None when no row has it."""
     counted = [(r["model"], r["build"][key]) for r in rows
                if r["build"].get("status") == "built" and r["build"].get("match")
                and r["build"].get(key) is not None]
@@ -1383,7 +1385,12 @@ def suite_stats(rows: list, key: str = "vs_best_f32") -> dict | None:
             # within it, or the rows carry one (then even when it is every row below)
             "say_beyond": bool(below) and (beyond != below or any(
                 _spread_for(shipped[m], key) is not None for m, _ in counted)),
-            "wins": wins, "mixed": mixed, "mixed_wins": [m for m in wins if m in mixed]}
+            "wins": wins, "mixed": mixed, "mixed_wins": [m for m in wins if m in mixed],
+            "searched_mixed": sorted(((m, x) for m, _ in counted
+                                      if (x := searched_a_mix(shipped[m])) is not None),
+                                     key=lambda mx: mx[1]),
+            # rows that record the searched placement's operators per backend
+            "searched_known": sum(1 for m, _ in counted if shipped[m].get("collage_ops"))}
 
 
 def within_noise(build: dict, key: str = "vs_best_f32") -> bool:
@@ -1427,7 +1434,35 @@ def _summary(rows: list, key: str, what: str, other: str) -> str:
             + f". A mixed placement (operators on two or more backends) shipped on {len(mixed)}"
             + (f" ({', '.join(mixed)})" if mixed else "")
             + f", {len(mixed_wins)} of them winning by 3% or more"
-            + (f": {', '.join(mixed_wins)}." if mixed_wins else "."))
+            + (f": {', '.join(mixed_wins)}." if mixed_wins else ".")
+            + _searched_sentence(st))
+
+
+def _searched_sentence(st: dict) -> str:
+    """What the search itself proposed (``searched_a_mix``), for the summary line."""
+    searched, known = st["searched_mixed"], st["searched_known"]
+    if not known:
+        return ""
+    if not searched:
+        return (" The search ended on one backend running the whole model on every row"
+                + (f" that records its placement ({known})." if known < st["rows"] else "."))
+    return (f" The search ended on a mix on {len(searched)} ("
+            + ", ".join(f"{m} {x:.2f}x" for m, x in searched)
+            + " the fastest single build's time).")
+
+
+def searched_a_mix(build: dict) -> float | None:
+    """Where the search (both levels) ended on a placement over two or more backends: its
+    time in the final check over the fastest single build's there (one library or TVM on
+    the whole model, the user's file included, within the accuracy budget); else None. Below
+    1.0 the mix won the final check. Tells "no mixed placement shipped" apart from "the
+    search proposed none": on most rows it ends on one library running the whole model."""
+    if sum(1 for n in (build.get("collage_ops") or {}).values() if n) < 2:
+        return None
+    ms, best = build.get("collage_ms"), (build.get("best") or [None, None])[1]
+    if not ms or not best or not math.isfinite(ms):
+        return None
+    return ms / best
 
 
 def is_mixed(build: dict) -> bool:
