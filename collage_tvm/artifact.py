@@ -215,7 +215,7 @@ def _save_regions(module, folder: Path, alternates=(), model_file=None) -> tuple
             entry["label"] = str(made[2].attrs.get("collage.label", ""))
         if kind == "onnx":  # a model file run whole by a library
             _, _, proto, specs = made
-            entry.update(format="onnx", file=f"{REGIONS}/r{k}.onnx", sole=True,
+            entry.update(format="onnx", file=f"{REGIONS}/r{k}.onnx", sole=True, model_file=True,
                          outputs=[[list(s), d] for s, d in specs],
                          inputs=[i.name for i in proto.graph.input])
             _write_onnx(proto, folder / f"r{k}.onnx")
@@ -785,6 +785,7 @@ class LoadedModule:
         self.load_seconds = load_seconds
         self._callables = callables   # the regions' callables (the VM holds them too)
         self._main = vm["main"]
+        self._direct = _direct_call(manifest, callables)
         self.inputs = manifest["inputs"]
         self.outputs = manifest["outputs"]
 
@@ -832,13 +833,7 @@ class LoadedModule:
                 tensor = tvm.runtime.from_dlpack(value)
             except Exception:  # noqa: BLE001 - e.g. not aligned as TVM needs: copy it
                 tensor = tvm.runtime.tensor(np.from_dlpack(value).copy(), self.device)
-        shape, dtype = spec.get("shape"), spec.get("dtype")
-        got = tuple(int(d) for d in tensor.shape)
-        if (dtype and str(tensor.dtype) != dtype) or (shape is not None and (
-                len(got) != len(shape)
-                or any(isinstance(d, int) and d != g for d, g in zip(shape, got)))):
-            raise ValueError(f"input {spec['name']}: expected {dtype}{list(shape or [])}, got "
-                             f"{tensor.dtype}{list(got)}")
+        _check_input(spec, str(tensor.dtype), tuple(int(d) for d in tensor.shape))
         return tensor
 
     def run_tvm(self, tensors: list):
@@ -850,11 +845,54 @@ class LoadedModule:
 
     def __call__(self, *args, **kwargs):
         args = self._arguments(args, kwargs)
+        if self._direct is not None and all(type(a) is np.ndarray for a in args):
+            return self._call_direct(args)
         tensors = [self.to_device(a, s) for a, s in zip(args, self.inputs)]
         outs = [_like(o, args[0] if args else None) for o in self.run_tvm(tensors)]
         if len(outs) == 1 and not self.manifest.get("outputs_tuple"):
             return outs[0]
         return tuple(outs)
+
+
+    def _call_direct(self, arrays: list):
+        """numpy in, numpy out, where the build is the user's model file run whole by one
+        graph library (``_direct_call``): the arrays go to the library's call as they are
+        (the Relax VM would first copy each into a TVM tensor) and its fresh outputs come
+        back as numpy views, not copies."""
+        import tvm
+
+        feed = []
+        for a, spec in zip(arrays, self.inputs):
+            _check_input(spec, a.dtype.name, a.shape)
+            feed.append(a if a.flags.c_contiguous and a.flags.writeable else np.array(a))
+        out = self._direct(*feed)
+        outs = [np.from_dlpack(o) for o in
+                ([out] if isinstance(out, tvm.runtime.Tensor) else list(out))]
+        if len(outs) == 1 and not self.manifest.get("outputs_tuple"):
+            return outs[0]
+        return tuple(outs)
+
+
+def _direct_call(manifest: dict, callables: dict):
+    """The callable of the one region where the build is the user's model file run whole by
+    a graph library on the CPU: the VM's ``main`` does nothing but call it, with the model's
+    inputs in order (``byoc.whole``), so ``LoadedModule`` may call it itself. None otherwise
+    (artifacts saved before "model_file" was written included)."""
+    regions = manifest.get("regions") or []
+    if manifest.get("device") == "cuda" or len(regions) != 1 or not regions[0].get("model_file"):
+        return None
+    return callables.get(regions[0]["symbol"])
+
+
+def _check_input(spec: dict, dtype: str, got: tuple) -> None:
+    """``ValueError`` naming the input unless ``dtype`` and shape ``got`` are the ones
+    ``spec`` (a manifest input) gives (a dimension that is not a number takes any size)."""
+    shape, want = spec.get("shape"), spec.get("dtype")
+    if (want and dtype != want) or (shape is not None and (
+            len(got) != len(shape)
+            or any(isinstance(d, int) and d != g for d, g in zip(shape, got)))):
+        raise ValueError(f"input {spec['name']}: expected {want}{list(shape or [])}, got "
+                         f"{dtype}{list(got)}")
 
 
 def _like(tensor, example):

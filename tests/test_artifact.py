@@ -223,6 +223,19 @@ def test_the_model_file_that_won_the_final_check_saves_and_loads(model_path, tmp
     module = collage_tvm.load(path)
     assert np.array_equal(module(X), ref)
     assert np.array_equal(_run_build(res), ref)  # the build's own callable is still registered
+    # numpy goes straight to the library's call (no copy into a TVM tensor, no VM), and
+    # gives what the VM gives, for a read-only or strided array too
+    assert manifest["regions"][0]["model_file"] is True and module._direct is not None
+    assert np.array_equal(module.run_tvm([module.to_device(X, module.inputs[0])])[0].numpy(),
+                          ref)
+    frozen = X.copy()
+    frozen.flags.writeable = False
+    strided = np.repeat(X, 2, axis=-1)[..., ::2]
+    assert not strided.flags.c_contiguous
+    for x in (frozen, strided):
+        assert np.array_equal(module(x), ref)
+    with pytest.raises(ValueError, match=r"input x: expected float32.*got float64"):
+        module(X.astype("float64"))
 
 
 def test_a_model_tvm_cannot_import_saves_and_loads(tmp_path):
