@@ -66,7 +66,11 @@ def _whole_call(sess, in_names: list, out_names: list, specs: list, run_options)
             outs = run(out_names, {n: view(a) for n, a in zip(in_names, args)}, run_options)
             return single_or_tuple([_to_tvm(o, spec) for o, spec in zip(outs, specs)])
 
+    def numpy_call(*arrays):  # numpy in, ONNX Runtime's fresh numpy outputs out
+        return run(out_names, dict(zip(in_names, arrays)), run_options)
+
     call.session = sess
+    call.numpy_call = numpy_call  # (``artifact.LoadedModule``: a build that is this file)
     return call
 
 

@@ -10,6 +10,8 @@ TVM buffers (``shared_memory=True``): nothing is copied.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from collage_tvm.backends._graphlib import (GraphLibraryLowering, as_numpy, model_source,
                                             new_output, single_or_tuple, threads)
 
@@ -80,7 +82,18 @@ class OpenVinoLowering(GraphLibraryLowering):
             infer()
             return single_or_tuple(outs)
 
+        def numpy_call(*arrays):  # numpy in, fresh numpy outputs out (no TVM tensors)
+            for k, i in slots:
+                set_in(i, Tensor(arrays[k], shared_memory=True))
+            outs = [np.empty(shape, dtype) for shape, dtype in specs]
+            for i, out in enumerate(outs):
+                set_out(i, Tensor(out, shared_memory=True))
+            infer()
+            return outs
+
         call.compiled = compiled  # keep the compiled model alive with the callable
+        if sole:  # the whole model (``artifact.LoadedModule`` calls it with numpy)
+            call.numpy_call = numpy_call
         return call
 
 

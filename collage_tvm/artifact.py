@@ -785,9 +785,14 @@ class LoadedModule:
         self.load_seconds = load_seconds
         self._callables = callables   # the regions' callables (the VM holds them too)
         self._main = vm["main"]
-        self._direct = _direct_call(manifest, callables)
         self.inputs = manifest["inputs"]
         self.outputs = manifest["outputs"]
+        self._direct = _direct_call(manifest, callables)
+        # (dtype, shape) of each input where every dimension is a number: a call with
+        # exactly these skips the full check
+        self._direct_specs = [(i.get("dtype"), tuple(i["shape"]) if all(
+            isinstance(d, int) for d in i.get("shape") or [None]) else None)
+            for i in self.inputs]
 
     @property
     def input_names(self) -> list:
@@ -857,31 +862,30 @@ class LoadedModule:
     def _call_direct(self, arrays: list):
         """numpy in, numpy out, where the build is the user's model file run whole by one
         graph library (``_direct_call``): the arrays go to the library's call as they are
-        (the Relax VM would first copy each into a TVM tensor) and its fresh outputs come
-        back as numpy views, not copies."""
-        import tvm
-
+        (the Relax VM would first copy each into a TVM tensor) and the library's fresh numpy
+        outputs come back as they are."""
         feed = []
-        for a, spec in zip(arrays, self.inputs):
-            _check_input(spec, a.dtype.name, a.shape)
-            feed.append(a if a.flags.c_contiguous and a.flags.writeable else np.array(a))
-        out = self._direct(*feed)
-        outs = [np.from_dlpack(o) for o in
-                ([out] if isinstance(out, tvm.runtime.Tensor) else list(out))]
+        for a, (dtype, shape), spec in zip(arrays, self._direct_specs, self.inputs):
+            if a.dtype.name != dtype or a.shape != shape:
+                _check_input(spec, a.dtype.name, a.shape)  # raises, naming the input
+            flags = a.flags
+            feed.append(a if flags.c_contiguous and flags.writeable else np.array(a))
+        outs = self._direct(*feed)
         if len(outs) == 1 and not self.manifest.get("outputs_tuple"):
             return outs[0]
         return tuple(outs)
 
 
 def _direct_call(manifest: dict, callables: dict):
-    """The callable of the one region where the build is the user's model file run whole by
-    a graph library on the CPU: the VM's ``main`` does nothing but call it, with the model's
-    inputs in order (``byoc.whole``), so ``LoadedModule`` may call it itself. None otherwise
-    (artifacts saved before "model_file" was written included)."""
+    """Where the build is the user's model file run whole by a graph library on the CPU
+    (one region; the VM's ``main`` does nothing but call it, with the model's inputs in
+    order: ``byoc.whole``), the library's own call of it on numpy arrays, returning fresh
+    numpy outputs (the region callable's ``numpy_call``), which ``LoadedModule`` calls
+    itself. None otherwise (artifacts saved before "model_file" was written included)."""
     regions = manifest.get("regions") or []
     if manifest.get("device") == "cuda" or len(regions) != 1 or not regions[0].get("model_file"):
         return None
-    return callables.get(regions[0]["symbol"])
+    return getattr(callables.get(regions[0]["symbol"]), "numpy_call", None)
 
 
 def _check_input(spec: dict, dtype: str, got: tuple) -> None:

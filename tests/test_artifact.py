@@ -199,15 +199,16 @@ def test_a_build_all_on_tvm_saves_and_loads(tmp_path):
         module(a)
 
 
+@pytest.mark.parametrize("library", ["onnxruntime", "openvino"])
 def test_the_model_file_that_won_the_final_check_saves_and_loads(model_path, tmp_path,
-                                                                  monkeypatch):
-    if not _available("onnxruntime"):
-        pytest.skip("onnxruntime is not available here")
+                                                                  monkeypatch, library):
+    if not _available(library):
+        pytest.skip(f"{library} is not available here")
     real = ns.evaluate
     monkeypatch.setattr(ns, "evaluate", lambda *a, **k: {**real(*a, **k), "ms": 1.0})
     monkeypatch.setattr(ns, "interleaved", lambda runs, **kw: {
-        n: (0.1 if n == "onnxruntime (model file)" else 1.0) for n in runs})
-    res = collage_tvm.optimize(model_path, "llvm", ["tvm", "onnxruntime"],
+        n: (0.1 if n == f"{library} (model file)" else 1.0) for n in runs})
+    res = collage_tvm.optimize(model_path, "llvm", ["tvm", library],
                                db=str(tmp_path / "c.db"), progress=False, isolate=False,
                                graph_level=False, calibrate_rounds=0, refine_rounds=0)
     monkeypatch.undo()
@@ -216,14 +217,14 @@ def test_the_model_file_that_won_the_final_check_saves_and_loads(model_path, tmp
     path = collage_tvm.save(res, tmp_path / "art")
     manifest = json.loads((path / "manifest.json").read_text())
     assert manifest["regions"][0]["label"] == "the model file, whole"
-    assert manifest["placement"]["whole_model"]["backend"] == "onnxruntime"
+    assert manifest["placement"]["whole_model"]["backend"] == library
     # the model file's own names, not the Relax parameters' (in0)
     assert [i["name"] for i in manifest["inputs"]] == ["x"]
     assert [o["name"] for o in manifest["outputs"]] == ["y"]
     module = collage_tvm.load(path)
     assert np.array_equal(module(X), ref)
     assert np.array_equal(_run_build(res), ref)  # the build's own callable is still registered
-    # numpy goes straight to the library's call (no copy into a TVM tensor, no VM), and
+    # numpy goes straight to the library's own call (no copy into a TVM tensor, no VM), and
     # gives what the VM gives, for a read-only or strided array too
     assert manifest["regions"][0]["model_file"] is True and module._direct is not None
     assert np.array_equal(module.run_tvm([module.to_device(X, module.inputs[0])])[0].numpy(),
