@@ -858,7 +858,6 @@ class LoadedModule:
             return outs[0]
         return tuple(outs)
 
-
     def _call_direct(self, arrays: list):
         """numpy in, numpy out, where the build is the user's model file run whole by one
         graph library (``_direct_call``): the arrays go to the library's call as they are
