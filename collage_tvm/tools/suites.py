@@ -1453,8 +1453,9 @@ def _searched_sentence(st: dict) -> str:
 
 def searched_a_mix(build: dict) -> float | None:
     """Where the search (both levels) ended on a placement over two or more backends: its
-    time in the final check over the fastest single build's there (one library or TVM on
-    the whole model, the user's file included, within the accuracy budget); else None. Below
+    time in the final check over that of the fastest other build there (the single-backend
+    builds: each library beside TVM, one library on the whole model, the user's file; within
+    the accuracy budget: the row's "best"); else None. Below
     1.0 the mix won the final check. Tells "no mixed placement shipped" apart from "the
     search proposed none": on most rows it ends on one library running the whole model."""
     if sum(1 for n in (build.get("collage_ops") or {}).values() if n) < 2:
