@@ -851,14 +851,19 @@ class LoadedModule:
     def __call__(self, *args, **kwargs):
         args = self._arguments(args, kwargs)
         if self._direct is not None and all(type(a) is np.ndarray for a in args):
-            return self._call_direct(args)
-        tensors = [self.to_device(a, s) for a, s in zip(args, self.inputs)]
-        outs = [_like(o, args[0] if args else None) for o in self.run_tvm(tensors)]
+            outs = self._call_direct(args)
+        else:
+            outs = self._call_vm(args)
         if len(outs) == 1 and not self.manifest.get("outputs_tuple"):
             return outs[0]
         return tuple(outs)
 
-    def _call_direct(self, arrays: list):
+    def _call_vm(self, args: list) -> list:
+        """The outputs of the VM's ``main`` on ``args``, each as the kind of the first."""
+        tensors = [self.to_device(a, s) for a, s in zip(args, self.inputs)]
+        return [_like(o, args[0] if args else None) for o in self.run_tvm(tensors)]
+
+    def _call_direct(self, arrays: list) -> list:
         """numpy in, numpy out, where the build is the user's model file run whole by one
         graph library (``_direct_call``): the arrays go to the library's call as they are
         (the Relax VM would first copy each into a TVM tensor) and the library's fresh numpy
@@ -869,10 +874,7 @@ class LoadedModule:
                 _check_input(spec, a.dtype.name, a.shape)  # raises, naming the input
             flags = a.flags
             feed.append(a if flags.c_contiguous and flags.writeable else np.array(a))
-        outs = self._direct(*feed)
-        if len(outs) == 1 and not self.manifest.get("outputs_tuple"):
-            return outs[0]
-        return tuple(outs)
+        return self._direct(*feed)
 
 
 def _direct_call(manifest: dict, callables: dict):

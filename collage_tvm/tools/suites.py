@@ -1455,10 +1455,10 @@ def searched_a_mix(build: dict) -> float | None:
     """Where the search (both levels) ended on a placement over two or more backends: its
     time in the final check over that of the fastest other build there (the single-backend
     builds: each library beside TVM, one library on the whole model, the user's file; within
-    the accuracy budget: the row's "best"); else None. Below
-    1.0 the mix won the final check. Tells "no mixed placement shipped" apart from "the
-    search proposed none": on most rows it ends on one library running the whole model."""
-    if sum(1 for n in (build.get("collage_ops") or {}).values() if n) < 2:
+    the accuracy budget: the row's "best"); else None. Below 1.0 the mix won the final
+    check. Tells "no mixed placement shipped" apart from "the search proposed none": on
+    most rows it ends on one library running the whole model."""
+    if not _searched_over_backends(build):
         return None
     ms, best = build.get("collage_ms"), (build.get("best") or [None, None])[1]
     if not ms or not best or not math.isfinite(ms):
@@ -1469,5 +1469,9 @@ def searched_a_mix(build: dict) -> float | None:
 def is_mixed(build: dict) -> bool:
     """Whether a row's shipped build is a placement over two or more backends (not one
     library running the whole model, the user's model file included)."""
-    return (str(build.get("shipped", "")).startswith("collage")
-            and sum(1 for n in (build.get("collage_ops") or {}).values() if n) >= 2)
+    return str(build.get("shipped", "")).startswith("collage") and _searched_over_backends(build)
+
+
+def _searched_over_backends(build: dict) -> bool:
+    """Whether the searched placement's operators lie on two or more backends."""
+    return sum(1 for n in (build.get("collage_ops") or {}).values() if n) >= 2
