@@ -197,6 +197,7 @@ def test_a_build_all_on_tvm_saves_and_loads(tmp_path):
         module(a.astype("float64"), b)
     with pytest.raises(TypeError, match="takes 2 input"):
         module(a)
+    _timed_as_a_user_calls_it(module, [a, b], [np.maximum(a + b, 0), a + b], "numpy")
 
 
 @pytest.mark.parametrize("library", ["onnxruntime", "openvino"])
@@ -237,6 +238,26 @@ def test_the_model_file_that_won_the_final_check_saves_and_loads(model_path, tmp
         assert np.array_equal(module(x), ref)
     with pytest.raises(ValueError, match=r"input x: expected float32.*got float64"):
         module(X.astype("float64"))
+    # the suites time it as a user calls it (numpy in, numpy out: here the library's own
+    # call), its VM on TVM tensors beside it
+    _timed_as_a_user_calls_it(module, [X], [ref], "numpy, the library's own call")
+
+
+def _timed_as_a_user_calls_it(module, arrays, expected, call):
+    from collage_tvm.tools import bench
+
+    runs, outs, extra = {}, {}, {}
+    bench._collage_runs({"collage": module}, arrays, runs, outs, extra)
+    assert set(runs) == {"collage", bench.COLLAGE_ON_TENSORS}
+    assert extra["collage"]["call"] == call
+    assert extra[bench.COLLAGE_ON_TENSORS]["call"] == "TVM tensors"
+    got = runs["collage"]()
+    got = list(got) if isinstance(got, tuple) else [got]
+    assert all(isinstance(g, np.ndarray) for g in got)
+    for figure in (got, outs["collage"], outs[bench.COLLAGE_ON_TENSORS]):
+        assert len(figure) == len(expected)
+        for g, e in zip(figure, expected):
+            np.testing.assert_array_equal(g, e)
 
 
 def test_a_model_tvm_cannot_import_saves_and_loads(tmp_path):

@@ -46,7 +46,11 @@ def test_a_suite_row_times_collage_beside_every_framework_checked_against_pytorc
     assert row["timed"] == "saved and loaded", row["timed"]
     assert not (tmp_path / "two_input" / "shipped").exists()
     fw = row["frameworks"]
-    assert set(fw) == EVERY_FRAMEWORK, fw
+    # the loaded build called as a user calls it, numpy in and out; its VM on TVM tensors
+    # timed beside it
+    assert set(fw) == EVERY_FRAMEWORK | {"collage (TVM tensors)"}, fw
+    assert fw["collage"]["call"].startswith("numpy"), fw["collage"]
+    assert fw["collage (TVM tensors)"]["call"] == "TVM tensors"
     for name, r in fw.items():
         assert "error" not in r, (name, r)
         assert math.isfinite(r["ms"]) and r["ms"] > 0 and isinstance(r["match"], bool), (name, r)
@@ -162,6 +166,26 @@ def test_a_row_s_log_line_gives_its_error_beside_the_output_scale(tmp_path):
     assert "| 4.5e+02 of 1.1e+05 |" in suites.markdown("torchvision", [row])
 
 
+def test_the_table_gives_the_numpy_call_it_judged_and_the_vm_on_tvm_tensors_beside_it():
+    """A row timed as a user calls the loaded build (numpy in and out) judges that figure,
+    and its cell gives the VM's on TVM tensors beside it; an older row (the VM alone) is
+    shown as it was, and the note under the table is there only where a row has both."""
+    from collage_tvm.tools.bench import COLLAGE_ON_TENSORS
+
+    new, old = _row("new", 1.0), _row("old", 1.0)
+    new["build"]["frameworks"]["collage"]["call"] = "numpy, the library's own call"
+    new["build"]["frameworks"][COLLAGE_ON_TENSORS] = {"ms": 9.25, "match": True,
+                                                      "call": "TVM tensors"}
+    assert suites.versus(new["build"]["frameworks"]) == suites.versus(
+        old["build"]["frameworks"])  # not a contender: the ratios are the numpy call's
+    text = suites.markdown("torchvision", [new, old])
+    line = {r.split(" | ")[0][2:]: r for r in text.splitlines() if r.startswith("| ")}
+    assert "| 10.000 (VM 9.250) |" in line["new"]
+    assert "| 10.000 |" in line["old"]
+    assert "`collage_tvm.load(dir)(x)`" in text
+    assert "collage_tvm.load(dir)(x)" not in suites.markdown("torchvision", [old])
+
+
 def test_the_table_says_where_a_close_call_at_load_ran_another_library():
     switched, kept = _row("switched", 1.0), _row("kept", 1.0)
     for row, chose in ((switched, "openvino"), (kept, "onnxruntime")):
@@ -267,7 +291,7 @@ def test_the_collage_build_is_loaded_between_the_frameworks_and_their_a_a_contro
     monkeypatch.setattr(bench, "_torch_runs", lambda *a: ({"pytorch": None}, {"pytorch": [0.0]},
                                                           {}))
 
-    def collage_runs(builds, arrays, runs, outs):
+    def collage_runs(builds, arrays, runs, outs, extra=None):
         runs["collage"], outs["collage"] = builds["collage"], [0.0]
 
     monkeypatch.setattr(bench, "_collage_runs", collage_runs)
@@ -317,7 +341,7 @@ def test_a_model_too_large_for_every_framework_at_once_is_timed_a_group_at_a_tim
                                                           {}))
     rounds = iter(range(100))
 
-    def collage_runs(builds, arrays, runs, outs):
+    def collage_runs(builds, arrays, runs, outs, extra=None):
         runs["collage"], outs["collage"] = builds["collage"], [0.0]
 
     def times(runs, extra, controls):  # Collage at 10, 20, 30 ms in the successive groups;

@@ -240,7 +240,7 @@ def torch_frameworks(model, inputs, onnx_path: str, collage_executable, check, *
     builds = {"collage": collage_executable}
     if collage_f32 is not None:
         builds["collage (f32)"] = collage_f32
-    _collage_runs(builds, arrays, runs, outs)
+    _collage_runs(builds, arrays, runs, outs, extra)
     print(f"  timing {', '.join(runs)} interleaved", flush=True)
     return _rows(outs, _framework_times(runs, extra, controls), ref, check, extra)
 
@@ -326,21 +326,49 @@ def _library_runs(makers: dict, runs: dict, outs: dict, extra: dict) -> None:
             extra[name] = {"precision": made[2]}
 
 
-def _collage_runs(builds: dict, arrays: list, runs: dict, outs: dict) -> None:
+# The figure of the shipped build's VM called on TVM tensors made once (``_collage_runs``),
+# timed beside the user's numpy call of a loaded build: what the call's copies cost. Not a
+# contender (``suites.versus`` reads "collage"), nor an f32 mark of the runoff.
+COLLAGE_ON_TENSORS = "collage (TVM tensors)"
+
+
+def _collage_runs(builds: dict, arrays: list, runs: dict, outs: dict,
+                  extra: dict | None = None) -> None:
     """Each Collage build of ``builds`` (name -> an executable, or a saved build loaded back,
     ``artifact.LoadedModule``, whose VM is made already) as a call on ``arrays``, added to
-    ``runs`` / ``outs``."""
+    ``runs`` / ``outs``. A loaded build is called as a user calls it, numpy arrays in and
+    numpy arrays out (``LoadedModule.__call__``: the library's own call where the build is
+    the user's file run whole, else the VM with a copy of each input and output), the same
+    arrays the frameworks are called on; its VM on TVM tensors made once is timed beside it
+    as ``COLLAGE_ON_TENSORS`` (the shipped build's only). ``extra[name]["call"]``: which
+    call ("numpy", "numpy, the library's own call", or "TVM tensors")."""
+    import numpy as np
     import tvm
     from tvm import relax
 
+    from collage_tvm.artifact import LoadedModule
     from collage_tvm.check import run_outputs
 
+    extra = {} if extra is None else extra
     dev = tvm.cpu()
     args = [tvm.runtime.tensor(a, dev) for a in arrays]
     for name, executable in builds.items():
         vm = getattr(executable, "vm", None) or relax.VirtualMachine(executable, dev)
-        runs[name] = lambda main=vm["main"]: main(*args)
-        outs[name] = run_outputs(vm, args)
+        on_tensors = lambda main=vm["main"]: main(*args)  # noqa: E731
+        if not isinstance(executable, LoadedModule):
+            runs[name] = on_tensors
+            outs[name] = run_outputs(vm, args)
+            extra.setdefault(name, {})["call"] = "TVM tensors"
+            continue
+        runs[name] = lambda build=executable: build(*arrays)
+        got = executable(*arrays)
+        outs[name] = [np.asarray(o) for o in (got if isinstance(got, tuple) else (got,))]
+        extra.setdefault(name, {})["call"] = (
+            "numpy, the library's own call" if executable._direct is not None else "numpy")
+        if name == "collage":
+            runs[COLLAGE_ON_TENSORS] = on_tensors
+            outs[COLLAGE_ON_TENSORS] = run_outputs(vm, args)
+            extra.setdefault(COLLAGE_ON_TENSORS, {})["call"] = "TVM tensors"
 
 
 def _framework_times(runs: dict, extra: dict, controls: dict | None = None) -> dict:
@@ -359,7 +387,7 @@ def _framework_times(runs: dict, extra: dict, controls: dict | None = None) -> d
     mine = [n for n in ("collage", "collage (f32)") if n in ms]
     controls = controls or {}
     f32 = [ms[n] for n in ms if n not in mine and n not in controls
-           and extra.get(n, {}).get("precision", "f32") == "f32"]
+           and n != COLLAGE_ON_TENSORS and extra.get(n, {}).get("precision", "f32") == "f32"]
     marks = [ms[c] for c in mine]
     if f32 and mine and min(f32) < min(ms[c] for c in mine):
         marks.append(min(f32))  # a framework ahead of Collage: is it, or was it luck?

@@ -909,6 +909,8 @@ def _timed_in_groups(time_frameworks, groups: list | None) -> dict:
     the first group ("ms"; "group_ms" its own, "collage_ms" Collage's beside it), so every
     ratio ``versus`` takes is one timed interleaved; the batches are left out (a round of one
     group is not a round of another)."""
+    from .bench import COLLAGE_ON_TENSORS
+
     if groups is None:
         return time_frameworks(None)
     merged: dict = {}
@@ -919,7 +921,8 @@ def _timed_in_groups(time_frameworks, groups: list | None) -> dict:
         if base is None:
             base = collage
             merged = {n: {k: v for k, v in r.items() if k != "batches"}
-                      for n, r in rows.items() if n in ("collage", "pytorch")}
+                      for n, r in rows.items()
+                      if n in ("collage", "pytorch", COLLAGE_ON_TENSORS)}
         for n in group & set(rows):
             r = {k: v for k, v in rows[n].items() if k != "batches"}
             if "error" not in r and math.isfinite(r.get("ms", math.nan)):
@@ -1234,6 +1237,15 @@ def _torch_markdown(rows: list) -> list:
                "figure is the geometric mean of Collage's ratios to the two instances."
                if any(r["build"].get("openvino_f32_aa_spread") is not None for r in rows)
                else "") + "\n")
+    if any(_on_tensors_text(r["build"].get("frameworks", {})) for r in rows):
+        lines.append(
+            "Where the Collage cell has a second figure, the row timed the saved build as a "
+            "user calls it, `collage_tvm.load(dir)(x)` on the numpy arrays the frameworks "
+            "get, numpy out (the library's own call where the build is the user's file run "
+            "whole, else the Relax VM with a copy of each input and output): that figure is "
+            "the one judged. The second, \"VM\", is the same build's VM called on TVM "
+            "tensors made once, timed beside it: what the numpy call's copies cost. Rows "
+            "without it timed the VM on TVM tensors.\n")
     reduced = sorted({r["build"].get("accuracy", "f32") for r in rows} - {"f32"})
     if reduced:
         lines.append(
@@ -1258,7 +1270,7 @@ def _torch_markdown(rows: list) -> list:
         status, match, err, search_s, collage_ms, best = _build_cell(b)
         fw = b.get("frameworks", {})
         if "collage" in fw and "error" not in fw["collage"]:
-            collage_ms = f"{fw['collage']['ms']:.3f}"
+            collage_ms = f"{fw['collage']['ms']:.3f}" + _on_tensors_text(fw)
         if b.get("frameworks_error"):
             status += f" (frameworks failed: {b['frameworks_error']})"
         cells = [model, ", ".join(b.get("input", [])), status, match, err, search_s, collage_ms,
@@ -1271,6 +1283,17 @@ def _torch_markdown(rows: list) -> list:
     if reduced:
         lines += ["", default_summary(rows)]
     return lines
+
+
+def _on_tensors_text(fw: dict) -> str:
+    """" (VM x.xxx)": a row's figure of the shipped build's VM on TVM tensors, timed beside
+    the numpy call that row judged (``bench.COLLAGE_ON_TENSORS``); "" where it has none."""
+    from .bench import COLLAGE_ON_TENSORS
+
+    r = fw.get(COLLAGE_ON_TENSORS) or {}
+    ms = r.get("ms")
+    return f" (VM {ms:.3f})" if "error" not in r and isinstance(ms, float) and math.isfinite(
+        ms) else ""
 
 
 def _shipped_cell(b: dict) -> str:
