@@ -227,6 +227,8 @@ def _save_regions(module, folder: Path, alternates=(), model_file=None) -> tuple
             entry.update(format="onnx", file=f"{REGIONS}/r{k}.onnx", sole=sole,
                          outputs=[[list(s), d] for s, d in specs],
                          inputs=[i.name for i in model.graph.input])
+            if sole and _passes_through(module["main"], symbol, len(specs)):
+                entry["passes_through"] = True  # ``_direct_call``
             _write_onnx(model, folder / f"r{k}.onnx")
         else:
             func = made[2]
@@ -239,6 +241,59 @@ def _save_regions(module, folder: Path, alternates=(), model_file=None) -> tuple
         entries.append(entry)
         count[name] = count.get(name, 0) + 1
     return entries, count
+
+
+def _passes_through(main, symbol: str, n_outputs: int) -> bool:
+    """Whether Relax function ``main`` does nothing but call the packed function ``symbol``
+    (``call_pure_packed``, as ``byoc.external.lower_external`` writes it) on its parameters,
+    all of them in order, and return what that returns: the call itself, or its
+    ``n_outputs`` fields in order. Then the region's own call on the model's inputs is the
+    model (``_direct_call``)."""
+    import tvm
+    from tvm import relax
+
+    body = main.body
+    if not isinstance(body, relax.SeqExpr):
+        return False
+    params = list(main.params)
+    made = {}  # var -> "call", or the field of the call it is
+    for block in body.blocks:
+        for binding in block.bindings:
+            if not isinstance(binding, relax.VarBinding):
+                return False
+            value = binding.value
+            if isinstance(value, relax.Call) and not made:
+                args = list(value.args)
+                if not (isinstance(value.op, tvm.ir.Op)
+                        and value.op.name == "relax.call_pure_packed" and args
+                        and isinstance(args[0], relax.ExternFunc)
+                        and str(args[0].global_symbol) == symbol
+                        and len(args) == len(params) + 1
+                        and all(a.same_as(p) for a, p in zip(args[1:], params))):
+                    return False
+                made[binding.var] = "call"
+            elif isinstance(value, relax.TupleGetItem) and made.get(value.tuple_value) == "call":
+                made[binding.var] = int(value.index)
+            elif isinstance(value, relax.Var) and value in made:
+                made[binding.var] = made[value]  # an alias (a dataflow block's output)
+            elif isinstance(value, relax.Tuple) and _all_fields(value, made, n_outputs):
+                made[binding.var] = "call"  # the call's fields, all in order
+            else:
+                return False
+    out = body.body
+    if isinstance(out, relax.Tuple):
+        return _all_fields(out, made, n_outputs)
+    return isinstance(out, relax.Var) and made.get(out) == "call"
+
+
+def _all_fields(value, made: dict, n_outputs: int) -> bool:
+    """Whether Relax tuple ``value`` is fields 0..n-1 of the call, in order
+    (``_passes_through``)."""
+    from tvm import relax
+
+    return (len(value.fields) == n_outputs > 1
+            and all(isinstance(f, relax.Var) and made.get(f) == j
+                    for j, f in enumerate(value.fields)))
 
 
 def _alternates(alternates, folder: Path, model_file) -> list:
@@ -878,13 +933,16 @@ class LoadedModule:
 
 
 def _direct_call(manifest: dict, callables: dict):
-    """Where the build is the user's model file run whole by a graph library on the CPU
-    (one region; the VM's ``main`` does nothing but call it, with the model's inputs in
-    order: ``byoc.whole``), the library's own call of it on numpy arrays, returning fresh
+    """Where the build is one file run whole by a graph library on the CPU, and the VM's
+    ``main`` does nothing but call it with the model's inputs in order (the user's model
+    file: ``byoc.whole``; TVM's import exported as one region: "passes_through", checked at
+    save by ``_passes_through``; either one with the user's file put in its place by the
+    close call at load), the library's own call of it on numpy arrays, returning fresh
     numpy outputs (the region callable's ``numpy_call``), which ``LoadedModule`` calls
     itself. None otherwise (artifacts saved before "model_file" was written included)."""
     regions = manifest.get("regions") or []
-    if manifest.get("device") == "cuda" or len(regions) != 1 or not regions[0].get("model_file"):
+    if manifest.get("device") == "cuda" or len(regions) != 1 or not (
+            regions[0].get("model_file") or regions[0].get("passes_through")):
         return None
     return getattr(callables.get(regions[0]["symbol"]), "numpy_call", None)
 

@@ -123,6 +123,7 @@ assert isinstance(out, np.ndarray) and isinstance(out_torch, torch.Tensor), (typ
 np.save(sys.argv[3], out)
 np.save(sys.argv[4], out_torch.numpy())
 print("load_seconds", module.load_seconds)
+print("direct", module._direct is not None)
 """
 
 
@@ -135,6 +136,7 @@ def _fresh_process(path, tmp_path):
                           capture_output=True, text=True, timeout=120,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert proc.returncode == 0, proc.stderr[-3000:]
+    _fresh_process.direct = "direct True" in proc.stdout
     return np.load(tmp_path / "out.npy"), np.load(tmp_path / "out_torch.npy")
 
 
@@ -161,6 +163,11 @@ def test_saved_build_runs_bit_identical_in_a_fresh_process_without_searching(
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".art.")]  # no leftovers
     out, out_torch = _fresh_process(path, tmp_path)
     assert np.array_equal(out, ref) and np.array_equal(out_torch, ref)
+    # TVM's import whole on one graph library: main only calls the region, so a numpy call
+    # goes to the library's own call (no VM, no copies), and gives the VM's outputs
+    if backend != "dnnl":
+        assert region["sole"] and region["passes_through"] is True, region
+    assert _fresh_process.direct == (backend != "dnnl")
 
 
 @pytest.mark.skipif(not _available("openvino_bf16"),
@@ -480,3 +487,38 @@ def test_bench_deploy_row_loads_in_a_fresh_process_beside_an_onnxruntime_session
     table = docs.deploy_table([{"machine": {"cpu": "X", "cores": 2},
                                 "models": [{"model": "block", "size": "small", "deploy": row}]}])
     assert "| block | small |" in table and "| yes |" in table
+
+
+def _main_calling(symbol: str, order=(0, 1), outputs=2, field_order=None, then_relu=False):
+    """A Relax main that calls packed function ``symbol`` on its two parameters in
+    ``order`` and returns its ``outputs`` (a tuple's fields in ``field_order``)."""
+    bb = relax.BlockBuilder()
+    params = [relax.Var(n, relax.TensorType((2, 3), "float32")) for n in ("a", "b")]
+    ret = relax.TensorType((2, 3), "float32")
+    ret = ret if outputs == 1 else relax.TupleType([ret] * outputs)
+    with bb.function("main", params):
+        with bb.dataflow():
+            call = bb.emit(relax.op.call_pure_packed(symbol, *[params[k] for k in order],
+                                                     ty_args=ret))
+            if outputs == 1:
+                out = bb.emit(relax.op.nn.relu(call)) if then_relu else call
+            else:
+                items = [bb.emit(relax.TupleGetItem(call, j)) for j in range(outputs)]
+                out = relax.Tuple([items[j] for j in (field_order or range(outputs))])
+            out = bb.emit_output(out)
+        bb.emit_func_output(out)
+    return bb.get()["main"]
+
+
+def test_a_main_that_only_calls_its_region_on_its_inputs_is_told_apart():
+    """The numpy call goes straight to a region's library only where the VM's main does
+    nothing else: every parameter in order, the outputs as the region gives them."""
+    from collage_tvm.artifact import _passes_through
+
+    assert _passes_through(_main_calling("r.0"), "r.0", 2)
+    assert _passes_through(_main_calling("r.0", outputs=1), "r.0", 1)
+    assert not _passes_through(_main_calling("r.0"), "r.1", 2)  # another region
+    assert not _passes_through(_main_calling("r.0", order=(1, 0)), "r.0", 2)  # swapped inputs
+    assert not _passes_through(_main_calling("r.0", order=(0, 0)), "r.0", 2)  # one unused
+    assert not _passes_through(_main_calling("r.0", field_order=(1, 0)), "r.0", 2)
+    assert not _passes_through(_main_calling("r.0", outputs=1, then_relu=True), "r.0", 1)

@@ -226,6 +226,7 @@ def test_beside_an_exported_region_the_user_s_own_file_is_an_alternate_too(tmp_p
     call = next(iter(module._callables.values()))
     assert hasattr(call, "session")  # ONNX Runtime's, on the user's file
     np.testing.assert_allclose(module(X), ref, rtol=1e-4, atol=1e-5)
+    _direct_as_the_vm(module, entry)
     # the placement log keeps it: the next build (nothing measured) saves the file again
     again = _optimize(path, tmp_path)
     assert again.report.placement_from_log and again.report.alternates == res.report.alternates
@@ -274,3 +275,12 @@ def test_the_user_s_file_on_the_shipped_region_s_own_library_is_decided_at_load(
     assert module.decided["chose"] == "onnxruntime (model file)"
     assert "onnxruntime" in module.decided["ms"] and module.decided["left_out"] == {}
     np.testing.assert_allclose(module(X), ref, rtol=1e-4, atol=1e-5)
+    _direct_as_the_vm(module, entry)
+
+
+def _direct_as_the_vm(module, entry):
+    """The region the VM's main only calls (TVM's import exported whole), the user's file in
+    its place: a numpy call is that file's library call itself, and gives the VM's outputs."""
+    assert entry["passes_through"] is True and module._direct is not None
+    on_vm = module.run_tvm([module.to_device(X, module.inputs[0])])[0].numpy()
+    np.testing.assert_array_equal(module(X), on_vm)
