@@ -919,8 +919,8 @@ class LoadedModule:
         return [_like(o, args[0] if args else None) for o in self.run_tvm(tensors)]
 
     def _call_direct(self, arrays: list) -> list:
-        """numpy in, numpy out, where the build is the user's model file run whole by one
-        graph library (``_direct_call``): the arrays go to the library's call as they are
+        """numpy in, numpy out, where the build is one file run whole by one graph library
+        and the VM's ``main`` only calls it (``_direct_call``): the arrays go to the library's call as they are
         (the Relax VM would first copy each into a TVM tensor) and the library's fresh numpy
         outputs come back as they are."""
         feed = []
