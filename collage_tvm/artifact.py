@@ -850,6 +850,13 @@ class LoadedModule:
             for i in self.inputs]
 
     @property
+    def calls_library_directly(self) -> bool:
+        """True where a call with numpy arrays goes to the one graph library's own call of
+        the whole model (``_direct_call``), False where it goes through the Relax VM (each
+        input copied into a TVM tensor and each output back)."""
+        return self._direct is not None
+
+    @property
     def input_names(self) -> list:
         return [i["name"] for i in self.inputs]
 

@@ -123,7 +123,7 @@ assert isinstance(out, np.ndarray) and isinstance(out_torch, torch.Tensor), (typ
 np.save(sys.argv[3], out)
 np.save(sys.argv[4], out_torch.numpy())
 print("load_seconds", module.load_seconds)
-print("direct", module._direct is not None)
+print("direct", module.calls_library_directly)
 """
 
 
@@ -234,7 +234,7 @@ def test_the_model_file_that_won_the_final_check_saves_and_loads(model_path, tmp
     assert np.array_equal(_run_build(res), ref)  # the build's own callable is still registered
     # numpy goes straight to the library's own call (no copy into a TVM tensor, no VM), and
     # gives what the VM gives, for a read-only or strided array too
-    assert manifest["regions"][0]["model_file"] is True and module._direct is not None
+    assert manifest["regions"][0]["model_file"] is True and module.calls_library_directly
     assert np.array_equal(module.run_tvm([module.to_device(X, module.inputs[0])])[0].numpy(),
                           ref)
     frozen = X.copy()

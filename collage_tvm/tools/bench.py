@@ -364,7 +364,7 @@ def _collage_runs(builds: dict, arrays: list, runs: dict, outs: dict,
         got = executable(*arrays)
         outs[name] = [np.asarray(o) for o in (got if isinstance(got, tuple) else (got,))]
         extra.setdefault(name, {})["call"] = (
-            "numpy, the library's own call" if executable._direct is not None else "numpy")
+            "numpy, the library's own call" if executable.calls_library_directly else "numpy")
         if name == "collage":
             runs[COLLAGE_ON_TENSORS] = on_tensors
             outs[COLLAGE_ON_TENSORS] = run_outputs(vm, args)
