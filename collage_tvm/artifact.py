@@ -927,9 +927,9 @@ class LoadedModule:
 
     def _call_direct(self, arrays: list) -> list:
         """numpy in, numpy out, where the build is one file run whole by one graph library
-        and the VM's ``main`` only calls it (``_direct_call``): the arrays go to the library's call as they are
-        (the Relax VM would first copy each into a TVM tensor) and the library's fresh numpy
-        outputs come back as they are."""
+        and the VM's ``main`` only calls it (``_direct_call``): the arrays go to the
+        library's call as they are (the Relax VM would first copy each into a TVM tensor)
+        and the library's fresh numpy outputs come back as they are."""
         feed = []
         for a, (dtype, shape), spec in zip(arrays, self._direct_specs, self.inputs):
             if a.dtype.name != dtype or a.shape != shape:

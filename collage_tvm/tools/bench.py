@@ -338,10 +338,11 @@ def _collage_runs(builds: dict, arrays: list, runs: dict, outs: dict,
     ``artifact.LoadedModule``, whose VM is made already) as a call on ``arrays``, added to
     ``runs`` / ``outs``. A loaded build is called as a user calls it, numpy arrays in and
     numpy arrays out (``LoadedModule.__call__``: the library's own call where the build is
-    one file run whole by one library, ``artifact._direct_call``, else the VM with a copy of each input and output), the same
-    arrays the frameworks are called on; its VM on TVM tensors made once is timed beside it
-    as ``COLLAGE_ON_TENSORS`` (the shipped build's only). ``extra[name]["call"]``: which
-    call ("numpy", "numpy, the library's own call", or "TVM tensors")."""
+    one file run whole by one library, ``LoadedModule.calls_library_directly``, else the VM
+    with a copy of each input and output), the same arrays the frameworks are called on;
+    its VM on TVM tensors made once is timed beside it as ``COLLAGE_ON_TENSORS`` (the
+    shipped build's only). ``extra[name]["call"]``: which call ("numpy", "numpy, the
+    library's own call", or "TVM tensors")."""
     import numpy as np
     import tvm
     from tvm import relax
