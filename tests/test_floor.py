@@ -474,3 +474,41 @@ def test_the_final_check_s_batches_hold_a_thousand_calls_of_a_microsecond_model(
         assert seen[-1] == pytest.approx(want), ms
     ns._time_again({"a": {"ms": 0.006}}, {"a": None}, make_target("llvm"), min_ms=7.0)
     assert seen[-1] == 7.0  # a caller's own batch length is kept
+
+
+def test_a_library_that_reads_no_files_is_handed_the_model_not_the_users_file(model_path):
+    """inductor translates a ModelProto (onnx2torch); handing it the user's file as an
+    ``OnnxFile`` broke the floor's "inductor (model file)" on the H200 (TypeError from
+    onnx2torch). A lowering without ``reads_files`` gets the proto, and the build runs."""
+    from types import SimpleNamespace
+
+    from collage_tvm.byoc import compile_module
+    from collage_tvm.byoc.whole import whole_model_module
+
+    import importlib.util
+
+    if importlib.util.find_spec("onnx2torch") is None:
+        pytest.skip("onnx2torch is not installed (the test extra)")
+    from tests.test_gpu_backends import _InductorOnCpu
+
+    lowering, seen = _InductorOnCpu(), []
+    real = lowering.compile
+
+    def compile_(model, specs, sole=False):
+        seen.append(model)
+        return real(model, specs, sole)
+
+    lowering.compile = compile_
+    assert not lowering.reads_files
+    backend = SimpleNamespace(name="inductor", get_lowering=lambda: lowering)
+    proto = onnx.load(model_path)
+    mod = whole_model_module(proto, backend, {}, path=model_path)
+    assert isinstance(seen[0], onnx.ModelProto)
+    x = np.random.default_rng(2).standard_normal((1, 3, 16, 16)).astype("float32")
+    import onnxruntime as ort
+
+    want = ort.InferenceSession(model_path, providers=["CPUExecutionProvider"]).run(
+        None, {"x": x})[0]
+    vm = relax.VirtualMachine(compile_module(mod, tvm.target.Target("llvm")), tvm.cpu())
+    np.testing.assert_allclose(vm["main"](tvm.runtime.tensor(x)).numpy(), want,
+                               rtol=1e-4, atol=1e-4)

@@ -10,12 +10,13 @@ rm -rf .gpu && mkdir -p .gpu/dl .gpu/part1 .gpu/part2
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .gpu/dl \
-  apache-tvm==0.27.0.post1 apache-tvm-ffi==0.1.14.post0 deap==1.4.4
+  apache-tvm==0.27.0.post1 apache-tvm-ffi==0.1.14.post0 deap==1.4.4 \
+  moocore==0.3.2 cffi==2.1.1 pycparser==3.12 platformdirs==4.14.8  # deap 1.4's tools import moocore
 "$PY" -m pip download -q --no-deps -d .gpu/dl onnx2torch==1.5.15  # pure Python: the inductor backend
 tvm=$(ls .gpu/dl/apache_tvm-*.whl)
-split -b 52m "$tvm" .gpu/part1/tvm.whl.
+split -b 52m "$tvm" .gpu/part1/tvm.whl. && rm "$tvm"
 mv .gpu/part1/tvm.whl.ab .gpu/part2/
 basename "$tvm" > .gpu/part1/tvm.name
-mv .gpu/dl/apache_tvm_ffi-*.whl .gpu/dl/deap-*.whl .gpu/dl/onnx2torch-*.whl .gpu/part2/
+mv .gpu/dl/*.whl .gpu/part2/
 rm -rf .gpu/dl
 du -sh .gpu/part1 .gpu/part2

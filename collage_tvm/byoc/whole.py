@@ -133,7 +133,11 @@ def whole_model_module(proto, backend, input_shapes: dict | None = None,
     compile_whole = getattr(lowering, "compile", None)
     if compile_whole is None:
         raise NotWhole(f"{backend.name} is not a graph library that runs an ONNX model")
-    source = proto if path is None else OnnxFile(path, tuple(graph_input_names(proto)))
+    # a library that reads files reads the user's file itself; any other takes the proto
+    if path is None or not getattr(lowering, "reads_files", False):
+        source = proto
+    else:
+        source = OnnxFile(path, tuple(graph_input_names(proto)))
     try:
         fn = compile_whole(source, specs, True)
     except Exception as err:  # noqa: BLE001 - the library's refusal is the reason
