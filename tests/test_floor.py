@@ -3,6 +3,7 @@ contender in the final check; it ships when it is the fastest correct build, and
 placement log remembers that verdict. Which build is fastest is the machine's call, so the
 tests that need a winner fix the timings (a fake clock); the builds and outputs are real."""
 import importlib
+import importlib.util
 import statistics
 
 import numpy as np
@@ -68,6 +69,30 @@ def _machine_busy(monkeypatch, share: float):
         self.share = share
 
     monkeypatch.setattr(timing.OtherLoad, "__exit__", exit_)
+
+
+def _record_compiles(monkeypatch, lowering) -> list:
+    """Every model ``lowering.compile`` is handed from now on, in order (it still compiles)."""
+    real, seen = lowering.compile, []
+
+    def compile_(model, specs, sole=False):
+        seen.append(model)
+        return real(model, specs, sole)
+
+    monkeypatch.setattr(lowering, "compile", compile_)
+    return seen
+
+
+def _assert_runs_like_the_file(mod, path, x):
+    """``mod`` built with TVM gives, on ``x``, what ONNX Runtime gives on the file."""
+    import onnxruntime as ort
+
+    from collage_tvm.byoc import compile_module
+
+    want = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    vm = relax.VirtualMachine(compile_module(mod, tvm.target.Target("llvm")), tvm.cpu())
+    np.testing.assert_allclose(vm["main"](tvm.runtime.tensor(x)).numpy(), want,
+                               rtol=1e-4, atol=1e-4)
 
 
 def _search(path, tmp_path, backends=("tvm", "onnxruntime"), **kw):
@@ -417,35 +442,21 @@ def test_the_model_file_whole_is_read_by_the_library_from_the_users_file(model_p
     """The floor's library loads the user's file itself (as the user's own session does) when
     the input shapes leave the model as it is; shapes that change it hand the library the
     rewritten model. Either build runs the file's outputs."""
-    from collage_tvm.byoc import compile_module
     from collage_tvm.byoc.whole import whole_model_module
     from collage_tvm.export.onnx import OnnxFile
 
     backend = get_backend(library)
     if not backend.available()[0]:
         pytest.skip(f"{library} is not installed")
-    lowering = backend.get_lowering()
-    real, seen = lowering.compile, []
-
-    def compile_(model, specs, sole=False):
-        seen.append(model)
-        return real(model, specs, sole)
-
-    monkeypatch.setattr(lowering, "compile", compile_)
+    seen = _record_compiles(monkeypatch, backend.get_lowering())
     proto = onnx.load(model_path)
     x = np.random.default_rng(1).standard_normal((1, 3, 16, 16)).astype("float32")
-    import onnxruntime as ort
-
-    want = ort.InferenceSession(model_path, providers=["CPUExecutionProvider"]).run(
-        None, {"x": x})[0]
     for shapes in ({}, {"x": (1, 3, 16, 16)}):  # the shape the file declares
         seen.clear()
         mod = whole_model_module(proto, backend, shapes, path=model_path)
         assert isinstance(seen[0], OnnxFile)
         assert seen[0].path == model_path and list(seen[0].inputs) == ["x"]
-        vm = relax.VirtualMachine(compile_module(mod, tvm.target.Target("llvm")), tvm.cpu())
-        np.testing.assert_allclose(vm["main"](tvm.runtime.tensor(x)).numpy(), want,
-                                   rtol=1e-4, atol=1e-4)
+        _assert_runs_like_the_file(mod, model_path, x)
     # no path, or a shape the file does not declare: the library gets the model itself
     seen.clear()
     whole_model_module(proto, backend, None)
@@ -476,39 +487,24 @@ def test_the_final_check_s_batches_hold_a_thousand_calls_of_a_microsecond_model(
     assert seen[-1] == 7.0  # a caller's own batch length is kept
 
 
-def test_a_library_that_reads_no_files_is_handed_the_model_not_the_users_file(model_path):
+def test_a_library_that_reads_no_files_is_handed_the_model_not_the_users_file(model_path,
+                                                                            monkeypatch):
     """inductor translates a ModelProto (onnx2torch); handing it the user's file as an
     ``OnnxFile`` broke the floor's "inductor (model file)" on the H200 (TypeError from
     onnx2torch). A lowering without ``reads_files`` gets the proto, and the build runs."""
     from types import SimpleNamespace
 
-    from collage_tvm.byoc import compile_module
     from collage_tvm.byoc.whole import whole_model_module
-
-    import importlib.util
 
     if importlib.util.find_spec("onnx2torch") is None:
         pytest.skip("onnx2torch is not installed (the test extra)")
     from tests.test_gpu_backends import _InductorOnCpu
 
-    lowering, seen = _InductorOnCpu(), []
-    real = lowering.compile
-
-    def compile_(model, specs, sole=False):
-        seen.append(model)
-        return real(model, specs, sole)
-
-    lowering.compile = compile_
+    lowering = _InductorOnCpu()
+    seen = _record_compiles(monkeypatch, lowering)
     assert not lowering.reads_files
     backend = SimpleNamespace(name="inductor", get_lowering=lambda: lowering)
-    proto = onnx.load(model_path)
-    mod = whole_model_module(proto, backend, {}, path=model_path)
+    mod = whole_model_module(onnx.load(model_path), backend, {}, path=model_path)
     assert isinstance(seen[0], onnx.ModelProto)
     x = np.random.default_rng(2).standard_normal((1, 3, 16, 16)).astype("float32")
-    import onnxruntime as ort
-
-    want = ort.InferenceSession(model_path, providers=["CPUExecutionProvider"]).run(
-        None, {"x": x})[0]
-    vm = relax.VirtualMachine(compile_module(mod, tvm.target.Target("llvm")), tvm.cpu())
-    np.testing.assert_allclose(vm["main"](tvm.runtime.tensor(x)).numpy(), want,
-                               rtol=1e-4, atol=1e-4)
+    _assert_runs_like_the_file(mod, model_path, x)
