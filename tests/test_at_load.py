@@ -183,7 +183,6 @@ def test_an_alternate_whose_outputs_differ_is_left_out():
     assert "differ" in record["left_out"]["b"] and "ZeroDivisionError" in record["left_out"]["c"]
 
 
-
 @pytest.mark.parametrize("other_ms, chose", [(0.998, "a"), (0.995, "a"), (0.97, "b")])
 def test_another_replaces_the_shipped_one_only_past_the_margin(monkeypatch, other_ms, chose):
     args = example_inputs([{"name": "x", "shape": [2, 3], "dtype": "float32"}], tvm.cpu())
@@ -191,6 +190,7 @@ def test_another_replaces_the_shipped_one_only_past_the_margin(monkeypatch, othe
     monkeypatch.setattr(at_load, "interleaved", lambda fns, **kw: {"a": 1.0, "b": other_ms})
     got, record = decide({"a": same, "b": same}, args)
     assert got == chose == record["chose"] and record["ms"] == {"a": 1.0, "b": other_ms}
+
 
 def test_example_inputs_follow_the_specs_and_refuse_a_dynamic_dimension():
     a, b = example_inputs([{"name": "x", "shape": [2, 3], "dtype": "float32"},
