@@ -386,6 +386,29 @@ def test_when_one_build_leaves_too_little_room_it_is_set_aside_and_can_still_shi
     assert res[verdict.shipped]["ms"] == min(ok.values()), res
 
 
+def test_when_tvm_alone_is_hopeless_and_memory_short_a_reference_is_built_before_narrowing(
+        monkeypatch):
+    """torchvision's vit_h_14 on 24 GB: tvm-only was not built (hopeless by the search's
+    estimate), collage and its op-level placement were held, and the next build found
+    memory short: the builds held had no reference to be checked against before all but
+    one were freed, and the final check failed ("no other build ran"). The builds that can
+    be the reference are built right after tvm-only, before any other."""
+    ns, lib, g, backends, Placement, groups = _final_check_case()
+    monkeypatch.setattr(ns, "memory_short", lambda weights: True)
+    monkeypatch.setattr(ns, "room_beside_one", lambda weights: True)
+    op_level = Placement([Candidate(lib, frozenset([0, 1])), *(Candidate("tvm", frozenset([i]))
+                                                               for i in (2, 3, 4))], 1.0)
+    verdict = ns.never_slower(g, Placement(groups, 1.0), backends, make_target("llvm"),
+                              op_level=op_level, alone_ms={"tvm-only": 1e9})
+    res = verdict.comparison
+    assert res["tvm-only"].get("skipped"), res
+    assert "same_as" not in res["collage-op-level"], res
+    refs = [n for n, r in res.items() if r.get("reference")]
+    assert refs and refs[0] in (lib, f"{lib}+tvm"), res
+    assert any("lost_to" in r for r in res.values()), res  # it did narrow
+    assert all(r["match"] for n, r in res.items() if n != "tvm-only"), res
+
+
 def test_a_final_check_timed_beside_other_work_times_its_contenders_again(monkeypatch):
     """Other processes took more than ``RETRY_SHARE`` of the CPU while the builds were timed
     (faked here): the contenders within ``BUSY_FACTOR`` of the fastest are timed again after

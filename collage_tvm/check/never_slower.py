@@ -298,7 +298,7 @@ def _time_builds(builds, graph_of, floors, backends, target, accuracy, weights,
     alone_ms = alone_ms or {}
     results, outputs, runs, seen = {}, {}, {}, {}
     cutoff = None
-    for name in ["collage", "tvm-only"] + [n for n in builds if n not in ("collage", "tvm-only")]:
+    for name in _build_order(builds, floors):
         same = seen.setdefault(name if name in floors else (
             id(graph_of[name]), frozenset((g.backend, g.nodes) for g in builds[name])), name)
         if same != name:  # e.g. the two-level search chose the whole model on one library
@@ -747,13 +747,31 @@ def _reference(results: dict, builds: dict, floors: dict | None = None) -> str:
     tvm_only = results["tvm-only"]
     if "error" not in tvm_only:
         return tvm_only.get("same_as", "tvm-only")
-    floors = floors or {}
-    f32_files = [n for n, f in floors.items() if f.budget is None]
-    others = [n for n in builds if n != "tvm-only" and not n.startswith("collage")
-              and n not in floors]
-    whole = _whole_library_builds(builds)
-    for name in whole + f32_files + [n for n in others if n not in whole]:
+    for name in _reference_order(builds, floors or {}):
         if name in results and "error" not in results[name]:
             return results[name].get("same_as", name)
     raise RuntimeError(f"TVM alone cannot build this model ({tvm_only['error']}) and no "
                        "other build ran to check the placement against")
+
+
+def _reference_order(builds: dict, floors: dict) -> list:
+    """The builds other than tvm-only that can be the reference (``_reference``), in the
+    order one is taken: the whole-model graph-library builds, the user's model file on a
+    graph library at f32, the other single-backend builds."""
+    f32_files = [n for n, f in floors.items() if f.budget is None]
+    others = [n for n in builds if n != "tvm-only" and not n.startswith("collage")
+              and n not in floors]
+    whole = _whole_library_builds(builds)
+    return whole + f32_files + [n for n in others if n not in whole]
+
+
+def _build_order(builds: dict, floors: dict) -> list:
+    """The order ``_time_builds`` builds the contenders in: collage (its time sets the
+    cutoff), tvm-only, then the builds that can be the reference in the order one is taken
+    (``_reference_order``), then the rest. Where tvm-only is not built (hopeless) and memory
+    is short, the builds held are checked against the reference before all but one are
+    freed (``_narrow``): it must have been built by then (torchvision's vit_h_14 on 24 GB:
+    collage and its op-level placement held, the next build short of memory, and no
+    reference built yet)."""
+    first = ["collage", "tvm-only"] + _reference_order(builds, floors)
+    return first + [n for n in builds if n not in first]
