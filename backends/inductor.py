@@ -48,7 +48,15 @@ def _aten_graph(module, model, device):
         examples.append(torch.zeros([d.dim_value for d in tt.shape.dim], dtype=dtype,
                                     device=device))
     with torch.no_grad():
-        return make_fx(module, tracing_mode="real", _error_on_data_dependent_ops=False)(*examples)
+        graph = make_fx(module, tracing_mode="real", _error_on_data_dependent_ops=False)(*examples)
+    # onnx2torch's shape checks (Reshape's ``any(shape == 0)``, ``torch.Size(shape)``) leave
+    # dead ``.item()`` reads of constants in the trace (``aten._local_scalar_dense``, 200 in
+    # a 2-layer BERT). Each one is a graph break for TorchDynamo, which then analyses the
+    # rest of the graph's code again at every break: BERT-base's whole encoder (over a
+    # thousand of them) did not compile in 300 s on an H200. Their results are unused.
+    graph.graph.eliminate_dead_code()
+    graph.recompile()
+    return graph
 
 
 class InductorLowering(GraphLibraryLowering):

@@ -222,6 +222,39 @@ def test_inductor_offers_regions_and_runs_a_subgraph_as_compiled_torch_ops():
         assert get_backend("inductor").available() == (False, NO_GPU_REASON)
 
 
+def test_the_traced_graph_for_inductor_has_no_dead_scalar_reads():
+    """onnx2torch's Reshape checks its shape input in Python (``any(shape == 0)``,
+    ``torch.Size(shape)``); traced, those are ``.item()`` reads of constants whose results
+    are unused, and each is a graph break for TorchDynamo (BERT-base's encoder, over a
+    thousand of them, did not compile in 300 s on an H200). The trace drops them."""
+    import onnx
+    import torch
+    from onnx import TensorProto, helper, numpy_helper
+
+    from collage_tvm.backends import inductor as ind
+
+    w = numpy_helper.from_array(RNG.standard_normal((8, 8)).astype("float32"), "w")
+    shape = numpy_helper.from_array(np.array([0, 2, -1], dtype="int64"), "shape")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"]),
+         helper.make_node("Reshape", ["y", "shape"], ["r"]),
+         helper.make_node("Relu", ["r"], ["z"])],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])],
+        [helper.make_tensor_value_info("z", TensorProto.FLOAT, [1, 2, 4])], [w, shape])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(model)
+    module = ind._onnx2torch()(model).eval()
+    traced = ind._aten_graph(module, model, "cpu")
+    targets = [str(n.target) for n in traced.graph.nodes if n.op == "call_function"]
+    assert "aten.view.default" in targets or "aten._unsafe_view.default" in targets
+    assert not any("_local_scalar_dense" in t for t in targets), targets
+    x = torch.from_numpy(RNG.standard_normal((1, 8)).astype("float32"))
+    with torch.no_grad():
+        got, want = traced(x), module(x)
+    got = got[0] if isinstance(got, (tuple, list)) else got
+    torch.testing.assert_close(got, want)
+
+
 def test_bench_on_a_cuda_target_says_what_it_cannot_do(capsys):
     from collage_tvm.cli import main
 
