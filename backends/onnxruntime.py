@@ -52,7 +52,7 @@ def _whole_call(sess, in_names: list, out_names: list, specs: list, run_options)
         try:
             return from_dlpack(array)  # 64-byte aligned and contiguous: no copy
         except Exception:  # noqa: BLE001 - TVM refuses it: one aligned copy
-            out, buffer = new_output(*spec)
+            out, buffer = new_output(array.shape, spec[1])  # (a dynamic model: its shape)
             buffer[...] = array
             return out
 

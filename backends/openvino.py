@@ -70,6 +70,8 @@ class OpenVinoLowering(GraphLibraryLowering):
         request = compiled.create_infer_request()
         set_in, set_out, infer = request.set_input_tensor, request.set_output_tensor, request.infer
         Tensor = ov.Tensor
+        if any(shape is None for shape, _ in specs):  # a dynamic model: OpenVINO sizes them
+            return _dynamic_call(request, slots, specs, compiled)
 
         def call(*args):
             for k, i in slots:
@@ -95,6 +97,35 @@ class OpenVinoLowering(GraphLibraryLowering):
         if sole:  # the whole model (``artifact.LoadedModule`` calls it with numpy)
             call.numpy_call = numpy_call
         return call
+
+
+def _dynamic_call(request, slots: list, specs: list, compiled):
+    """The callable of a model whose outputs' shapes follow its inputs' (``specs`` with
+    None shapes: ``collage_tvm.dynamic``): OpenVINO allocates each output for the shapes
+    of the call, which is copied out (the request reuses its memory on the next call)."""
+    import openvino as ov
+
+    set_in, infer, get_out = request.set_input_tensor, request.infer, request.get_output_tensor
+    Tensor = ov.Tensor
+    n = len(specs)
+
+    def numpy_call(*arrays):
+        for k, i in slots:
+            set_in(i, Tensor(np.ascontiguousarray(arrays[k]), shared_memory=True))
+        infer()
+        return [np.array(get_out(i).data) for i in range(n)]
+
+    def call(*args):
+        outs = []
+        for a, (_, dtype) in zip(numpy_call(*(as_numpy(x) for x in args)), specs):
+            out, view = new_output(a.shape, dtype)
+            view[...] = a
+            outs.append(out)
+        return single_or_tuple(outs)
+
+    call.compiled = compiled
+    call.numpy_call = numpy_call
+    return call
 
 
 class OpenVinoBf16Lowering(OpenVinoLowering):

@@ -52,6 +52,8 @@ KERNELS = "kernels.so"
 REGIONS = "regions"
 # The user's model file, where a close call at load may run it (``_save_regions``)
 ALTERNATE_FILE = "model_file.onnx"
+# A dynamic model's static build at the optimum, an artifact of its own inside this one
+STATIC = "static"
 PLACEMENT = "placement.json"
 
 # LLVM features whose instructions TVM's kernels may hold: a CPU without one of them cannot
@@ -208,6 +210,12 @@ def _save_regions(module, folder: Path, alternates=(), model_file=None) -> tuple
             raise ArtifactError(f"the build's call {symbol} cannot be saved: its callable was "
                                 "released (save the result collage_tvm.optimize returned)")
         kind, name = made[0], made[1]
+        if kind == "dynamic":  # a dynamic model's dispatch (``collage_tvm.dynamic``)
+            entry = _save_dynamic(symbol, made, folder)
+            entries.append(entry)
+            for lib in entry["libraries"]:
+                count[lib] = count.get(lib, 0) + 1
+            continue
         backend = get_backend(name)
         lowering = backend.get_lowering()
         entry = {"symbol": symbol, "backend": name, "label": "the model file, whole"}
@@ -241,6 +249,29 @@ def _save_regions(module, folder: Path, alternates=(), model_file=None) -> tuple
         entries.append(entry)
         count[name] = count.get(name, 0) + 1
     return entries, count
+
+
+def _save_dynamic(symbol: str, made: tuple, folder: Path) -> dict:
+    """The region entry of a dynamic model's dispatch: the user's file (written as
+    ``ALTERNATE_FILE``), the ranges, the library chosen at each point, and the static build
+    that serves the optimum (saved as an artifact of its own in ``STATIC``), if any."""
+    from .dynamic.dispatch import output_types
+
+    _, ranges, proto, chosen, static = made
+    _write_onnx(proto, folder / ALTERNATE_FILE)
+    libraries = sorted(set(chosen["table"].values()))
+    entry = {"symbol": symbol, "format": "dynamic", "backend": libraries[0],
+             "libraries": libraries, "label": "the model file per shape",
+             "file": f"{REGIONS}/{ALTERNATE_FILE}",
+             "inputs": [n for n, _, _ in ranges.inputs],
+             "outputs": [list(t) for t in output_types(proto)],
+             "ranges": ranges.to_json(), "table": chosen["table"],
+             "special": chosen["special"] if static is not None else None}
+    if static is not None:
+        save(static, folder.parent / STATIC, input_names=entry["inputs"],
+             output_names=[o.name for o in proto.graph.output])
+        entry["static"] = STATIC
+    return entry
 
 
 def _passes_through(main, symbol: str, n_outputs: int) -> bool:
@@ -324,7 +355,7 @@ def _whole_model_names(module) -> tuple:
 
     for symbol in registered_symbols(module):
         made = recipe(symbol)
-        if made is not None and made[0] == "onnx":
+        if made is not None and made[0] in ("onnx", "dynamic"):
             graph = made[2].graph
             weights = {t.name for t in graph.initializer}
             return ([i.name for i in graph.input if i.name not in weights],
@@ -640,8 +671,43 @@ def _check_backends(manifest: dict, path: Path) -> dict:
 
 def _lower_regions(manifest: dict, path: Path, backends: dict) -> dict:
     """symbol -> the callable of each region, made by its library from the saved file."""
-    return {entry["symbol"]: _lower_region(entry, path, backends[entry["backend"]])
+    return {entry["symbol"]: _lower_dynamic(entry, path, backends)
+            if entry.get("format") == "dynamic" else
+            _lower_region(entry, path, backends[entry["backend"]])
             for entry in manifest.get("regions", [])}
+
+
+def _lower_dynamic(entry: dict, path: Path, backends: dict):
+    """A dynamic model's dispatch (``dynamic.Dispatch``): the user's file on each library
+    of its table, and the static build at the optimum loaded from ``STATIC``."""
+    from ._errors import first_line
+    from .dynamic.dispatch import Dispatch, StaticBuild, library_call
+    from .dynamic.shapes import ShapeRanges
+
+    file = path / entry["file"]
+    outs = [tuple(t) for t in entry["outputs"]]
+    fns = {}
+    for name in entry["libraries"]:
+        try:
+            proto = None
+            if not getattr(backends[name].get_lowering(), "reads_files", False):
+                import onnx
+
+                proto = onnx.load(str(file))
+            fns[name] = library_call(backends[name], proto, str(file), entry["inputs"], outs)
+        except Exception as err:  # noqa: BLE001 - the library's refusal names the cause
+            raise ArtifactError(f"{path}: {name} could not load the model file "
+                                f"{entry['file']} ({first_line(err, 300)}); export the "
+                                "model again") from err
+    special = None
+    if entry.get("static") and entry.get("special"):
+        import tvm
+
+        loaded = load(path / entry["static"], decide=False)
+        build = StaticBuild(loaded.vm["main"], tvm.cpu(0))
+        build.loaded = loaded  # kept alive with the dispatch
+        special = ({s: int(v) for s, v in entry["special"].items()}, build)
+    return Dispatch(ShapeRanges.from_json(entry["ranges"]), entry["table"], fns, special)
 
 
 def _lower_region(entry: dict, path: Path, backend):
@@ -843,6 +909,9 @@ class LoadedModule:
         self.inputs = manifest["inputs"]
         self.outputs = manifest["outputs"]
         self._direct = _direct_call(manifest, callables)
+        # a dynamic model's dispatch: a call's shapes are checked against its ranges
+        self.dispatch = next((callables[e["symbol"]] for e in manifest.get("regions", [])
+                              if e.get("format") == "dynamic"), None)
         # (dtype, shape) of each input where every dimension is a number: a call with
         # exactly these skips the full check
         self._direct_specs = [(i.get("dtype"), tuple(i["shape"]) if all(
@@ -923,6 +992,8 @@ class LoadedModule:
     def _call_vm(self, args: list) -> list:
         """The outputs of the VM's ``main`` on ``args``, each as the kind of the first."""
         tensors = [self.to_device(a, s) for a, s in zip(args, self.inputs)]
+        if self.dispatch is not None:  # outside its ranges: the error names them
+            self.dispatch.ranges.point_of([tuple(int(d) for d in t.shape) for t in tensors])
         return [_like(o, args[0] if args else None) for o in self.run_tvm(tensors)]
 
     def _call_direct(self, arrays: list) -> list:
@@ -949,7 +1020,8 @@ def _direct_call(manifest: dict, callables: dict):
     itself. None otherwise (artifacts saved before "model_file" was written included)."""
     regions = manifest.get("regions") or []
     if manifest.get("device") == "cuda" or len(regions) != 1 or not (
-            regions[0].get("model_file") or regions[0].get("passes_through")):
+            regions[0].get("model_file") or regions[0].get("passes_through")
+            or regions[0].get("format") == "dynamic"):
         return None
     return getattr(callables.get(regions[0]["symbol"]), "numpy_call", None)
 

@@ -95,6 +95,9 @@ class BuildReport:
     # The RPC servers' device, where it is not this machine's (a search for a device of
     # another kind): whole builds were not run here (``_unjudged``).
     measured_elsewhere: str = ""
+    # A model with dynamic dimensions (``collage_tvm.dynamic``): its ranges, the choice at
+    # each representative point, the static build's specialization; {} for a static model.
+    dynamic: dict = field(default_factory=dict)
 
     def summary(self) -> str:
         if self.placement_from_log:
@@ -130,6 +133,9 @@ class CollageResult:
     report: BuildReport
     target: tvm.target.Target | None = None  # what TVM's kernels were compiled for
     model_file: object = None   # as ``SearchResult.model_file``: saved for the decision at load
+    # A dynamic model's static build at the optimum, where it serves that shape (saved
+    # beside the dispatch: ``collage_tvm.dynamic``), else None
+    static: object = None
 
     def save(self, path, **kwargs):
         """``collage_tvm.save(self, path, ...)``: the build as a directory that
@@ -872,6 +878,10 @@ def optimize(model, target="llvm", backends=None, db=None, *, options: SearchOpt
     (``backends``, ``graph_level=True``, ``budget=120``, ``compare=True``, ...).
     """
     options = SearchOptions.of(options, backends=backends, **option_fields)
+    dynamic = _dynamic(model, target, options, db, placement_log, tuning_db, input_shapes,
+                       example_inputs)
+    if dynamic is not None:
+        return dynamic
     found = search(model, target, options, db, placement_log, example_inputs, input_shapes,
                    tuning_db)
     with use_tuning_db(found.tuning):
@@ -879,6 +889,27 @@ def optimize(model, target="llvm", backends=None, db=None, *, options: SearchOpt
     _let_go()
     return CollageResult(executable, lowered, found.placement, found.graph, found.report,
                          found.target, found.model_file)
+
+
+def _dynamic(model, target, options, db, placement_log, tuning_db, input_shapes,
+             example_inputs):
+    """The build of an ONNX model with dynamic dimensions that ``input_shapes`` leaves
+    dynamic (``collage_tvm.dynamic``): it serves every shape of its ranges; None for a
+    static model, one the given shapes fix, or one no graph library among the backends runs
+    (TVM's build over symbolic shapes then, as before)."""
+    from .dynamic import dynamic_model, optimize_dynamic
+
+    found = dynamic_model(model, options.shapes, input_shapes)
+    if found is None:
+        return None
+    proto, path, ranges = found
+    result = optimize_dynamic(model, proto, path, ranges, target, options, db, placement_log,
+                              tuning_db, example_inputs)
+    if result is None:
+        logger.warning("no graph library among the backends runs the model file: TVM builds "
+                       "it over symbolic shapes (add onnxruntime or openvino to serve the "
+                       "range with their kernels)")
+    return result
 
 
 def _compile(found: SearchResult) -> tuple:

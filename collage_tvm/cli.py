@@ -36,10 +36,46 @@ def _optimize(args) -> int:
     res = optimize(args.model, args.target, db=args.db, options=_options(args, backends),
                    input_shapes=parse_input_shapes(args.input_shape), example_inputs=example,
                    on_generation=on_generation, on_calibration=on_calibration)
+    if res.report.dynamic:
+        print(f"\nthe search at the optimum "
+              f"({_shapes_text(res.report.dynamic['ranges'], 'opt')}):")
     code = _report(args, res, t0)
+    if res.report.dynamic:
+        _print_dynamic(res.report)
     if args.export:
         _export(res, args)
     return code
+
+
+def _shapes_text(ranges: dict, which: str) -> str:
+    """The inputs' shapes at the ranges' ``which`` ("min", "opt", "max") as NAME=D1xD2."""
+    k = ("min", "opt", "max").index(which)
+    return ", ".join(f"{i['name']}=" + "x".join(
+        str(d if isinstance(d, int) else ranges["axes"][d][k]) for d in i["dims"])
+        for i in ranges["inputs"])
+
+
+def _print_dynamic(rep) -> None:
+    """A dynamic model's ranges and what serves each representative point."""
+    d = rep.dynamic
+    print(f"\ndynamic shapes: built for {d['described']}")
+    print(f"  to change them: {d['flags']} (min:opt:max)")
+    for name, why in d.get("skipped", {}).items():
+        print(f"  {name} left out: {why}")
+    source = "from the placement log: timed nothing" if d.get("from_log") else (
+        f"timed side by side in {d['seconds']:.0f} s")
+    print(f"  what serves each shape ({source}; a shape goes to the least point at or "
+          "above it):")
+    for p in d["points"]:
+        point = ",".join(f"{s}={v}" for s, v in sorted(p["point"].items()))
+        figures = ", ".join(f"{n} {v:.3f}" for n, v in sorted(p["ms"].items(),
+                                                              key=lambda kv: kv[1]))
+        print(f"    {point:<28} {p['chose']:<14}" + (f" ({figures} ms)" if figures else ""))
+        for n, why in p.get("left_out", {}).items():
+            print(f"      {n} left out: {why}")
+    if d.get("special"):
+        print(f"  Collage's placement ({d['static_shipped']}) serves exactly the optimum")
+    print(f"shipped: {rep.shipped}")
 
 
 def _export(res, args) -> None:
@@ -221,25 +257,55 @@ def _run(args) -> int:
     if args.output:
         np.savez(args.output, **dict(zip(module.output_names, outputs)))
         print(f"outputs written to {args.output}")
+    if args.bench and module.dispatch is not None and args.inputs is None:
+        for point in module.dispatch.ranges.points():
+            arrays = _point_inputs(module, point)
+            served = module.dispatch.label_for([a.shape for a in arrays])
+            print(f"shape {','.join(f'{s}={v}' for s, v in sorted(point.items()))} "
+                  f"(served by {served}): ", end="")
+            _time_loaded(module, arrays, args)
+        return 0
     if args.bench:
-        tensors = [module.to_device(a, s) for a, s in zip(arrays, module.inputs)]
-        sync = module.device.sync if module.manifest.get("device") == "cuda" else None
-        warmup = args.warmup if args.warmup is not None else max(3, args.bench // 10)
-        for _ in range(warmup):
-            module.run_tvm(tensors)
+        _time_loaded(module, arrays, args)
+    return 0
+
+
+def _point_inputs(module, point: dict) -> list:
+    """Random inputs (seed 0) of a dynamic build at ``point`` (symbol -> size)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    out = []
+    for (_, dtype, _), shape in zip(module.dispatch.ranges.inputs,
+                                    module.dispatch.ranges.shapes(point).values()):
+        dtype = np.dtype(dtype)
+        out.append(rng.standard_normal(shape).astype(dtype) if dtype.kind == "f"
+                   else np.zeros(shape, dtype))
+    return out
+
+
+def _time_loaded(module, arrays, args) -> None:
+    """``run --bench N``: N timed runs of the loaded build on ``arrays`` after warm-up,
+    printed as percentiles."""
+    import numpy as np
+
+    tensors = [module.to_device(a, s) for a, s in zip(arrays, module.inputs)]
+    sync = module.device.sync if module.manifest.get("device") == "cuda" else None
+    warmup = args.warmup if args.warmup is not None else max(3, args.bench // 10)
+    for _ in range(warmup):
+        module.run_tvm(tensors)
+    if sync:
+        sync()
+    times = []
+    for _ in range(args.bench):
+        t = time.perf_counter()
+        module.run_tvm(tensors)
         if sync:
             sync()
-        times = []
-        for _ in range(args.bench):
-            t = time.perf_counter()
-            module.run_tvm(tensors)
-            if sync:
-                sync()
-            times.append((time.perf_counter() - t) * 1e3)
-        p50, p90, p99 = np.percentile(times, [50, 90, 99])
-        print(f"latency over {args.bench} runs after {warmup} warm-up: p50 {p50:.3f} ms, "
-              f"p90 {p90:.3f} ms, p99 {p99:.3f} ms (mean {np.mean(times):.3f} ms)")
-    return 0
+        times.append((time.perf_counter() - t) * 1e3)
+    p50, p90, p99 = np.percentile(times, [50, 90, 99])
+    print(f"latency over {args.bench} runs after {warmup} warm-up: p50 {p50:.3f} ms, "
+          f"p90 {p90:.3f} ms, p99 {p99:.3f} ms (mean {np.mean(times):.3f} ms)")
 
 
 def decided_text(d: dict) -> str:
@@ -260,6 +326,9 @@ def _run_inputs(path, module) -> list:
     import numpy as np
 
     names = module.input_names
+    if path is None and module.dispatch is not None:
+        print("no --inputs: random inputs at the optimum of the ranges")
+        return _point_inputs(module, module.dispatch.ranges.opt())
     if path is None:
         rng = np.random.default_rng(0)
         print("no --inputs: random inputs of the saved shapes")
@@ -294,7 +363,8 @@ def _options(args, backends):
                          accuracy=args.accuracy, build_jobs=args.build_jobs,
                          lean=getattr(args, "lean", True),
                          rpc_tracker=getattr(args, "rpc_tracker", "") or "",
-                         rpc_key=getattr(args, "rpc_key", "") or "")
+                         rpc_key=getattr(args, "rpc_key", "") or "",
+                         shapes=tuple(getattr(args, "shapes", None) or ()))
 
 
 def _tune(args) -> int:
@@ -544,8 +614,14 @@ def _optimize_parser(sub) -> None:
     o.add_argument("--db", default=None, help="cost DB path (default ~/.cache/collage-tvm/costs.db)")
     o.add_argument("--patterns", action="append", help="extra pattern file (repeatable)")
     o.add_argument("--input-shape", action="append", metavar="NAME=D1xD2x...",
-                   help="static shape of an input with dynamic dimensions (batch, sequence), "
-                        "e.g. input=1x3x224x224 (repeatable)")
+                   help="one static shape of an input with dynamic dimensions (batch, "
+                        "sequence), e.g. input=1x3x224x224 (repeatable): the build serves "
+                        "that shape alone")
+    o.add_argument("--shapes", action="append", metavar="NAME=MIN:OPT:MAX",
+                   help="the range of shapes an input with dynamic dimensions is built for, "
+                        "as TensorRT's profiles: e.g. input_ids=1x1:1x128:8x512 (searched at "
+                        "OPT, served from MIN to MAX; repeatable). Default: read from the "
+                        "model (batch 1..8 around 1; a sequence 1..its positions around 128)")
     o.add_argument("--inputs", metavar="FILE.npz",
                    help="example inputs (an .npz keyed by input name, or one .npy): every "
                         "build is checked and timed on them first; for a model whose inputs "

@@ -34,6 +34,36 @@ def _not_key(default, why: str):
     return field(default=default, metadata={"key": None, "why": why})
 
 
+def _shape_specs(shapes) -> tuple:
+    """``SearchOptions.shapes`` as ((name, (min, opt, max)), ...), from "NAME=MIN:OPT:MAX"
+    strings, a dict, or that tuple itself (``collage_tvm.dynamic.shapes.parse_shapes``)."""
+    from .dynamic.shapes import ShapeError, parse_shapes
+
+    if not shapes:
+        return ()
+    if isinstance(shapes, str):
+        shapes = [shapes]
+    if isinstance(shapes, dict):
+        items = []
+        for name, value in shapes.items():
+            if isinstance(value, str):
+                items.append((name, parse_shapes([f"{name}={value}"])[name]))
+            else:
+                if value and not isinstance(value[0], (tuple, list)):
+                    three = (tuple(int(d) for d in value),) * 3
+                else:
+                    three = tuple(tuple(int(d) for d in s) for s in value)
+                if len(three) != 3:
+                    raise ShapeError(f"shapes[{name!r}]: expected (min, opt, max) shapes or "
+                                     f"one shape, got {value!r}")
+                items.append((name, three))
+        return tuple(items)
+    items = list(shapes)
+    if all(isinstance(i, str) for i in items):
+        return tuple(parse_shapes(items).items())
+    return tuple((name, tuple(tuple(s) for s in three)) for name, three in items)
+
+
 @dataclass(frozen=True)
 class SearchOptions:
     """How Collage searches a placement (DESIGN.md's data flow, one build)."""
@@ -89,6 +119,12 @@ class SearchOptions:
     # level, the calibration and the final check still time on this machine.
     rpc_tracker: str = _not_key("", "where measuring runs; the servers' kind is rpc_key")
     rpc_key: str = field(default="", metadata={"key": lambda v: f"|rpc={v}" if v else ""})
+    # A model with dynamic dimensions: per input, the range it is built for, as TensorRT's
+    # profiles ("input_ids=1x1:1x128:8x512": min, opt, max; one shape: that shape alone),
+    # a list of such strings or {name: (min, opt, max)}; the axes not given get defaults
+    # read from the model (``collage_tvm.dynamic.shapes``).
+    shapes: tuple = _not_key((), "the search runs at the optimum's static shapes, keyed by "
+                             "them; the choice per shape is keyed by the ranges")
     progress: bool = _not_key(True, "display only")
     on_generation: Callable | None = _not_key(None, "a callback: sees the graph-level search")
     on_calibration: Callable | None = _not_key(None, "a callback: sees each calibration round")
@@ -99,6 +135,7 @@ class SearchOptions:
             backends = [b for b in backends.split(",") if b]
         object.__setattr__(self, "backends", tuple(backends))
         object.__setattr__(self, "accuracy", parse_accuracy(self.accuracy))
+        object.__setattr__(self, "shapes", _shape_specs(self.shapes))
         for name in ("refine_rounds", "calibrate_rounds"):
             if int(getattr(self, name)) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

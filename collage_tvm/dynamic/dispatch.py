@@ -1,0 +1,139 @@
+"""The build of a dynamic model: one call that sends each shape to what serves it best.
+
+``Dispatch`` holds, per representative point of the ranges (``ShapeRanges.points``), the
+label of the library chosen there (each library runs the user's file, which serves every
+shape), and optionally a specialization: a static build of Collage's (searched at the
+optimum) that serves that one point exactly. A call's shapes pick their point as
+``ShapeRanges.bucket`` says (the least point at or above each size); nothing is padded, so
+every shape computes what the model computes.
+
+The executable's ``main`` takes symbolic shapes and makes one ``call_pure_packed`` into the
+dispatch (``dynamic_module``), so it runs in a Relax VM as any other build.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .shapes import ShapeRanges
+
+
+def point_key(point: dict) -> str:
+    """A point as text: "batch=1,sequence=128" (symbols sorted): the table's key."""
+    return ",".join(f"{s}={point[s]}" for s in sorted(point))
+
+
+class Dispatch:
+    """``Dispatch(ranges, table, fns, special=None)``: a callable on TVM tensors (and
+    ``numpy_call`` on numpy arrays) that runs ``fns[table[bucket]]`` for the call's shapes.
+
+    ``table``: point key (``point_key``) -> label of ``fns``; ``fns``: label -> callable
+    (TVM tensors in and out; with ``numpy_call``); ``special``: (point, callable) where a
+    static build serves one point exactly (it also has ``numpy_call``)."""
+
+    def __init__(self, ranges: ShapeRanges, table: dict, fns: dict, special=None):
+        self.ranges = ranges
+        self.table = dict(table)
+        self.fns = dict(fns)
+        self.special = special
+        points = [dict(kv.split("=") for kv in key.split(",")) if key else {}
+                  for key in self.table]
+        self.values = {s: sorted({int(p[s]) for p in points if s in p}) for s in ranges.axes}
+        self._by_shapes: dict = {}  # input shapes -> callable (bounded: ``_pick``)
+
+    def _pick(self, shapes: tuple):
+        """The callable for a call with input ``shapes`` (a tuple of tuples); raises
+        ``ShapeError`` (naming the range and the flag) outside the ranges."""
+        fn = self._by_shapes.get(shapes)
+        if fn is not None:
+            return fn
+        point = self.ranges.point_of(shapes)
+        if self.special is not None and point == self.special[0]:
+            fn = self.special[1]
+        else:
+            fn = self.fns[self.table[point_key(self.ranges.bucket(point, self.values))]]
+        if len(self._by_shapes) < 4096:
+            self._by_shapes[shapes] = fn
+        return fn
+
+    def label_for(self, shapes) -> str:
+        """Which build serves a call with input ``shapes``: a label of ``fns``, or
+        "collage" for the specialization."""
+        fn = self._pick(tuple(tuple(int(d) for d in s) for s in shapes))
+        if self.special is not None and fn is self.special[1]:
+            return "collage"
+        return next(label for label, f in self.fns.items() if f is fn)
+
+    def __call__(self, *args):
+        return self._pick(tuple(tuple(a.shape) for a in args))(*args)
+
+    def numpy_call(self, *arrays):
+        """numpy in, numpy out (a list), as the libraries' own ``numpy_call``."""
+        return self._pick(tuple(a.shape for a in arrays)).numpy_call(*arrays)
+
+
+class StaticBuild:
+    """A static build (a Relax VM's ``main``) as a dispatch target: called on TVM tensors,
+    and on numpy arrays through ``numpy_call``."""
+
+    def __init__(self, main, device):
+        self.main, self.device = main, device
+
+    def __call__(self, *args):
+        return self.main(*args)
+
+    def numpy_call(self, *arrays):
+        import tvm
+
+        out = self.main(*(tvm.runtime.tensor(np.ascontiguousarray(a), self.device)
+                          for a in arrays))
+        outs = [out] if isinstance(out, tvm.runtime.Tensor) else list(out)
+        return [o.numpy() for o in outs]
+
+
+def dynamic_module(ranges: ShapeRanges, symbol: str, out_dtypes: list):
+    """A Relax module whose ``main`` takes the model's inputs with symbolic dimensions
+    (one ``tirx.Var`` per symbol, shared between inputs) and returns what the packed
+    function ``symbol`` returns for them (outputs of known rank and dtype, shapes as
+    the call gives them)."""
+    import tvm
+    from tvm import relax
+
+    variables = {s: tvm.tirx.Var(s, "int64") for s in ranges.axes}
+    params = [relax.Var(f"in{k}", relax.TensorType(
+        [variables[d] if isinstance(d, str) else d for d in dims], dtype))
+        for k, (_, dtype, dims) in enumerate(ranges.inputs)]
+    outs = [relax.TensorType(ndim=rank, dtype=dtype) for rank, dtype in out_dtypes]
+    ret = outs[0] if len(outs) == 1 else relax.TupleType(outs)
+    bb = relax.BlockBuilder()
+    with bb.function("main", params):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.call_pure_packed(symbol, *params, ty_args=ret))
+        bb.emit_func_output(out)
+    return bb.get().with_attr("collage.symbols", [symbol])
+
+
+def output_types(proto) -> list:
+    """[(rank, dtype)] of ``proto``'s graph outputs."""
+    import onnx
+
+    out = []
+    for vi in proto.graph.output:
+        t = vi.type.tensor_type
+        rank = len(t.shape.dim) if t.HasField("shape") else -1
+        out.append((rank, np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.elem_type)).name))
+    return out
+
+
+def library_call(backend, proto, path: str | None, names: list, out_types: list):
+    """The user's dynamic file on graph library ``backend``: one session (compiled model)
+    serving every shape; its callable on TVM tensors, with ``numpy_call``."""
+    from ..export.onnx import OnnxFile
+
+    lowering = backend.get_lowering()
+    source = (OnnxFile(path, tuple(names))
+              if path is not None and getattr(lowering, "reads_files", False) else proto)
+    return lowering.compile(source, [(None, dtype) for _, dtype in out_types], True)
+
+
+__all__ = ["Dispatch", "StaticBuild", "dynamic_module", "library_call", "output_types",
+           "point_key"]

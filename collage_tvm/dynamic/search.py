@@ -1,0 +1,228 @@
+"""A model with dynamic dimensions, built for a range of shapes (``collage_tvm.dynamic``).
+
+1. The ranges: ``--shapes`` where given, defaults read from the model elsewhere
+   (``shapes.shape_ranges``), printed in the report.
+2. Collage's search at the optimum, as for any static model (its final check, floors
+   included): a static build that serves the optimum's shapes exactly.
+3. At each representative point of the ranges (``ShapeRanges.points``), the user's own
+   file run whole by each graph library (one session each: it serves every shape), timed
+   side by side on random inputs of the point's shapes, each library's outputs checked
+   against ONNX Runtime's f32 ones within the accuracy budget (``check.at_load.decide``);
+   at the optimum, Collage's static build is a contender too.
+4. The build: ``dispatch.Dispatch`` sends a call to the chosen library of its point (the
+   least point at or above each size), or to the static build at exactly its shapes.
+   Nothing is padded. A build that cannot serve the range is never shipped.
+
+The choice per point is kept in the placement log (keyed by the file, the ranges, the
+libraries' versions and the budget): a rebuild measures nothing.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import time
+
+from .._errors import first_line
+from .dispatch import (Dispatch, StaticBuild, dynamic_module, library_call, output_types,
+                       point_key)
+from .shapes import ShapeRanges
+
+logger = logging.getLogger("collage_tvm")
+
+# Rounds and least batch of the side-by-side timing at each point (``check.at_load.decide``)
+POINT_ROUNDS = 9
+POINT_BATCH_MS = 40.0
+REFERENCE = "onnxruntime"  # whose f32 outputs the others' are checked against
+STATIC = "collage"         # the label of Collage's static build at the optimum
+
+
+def graph_libraries(backends: dict, accuracy) -> dict:
+    """name -> Backend of the graph libraries among ``backends`` that run a model file whole,
+    the reference (ONNX Runtime, f32) first, then the other f32 ones, then the
+    reduced-precision variants the budget allows."""
+    libs = {n: b for n, b in backends.items()
+            if b.kind == "graph" and hasattr(b.get_lowering(), "compile")
+            and accuracy.allows(b.precision)}
+    return dict(sorted(libs.items(), key=lambda kv: (kv[0] != REFERENCE,
+                                                      kv[1].precision != "f32", kv[0])))
+
+
+def table_key(proto, ranges: ShapeRanges, libs: dict, accuracy, static: str) -> str:
+    """The placement-log key of the choice per point: the model, the ranges, each library's
+    version, the budget and what the static build is (its shipped label and placement)."""
+    digest = hashlib.sha256()
+    digest.update(proto.SerializeToString(deterministic=True) if proto.ByteSize() < 2**31 - 1
+                  else proto.graph.SerializeToString(deterministic=True)[:1 << 20])
+    parts = ["dynamic", digest.hexdigest(), json.dumps(ranges.to_json(), sort_keys=True),
+             *sorted(f"{n}={b.version()}" for n, b in libs.items()), accuracy.key(), static]
+    return "dyn-" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
+
+
+def random_inputs(ranges: ShapeRanges, point: dict, device, seed: int = 0) -> list:
+    """TVM tensors of the inputs at ``point``: floats standard normal, integers zero."""
+    from ..check.at_load import example_inputs
+
+    specs = [{"name": n, "dtype": t, "shape": list(s)}
+             for (n, t, _), s in zip(ranges.inputs, ranges.shapes(point).values())]
+    return example_inputs(specs, device, seed)
+
+
+def choose(ranges: ShapeRanges, fns: dict, accuracy, static=None, progress=None) -> dict:
+    """The choice at each point of ``ranges``: {"points": [{"point", "chose", "ms",
+    "left_out"}], "table": point key -> label, "special": the optimum's point when the
+    static build won it, else None}. ``fns``: label -> callable, the reference first;
+    ``static``: the static build's callable, a contender at the optimum only."""
+    import tvm
+
+    from ..check.at_load import decide
+
+    points, table, special = [], {}, None
+    opt = ranges.opt()
+    todo = ranges.points()
+    for k, point in enumerate(todo):
+        args = random_inputs(ranges, point, tvm.cpu(0), seed=k)
+        contenders = dict(fns)
+        if static is not None and point == opt:
+            contenders[STATIC] = static
+        chose, record = decide(contenders, args, accuracy, rounds=POINT_ROUNDS,
+                               batch_ms=POINT_BATCH_MS)
+        ms = record.get("ms") or {}
+        library = chose
+        if chose == STATIC:
+            special = point
+            library = min((n for n in ms if n != STATIC), key=ms.get, default=next(iter(fns)))
+        table[point_key(point)] = library
+        points.append({"point": point, "chose": chose, "ms": ms,
+                       "left_out": record.get("left_out", {})})
+        if progress is not None:
+            progress(k + 1, len(todo), point, chose, ms)
+    return {"points": points, "table": table, "special": special}
+
+
+def optimize_dynamic(model, proto, path, ranges: ShapeRanges, target, options, db,
+                     placement_log, tuning_db, example_inputs=None):
+    """``collage_tvm.optimize`` for an ONNX model with dynamic dimensions (``proto``, read
+    from ``path`` or given): a ``CollageResult`` whose executable serves every shape of
+    ``ranges``, or None where no graph library among the backends can run the file (the
+    caller keeps TVM's build over symbolic shapes then)."""
+    import tvm
+
+    from ..build import CollageResult, open_db, open_placement_log, optimize
+    from ..byoc.external import register
+    from ..registry import resolve_backends
+    from ..target import make_target
+
+    t0 = time.perf_counter()
+    target = make_target(target)
+    backends, _ = resolve_backends(options.backends, target, options.accuracy)
+    libs = graph_libraries(backends, options.accuracy)
+    if not libs:
+        return None
+    logger.warning("the model has dynamic dimensions: built for %s (%s)", ranges.describe(),
+                   ranges.flags())
+    static = _static_build(model, target, options, db, placement_log, tuning_db, ranges,
+                           example_inputs)
+    names = [n for n, _, _ in ranges.inputs]
+    outs = output_types(proto)
+    fns, skipped = {}, {}
+    for name, backend in libs.items():
+        try:
+            fns[name] = library_call(backend, proto, path, names, outs)
+        except Exception as err:  # noqa: BLE001 - a library that cannot is left out
+            skipped[name] = first_line(err, 300)
+            logger.warning("%s cannot run the dynamic model file: %s", name, skipped[name])
+    if not fns:
+        return None
+    special_fn, static_label = None, ""
+    if static is not None and _specializes(static):
+        special_fn = StaticBuild(tvm.relax.VirtualMachine(static.executable, tvm.cpu(0))["main"],
+                                 tvm.cpu(0))
+        static_label = f"{static.report.shipped}|{static.placement.cost}"
+    log = open_placement_log(placement_log, open_db(db))
+    key = table_key(proto, ranges, {n: libs[n] for n in fns}, options.accuracy, static_label)
+    logged = log.get(key)
+    if logged and set(logged.get("table", {}).values()) <= set(fns):
+        chosen = {"points": logged["points"], "table": logged["table"],
+                  "special": logged.get("special")}
+        from_log = True
+    else:
+        chosen = choose(ranges, fns, options.accuracy, special_fn,
+                        _progress if options.progress else None)
+        log.put(key, chosen)
+        from_log = False
+    special = (chosen["special"], special_fn) if chosen["special"] and special_fn else None
+    dispatch = Dispatch(ranges, chosen["table"], fns, special)
+    symbol = register("collage.dynamic", dispatch,
+                      ("dynamic", ranges, proto, chosen, static if special else None))
+    mod = dynamic_module(ranges, symbol, outs)
+    executable = tvm.compile(mod, target)
+    report = static.report if static is not None else _empty_report(backends)
+    report.dynamic = {"ranges": ranges.to_json(), "described": ranges.describe(),
+                      "flags": ranges.flags(), "points": chosen["points"],
+                      "special": chosen["special"] if special else None,
+                      "libraries": list(fns), "skipped": skipped, "from_log": from_log,
+                      "static_shipped": static.report.shipped if static is not None else "",
+                      "seconds": round(time.perf_counter() - t0, 1)}
+    report.shipped = _shipped(chosen, special is not None)
+    report.times["dynamic"] = time.perf_counter() - t0
+    result = CollageResult(executable, mod,
+                           static.placement if static is not None else _no_placement(),
+                           static.graph if static is not None else None, report, target)
+    result.static = static if special else None
+    return result
+
+
+def _static_build(model, target, options, db, placement_log, tuning_db, ranges, example_inputs):
+    """Collage's build at the optimum's shapes (None, with a warning, when it fails: the
+    libraries still serve every shape)."""
+    from ..build import optimize
+
+    try:
+        return optimize(model, target, options=options, db=db, placement_log=placement_log,
+                        input_shapes=ranges.opt_shapes(), tuning_db=tuning_db,
+                        example_inputs=example_inputs)
+    except Exception as err:  # noqa: BLE001 - the model file on a library still serves
+        logger.warning("Collage's search at the optimum (%s) failed: %s; the model file on "
+                       "the graph libraries serves every shape", ranges.opt_shapes(),
+                       first_line(err, 300))
+        return None
+
+
+def _specializes(static) -> bool:
+    """Whether the static build is something other than the user's file run whole (which
+    the libraries run at every point anyway)."""
+    return static.executable is not None and not static.report.whole_model.get("floor")
+
+
+def _shipped(chosen: dict, special: bool) -> str:
+    """The report's "shipped": which library serves how many points."""
+    count: dict = {}
+    for p in chosen["points"]:
+        count[p["chose"]] = count.get(p["chose"], 0) + 1
+    per = ", ".join(f"{n} at {c} point{'s' if c > 1 else ''}" for n, c in sorted(
+        count.items(), key=lambda kv: -kv[1]))
+    return f"dynamic: the model file per shape ({per})" + (
+        "; Collage's placement at the optimum" if special else "")
+
+
+def _empty_report(backends):
+    from ..build import BuildReport
+
+    return BuildReport(backends=list(backends))
+
+
+def _no_placement():
+    from ..placement import Placement
+
+    return Placement([], math.nan)
+
+
+def _progress(done: int, total: int, point: dict, chose: str, ms: dict) -> None:
+    figures = ", ".join(f"{n} {v:.3f}" for n, v in sorted(ms.items(), key=lambda kv: kv[1]))
+    print(f"  shape {done}/{total} {point_key(point)}: {chose}"
+          + (f" ({figures} ms)" if figures else ""), flush=True)
+
+
+__all__ = ["choose", "graph_libraries", "optimize_dynamic"]

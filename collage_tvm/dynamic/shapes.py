@@ -1,0 +1,298 @@
+"""The shapes a model with dynamic dimensions is built for: one range per dynamic axis.
+
+An ONNX export names its dynamic axes (``dim_param``: "batch", "sequence"); the inputs that
+share a name share the size. As TensorRT's optimization profiles, each named axis gets a
+range and an optimum (``min:opt:max``): the build serves every size in the range, is
+searched at the optimum, and its choice per shape is made at representative points of the
+range (``ShapeRanges.points``, powers of two).
+
+``--shapes input_ids=1x1:1x128:8x512`` sets the axes of one input from three shapes (min,
+opt, max; one shape: that size alone). With no flag, ``default_ranges`` reads the model:
+a batch axis (the first) 1 to 8 around 1; another axis 1 up to the model's positions (a
+position embedding's rows) or 512, around 128.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+# Defaults for an axis the user did not give (``default_ranges``)
+BATCH_RANGE = (1, 1, 8)
+SEQUENCE_OPT = 128
+SEQUENCE_MAX = 512
+# Most points a symbol gets in ``ShapeRanges.points`` before they thin out to every other
+# power of two (two symbols of 1..512 would otherwise make 100 points to time)
+MAX_POINTS_PER_SYMBOL = 6
+
+
+class ShapeError(ValueError):
+    """A shape range that does not fit the model; the message names the input and the fix."""
+
+
+@dataclass(frozen=True)
+class Axis:
+    """A dynamic axis: its ``symbol`` (the export's name) and the range it is built for."""
+
+    symbol: str
+    min: int
+    opt: int
+    max: int
+
+    def __str__(self) -> str:
+        return f"{self.symbol} {self.min}..{self.max} (opt {self.opt})"
+
+
+@dataclass
+class ShapeRanges:
+    """The inputs of a dynamic model and the range of each of their dynamic axes.
+
+    ``inputs``: [(name, dtype, dims)], a dim an int or a symbol; ``axes``: symbol -> Axis;
+    ``given``: the symbols whose range the user gave (the others are defaults)."""
+
+    inputs: list
+    axes: dict
+    given: set = field(default_factory=set)
+
+    # ------------------------------------------------------------------ shapes
+    def shapes(self, point: dict) -> dict:
+        """input name -> static shape at ``point`` (symbol -> size)."""
+        return {name: tuple(point[d] if isinstance(d, str) else d for d in dims)
+                for name, _, dims in self.inputs}
+
+    def opt(self) -> dict:
+        return {s: a.opt for s, a in self.axes.items()}
+
+    def opt_shapes(self) -> dict:
+        return self.shapes(self.opt())
+
+    def points(self) -> list:
+        """The representative points the choice per shape is made at: each symbol's min,
+        opt, max and the powers of two between (every other one past
+        ``MAX_POINTS_PER_SYMBOL``), all combinations, the optimum first."""
+        per = {s: symbol_points(a) for s, a in self.axes.items()}
+        out = [{}]
+        for s, values in per.items():
+            out = [{**p, s: v} for p in out for v in values]
+        opt = self.opt()
+        return [opt] + [p for p in out if p != opt]
+
+    def point_of(self, shapes: list) -> dict:
+        """symbol -> size of a call with input ``shapes`` (in input order); a ``ShapeError``
+        naming the input, the axis and the range when a size is outside it or two inputs
+        disagree on one symbol."""
+        point: dict = {}
+        for (name, _, dims), got in zip(self.inputs, shapes):
+            if len(got) != len(dims):
+                raise ShapeError(f"input {name}: expected {len(dims)} dimensions "
+                                 f"({self.describe_input(name)}), got {list(got)}")
+            for axis, (d, g) in enumerate(zip(dims, got)):
+                if isinstance(d, int):
+                    if d != g:
+                        raise ShapeError(f"input {name}: dimension {axis} is {d}, got "
+                                         f"{list(got)}")
+                    continue
+                a = self.axes[d]
+                if not a.min <= g <= a.max:
+                    raise ShapeError(
+                        f"input {name}: {d} = {g} is outside the range this build serves "
+                        f"({a.min}..{a.max}); build it again with a wider range: "
+                        f"--shapes {name}={self.spec_for(name, {d: (min(a.min, g), a.opt, max(a.max, g))})}"
+                        f" (shapes= in Python)")
+                if point.setdefault(d, g) != g:
+                    raise ShapeError(f"input {name}: {d} = {g}, but another input has {d} = "
+                                     f"{point[d]}")
+        return point
+
+    def bucket(self, point: dict, values: dict) -> dict:
+        """The representative point that serves ``point``: per symbol, the least of its
+        ``values`` (sorted) that is >= the size (the max is always one)."""
+        return {s: next((v for v in values[s] if v >= size), values[s][-1])
+                for s, size in point.items()}
+
+    # ------------------------------------------------------------------ text
+    def spec_for(self, name: str, override: dict | None = None) -> str:
+        """``min:opt:max`` shapes of input ``name`` as ``--shapes`` takes them."""
+        axes = {s: (a.min, a.opt, a.max) for s, a in self.axes.items()}
+        axes.update(override or {})
+        dims = next(d for n, _, d in self.inputs if n == name)
+        return ":".join("x".join(str(d if isinstance(d, int) else axes[d][k]) for d in dims)
+                        for k in range(3))
+
+    def describe_input(self, name: str) -> str:
+        dims = next(d for n, _, d in self.inputs if n == name)
+        return "x".join(str(d) for d in dims)
+
+    def describe(self) -> str:
+        """One line: each axis's range, and which were defaults."""
+        parts = []
+        for s, a in self.axes.items():
+            parts.append(f"{a}" + ("" if s in self.given else " [default]"))
+        return "; ".join(parts)
+
+    def flags(self) -> str:
+        """The ``--shapes`` flags that give these ranges."""
+        return " ".join(f"--shapes {n}={self.spec_for(n)}" for n, _, d in self.inputs
+                        if any(isinstance(x, str) for x in d))
+
+    # ------------------------------------------------------------------ json
+    def to_json(self) -> dict:
+        return {"inputs": [{"name": n, "dtype": t, "dims": list(d)} for n, t, d in self.inputs],
+                "axes": {s: [a.min, a.opt, a.max] for s, a in self.axes.items()},
+                "given": sorted(self.given)}
+
+    @classmethod
+    def from_json(cls, doc: dict) -> "ShapeRanges":
+        return cls([(i["name"], i["dtype"], list(i["dims"])) for i in doc["inputs"]],
+                   {s: Axis(s, *map(int, v)) for s, v in doc["axes"].items()},
+                   set(doc.get("given", ())))
+
+
+def symbol_points(axis: Axis) -> list:
+    """The sizes of ``axis`` a choice is made at: min, opt, max and powers of two between
+    (every other one, counted from the optimum, where there are too many)."""
+    powers = [1 << k for k in range(0, 31) if axis.min < (1 << k) < axis.max]
+    if len(powers) + 3 > MAX_POINTS_PER_SYMBOL:
+        anchor = math.log2(axis.opt) if axis.opt > 0 else 0
+        powers = [p for p in powers if round(math.log2(p) - anchor) % 2 == 0]
+    return sorted({axis.min, axis.opt, axis.max, *powers})
+
+
+# ---------------------------------------------------------------------------- reading
+
+def _dims(value_info) -> list:
+    """A graph input's dims: an int, a symbol (its ``dim_param``), or None (unnamed)."""
+    t = value_info.type.tensor_type
+    if not t.HasField("shape"):
+        return None
+    return [int(d.dim_value) if d.HasField("dim_value") else (d.dim_param or None)
+            for d in t.shape.dim]
+
+
+def model_inputs(proto) -> list:
+    """[(name, dtype, dims)] of ``proto``'s graph inputs that are not weights; an unnamed
+    dynamic axis gets the symbol ``<input>_<axis>``; an input of unknown rank is a
+    ``ShapeError``."""
+    import numpy as np
+    import onnx
+
+    weights = {t.name for t in proto.graph.initializer}
+    out = []
+    for vi in proto.graph.input:
+        if vi.name in weights:
+            continue
+        dims = _dims(vi)
+        if dims is None:
+            raise ShapeError(f"input {vi.name!r} has an unknown rank: Collage cannot tell "
+                             "its shapes; export it with a known rank")
+        dims = [d if d is not None else f"{vi.name}_{k}" for k, d in enumerate(dims)]
+        dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(
+            vi.type.tensor_type.elem_type)).name
+        out.append((vi.name, dtype, dims))
+    return out
+
+
+def is_dynamic(proto) -> bool:
+    """Whether an input of ``proto`` has a dimension that is not a number."""
+    try:
+        return any(isinstance(d, str) for _, _, dims in model_inputs(proto) for d in dims)
+    except ShapeError:
+        return True
+
+
+def positions(proto) -> int | None:
+    """The model's positions: the rows of a 2-D float weight whose name says "position"
+    (a position embedding), else None."""
+    best = None
+    for t in proto.graph.initializer:
+        if len(t.dims) == 2 and re.search(r"position", t.name, re.I) and t.data_type in (1, 10, 16):
+            best = max(best or 0, int(t.dims[0]))
+    return best
+
+
+def default_axis(symbol: str, axis: int, rank: int, proto) -> Axis:
+    """The range of an axis the user did not give: the batch (axis 0, or a symbol naming a
+    batch) 1..8 around 1; an image's spatial axis (2 or 3 of a 4-D input) fixed at 224;
+    any other (a sequence, a cache length) 1..the model's positions (or 512) around 128."""
+    name = symbol.lower()
+    if axis == 0 or "batch" in name:
+        return Axis(symbol, *BATCH_RANGE)
+    if rank == 4 and axis in (2, 3) and not re.search(r"seq|len|token|past", name):
+        return Axis(symbol, 224, 224, 224)
+    top = positions(proto) or SEQUENCE_MAX
+    return Axis(symbol, 1, min(SEQUENCE_OPT, top), top)
+
+
+def parse_shapes(specs) -> dict:
+    """``["x=1x3x224x224:4x3x224x224:8x3x224x224", "y=1x8"]`` (the CLI's ``--shapes``) ->
+    {name: (min shape, opt shape, max shape)}; one shape stands for all three."""
+    out = {}
+    for spec in specs or []:
+        name, _, text = str(spec).rpartition("=")
+        shapes = []
+        for part in text.split(":"):
+            try:
+                shapes.append(tuple(int(d) for d in part.lower().split("x")))
+            except ValueError:
+                shapes = []
+                break
+        if len(shapes) == 1:
+            shapes *= 3
+        if (not name or len(shapes) != 3 or not shapes[0]
+                or len({len(s) for s in shapes}) != 1 or min(min(s) for s in shapes) < 0):
+            raise ShapeError(f"--shapes {spec!r}: expected NAME=MIN:OPT:MAX, each D1xD2x... "
+                             "(e.g. input_ids=1x1:1x128:8x512), or NAME=D1xD2x... for one "
+                             "shape")
+        out[name] = tuple(shapes)
+    return out
+
+
+def shape_ranges(proto, given: dict | None = None) -> ShapeRanges:
+    """The ranges ``proto`` is built for: ``given`` (``parse_shapes``'s form, or name ->
+    one static shape as ``input_shapes`` takes it) where the user gave them, defaults
+    (``default_axis``) elsewhere. A ``ShapeError`` names an unknown input, a fixed
+    dimension given another size, a range out of order, or two inputs that give one
+    symbol two ranges."""
+    inputs = model_inputs(proto)
+    names = [n for n, _, _ in inputs]
+    given = dict(given or {})
+    unknown = sorted(set(given) - set(names))
+    if unknown:
+        raise ShapeError(f"--shapes names no input of the model: {', '.join(unknown)}; its "
+                         f"inputs: {', '.join(names)}")
+    axes: dict = {}
+    chosen: set = set()
+    for name, _, dims in inputs:
+        if name not in given:
+            continue
+        three = given[name]
+        if three and isinstance(three[0], int):  # one static shape
+            three = (tuple(three),) * 3
+        if any(len(s) != len(dims) for s in three):
+            raise ShapeError(f"--shapes {name}: the input has {len(dims)} dimensions "
+                             f"({'x'.join(map(str, dims))}), got {len(three[0])}")
+        for k, d in enumerate(dims):
+            lo, opt, hi = (int(s[k]) for s in three)
+            if isinstance(d, int):
+                if not lo == opt == hi == d:
+                    raise ShapeError(f"--shapes {name}: dimension {k} is fixed at {d} in the "
+                                     f"model, got {lo}:{opt}:{hi}")
+                continue
+            if not 0 <= lo <= opt <= hi or hi < 1:
+                raise ShapeError(f"--shapes {name}: dimension {k} ({d}) needs min <= opt <= "
+                                 f"max, got {lo}:{opt}:{hi}")
+            axis = Axis(d, lo, opt, hi)
+            if d in axes and axes[d] != axis:
+                raise ShapeError(f"--shapes {name}: {d} is {lo}:{opt}:{hi} here but "
+                                 f"{axes[d].min}:{axes[d].opt}:{axes[d].max} for another input")
+            axes[d] = axis
+            chosen.add(d)
+    for name, _, dims in inputs:
+        for k, d in enumerate(dims):
+            if isinstance(d, str) and d not in axes:
+                axes[d] = default_axis(d, k, len(dims), proto)
+    return ShapeRanges(inputs, axes, chosen)
+
+
+__all__ = ["Axis", "ShapeError", "ShapeRanges", "default_axis", "is_dynamic", "model_inputs",
+           "parse_shapes", "shape_ranges", "symbol_points"]

@@ -1,0 +1,226 @@
+"""Models with dynamic dimensions (issue #77): one build serves every shape of a range."""
+import numpy as np
+import onnx
+import pytest
+import torch
+import torch.nn as nn
+import tvm
+from onnx import TensorProto, helper
+from tvm import relax
+
+import collage_tvm
+from collage_tvm.dynamic import ShapeError, dynamic_model, parse_shapes, shape_ranges
+from collage_tvm.dynamic.dispatch import Dispatch
+from collage_tvm.dynamic.shapes import Axis, ShapeRanges, symbol_points
+from collage_tvm.options import SearchOptions
+from collage_tvm.tools.suites import matches
+
+LIBS = ["tvm", "onnxruntime", "openvino"]
+
+
+def _cnn(path):
+    """A small CNN exported as PyTorch's tutorial exports it: a dynamic batch axis."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 3),
+                      nn.Flatten(), nn.Linear(4 * 6 * 6, 10)).eval()
+    torch.onnx.export(m, (torch.randn(1, 3, 8, 8),), path, dynamo=False, opset_version=17,
+                      input_names=["image"], dynamic_axes={"image": {0: "batch"}})
+    return m
+
+
+def _tokens(path, positions=64):
+    """A transformer-shaped ONNX graph: input_ids and a mask sharing (batch, sequence), an
+    embedding with a position table of ``positions`` rows."""
+    rng = np.random.default_rng(0)
+    ids = helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "sequence"])
+    mask = helper.make_tensor_value_info("attention_mask", TensorProto.FLOAT,
+                                         ["batch", "sequence"])
+    out = helper.make_tensor_value_info("hidden", TensorProto.FLOAT, ["batch", "sequence", 16])
+    inits = [onnx.numpy_helper.from_array(rng.standard_normal((50, 16)).astype("float32"),
+                                          "word_embeddings.weight"),
+             onnx.numpy_helper.from_array(rng.standard_normal((positions, 16)).astype("float32"),
+                                          "position_embeddings.weight"),
+             onnx.numpy_helper.from_array(rng.standard_normal((16, 16)).astype("float32"), "w"),
+             onnx.numpy_helper.from_array(np.array([-1], "int64"), "axes")]
+    nodes = [helper.make_node("Gather", ["word_embeddings.weight", "input_ids"], ["e"]),
+             helper.make_node("MatMul", ["e", "w"], ["h"]),
+             helper.make_node("Unsqueeze", ["attention_mask", "axes"], ["m"]),
+             helper.make_node("Mul", ["h", "m"], ["hm"]),
+             helper.make_node("Relu", ["hm"], ["hidden"])]
+    proto = helper.make_model(helper.make_graph(nodes, "g", [ids, mask], [out], inits),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    proto.ir_version = 9
+    onnx.save(proto, path)
+    return proto
+
+
+# ---------------------------------------------------------------------------- ranges
+
+def test_ranges_default_to_a_batch_of_1_to_8_and_a_sequence_up_to_the_positions(tmp_path):
+    proto = _tokens(str(tmp_path / "t.onnx"), positions=64)
+    ranges = shape_ranges(proto)
+    assert ranges.axes["batch"] == Axis("batch", 1, 1, 8)
+    assert ranges.axes["sequence"] == Axis("sequence", 1, 64, 64)  # 128 > its 64 positions
+    assert ranges.given == set()
+    assert ranges.opt_shapes() == {"input_ids": (1, 64), "attention_mask": (1, 64)}
+    assert "[default]" in ranges.describe()
+    assert "--shapes input_ids=1x1:1x64:8x64" in ranges.flags()
+    path = str(tmp_path / "cnn.onnx")
+    _cnn(path)
+    cnn = shape_ranges(onnx.load(path))
+    assert cnn.axes == {"batch": Axis("batch", 1, 1, 8)}
+    assert cnn.opt_shapes() == {"image": (1, 3, 8, 8)}
+
+
+def test_given_ranges_are_checked_against_the_model(tmp_path):
+    proto = _tokens(str(tmp_path / "t.onnx"))
+    given = parse_shapes(["input_ids=1x8:2x32:4x64"])
+    ranges = shape_ranges(proto, given)
+    assert ranges.axes["sequence"] == Axis("sequence", 8, 32, 64)
+    assert ranges.shapes({"batch": 3, "sequence": 9})["attention_mask"] == (3, 9)
+    assert ranges.given == {"batch", "sequence"}
+    with pytest.raises(ShapeError, match="names no input of the model: ids; its inputs: "
+                                         "input_ids, attention_mask"):
+        shape_ranges(proto, parse_shapes(["ids=1x8"]))
+    with pytest.raises(ShapeError, match="needs min <= opt <= max, got 4:2:8"):
+        shape_ranges(proto, parse_shapes(["input_ids=4x8:2x8:8x8"]))
+    with pytest.raises(ShapeError, match="sequence is 1:8:8 here but 8:8:8 for another"):
+        shape_ranges(proto, parse_shapes(["input_ids=1x8", "attention_mask=1x1:1x8:1x8"]))
+    with pytest.raises(ShapeError, match="expected NAME=MIN:OPT:MAX"):
+        parse_shapes(["input_ids=1x8:2x8"])
+    path = str(tmp_path / "cnn.onnx")
+    _cnn(path)
+    with pytest.raises(ShapeError, match="dimension 1 is fixed at 3 in the model, got 4:4:4"):
+        shape_ranges(onnx.load(path), parse_shapes(["image=1x4x8x8"]))
+    assert SearchOptions(shapes=["image=1x3x8x8:2x3x8x8:4x3x8x8"]).shapes == (
+        ("image", ((1, 3, 8, 8), (2, 3, 8, 8), (4, 3, 8, 8))),)
+    assert SearchOptions(shapes={"image": (2, 3, 8, 8)}).shapes == (
+        ("image", ((2, 3, 8, 8),) * 3),)
+
+
+def test_points_cover_the_range_and_a_shape_goes_to_the_least_point_above_it():
+    assert symbol_points(Axis("batch", 1, 1, 8)) == [1, 2, 4, 8]
+    assert symbol_points(Axis("sequence", 1, 128, 512)) == [1, 2, 8, 32, 128, 512]
+    ranges = ShapeRanges([("x", "float32", ["batch", 4])], {"batch": Axis("batch", 1, 2, 8)})
+    points = ranges.points()
+    assert points[0] == {"batch": 2} and len(points) == 4  # the optimum first
+    values = {"batch": [1, 2, 4, 8]}
+    assert [ranges.bucket({"batch": b}, values)["batch"] for b in (1, 2, 3, 5, 8)] == [
+        1, 2, 4, 8, 8]
+    with pytest.raises(ShapeError, match=r"batch = 9 is outside the range this build serves "
+                                         r"\(1..8\).*--shapes x=1x4:2x4:9x4"):
+        ranges.point_of([(9, 4)])
+    with pytest.raises(ShapeError, match="dimension 1 is 4, got"):
+        ranges.point_of([(2, 5)])
+
+
+def test_the_dispatch_sends_each_shape_to_its_points_choice_and_the_optimum_to_the_special():
+    ranges = ShapeRanges([("x", "float32", ["batch", 2])], {"batch": Axis("batch", 1, 2, 8)})
+    calls = []
+
+    def fn(label):
+        def call(*args):
+            calls.append(label)
+            return label
+        call.numpy_call = call
+        return call
+
+    table = {"batch=1": "a", "batch=2": "a", "batch=4": "b", "batch=8": "b"}
+    d = Dispatch(ranges, table, {"a": fn("a"), "b": fn("b")}, special=({"batch": 2}, fn("s")))
+    got = [d.numpy_call(np.zeros((b, 2), "float32")) for b in (1, 2, 3, 4, 7, 8)]
+    assert got == ["a", "s", "b", "b", "b", "b"]
+    assert d.label_for([(2, 2)]) == "collage" and d.label_for([(5, 2)]) == "b"
+    with pytest.raises(ShapeError, match="outside the range"):
+        d.numpy_call(np.zeros((9, 2), "float32"))
+
+
+# ---------------------------------------------------------------------------- builds
+
+def _vm_run(res, *arrays):
+    vm = relax.VirtualMachine(res.executable, tvm.cpu())
+    out = vm["main"](*[tvm.runtime.tensor(a) for a in arrays])
+    return out.numpy() if isinstance(out, tvm.runtime.Tensor) else [o.numpy() for o in out]
+
+
+def test_a_dynamic_batch_model_is_searched_and_serves_every_batch_in_its_range(tmp_path):
+    path = str(tmp_path / "cnn.onnx")
+    m = _cnn(path)
+    db = str(tmp_path / "c.db")
+    kw = dict(db=db, progress=False, graph_level=False, isolate=False,
+              shapes=["image=1x3x8x8:2x3x8x8:4x3x8x8"])
+    res = collage_tvm.optimize(path, "llvm", LIBS, **kw)
+    d = res.report.dynamic
+    assert d["ranges"]["axes"] == {"batch": [1, 2, 4]} and not d["from_log"]
+    assert [p["point"]["batch"] for p in d["points"]] == [2, 1, 4]
+    assert res.report.shipped.startswith("dynamic: the model file per shape")
+    assert res.report.comparison  # the search at the optimum ran its final check
+    for b in (1, 2, 3, 4):
+        x = torch.randn(b, 3, 8, 8)
+        with torch.no_grad():
+            assert matches([_vm_run(res, x.numpy())], [m(x).numpy()], 1e-3, 1e-4), b
+    saved = collage_tvm.save(res, tmp_path / "cnn.collage")
+    loaded = collage_tvm.load(saved)
+    assert loaded.calls_library_directly and loaded.dispatch is not None
+    x = torch.randn(3, 3, 8, 8)
+    with torch.no_grad():
+        want = m(x).numpy()
+    assert matches([loaded(x.numpy())], [want], 1e-3, 1e-4)
+    assert matches([loaded(x).numpy()], [want], 1e-3, 1e-4)  # torch in, torch out
+    with pytest.raises(ValueError, match=r"batch = 5 is outside the range this build serves "
+                                         r"\(1..4\).*--shapes image=1x3x8x8:2x3x8x8:5x3x8x8"):
+        loaded(np.zeros((5, 3, 8, 8), "float32"))
+    with pytest.raises(ValueError, match="outside the range"):
+        loaded(torch.zeros(5, 3, 8, 8))
+    again = collage_tvm.optimize(path, "llvm", LIBS, **kw)  # a warm rebuild
+    assert again.report.placement_from_log
+    if not again.report.rechecked:  # (a verdict timed beside other work is checked again)
+        assert again.report.dynamic["from_log"]
+        assert again.report.dynamic["points"] == d["points"]
+
+
+def test_a_model_with_a_shared_batch_and_sequence_builds_and_its_saved_build_serves_them(
+        tmp_path, capsys):
+    import onnxruntime as ort
+
+    from collage_tvm.cli import main
+
+    path = str(tmp_path / "tok.onnx")
+    _tokens(path, positions=32)
+    out = tmp_path / "tok.collage"
+    assert main(["optimize", path, "--backends", ",".join(LIBS), "--no-graph-level",
+                 "--in-process", "--db", str(tmp_path / "c.db"), "--export", str(out),
+                 "--shapes", "input_ids=1x1:1x8:2x32"]) == 0
+    text = capsys.readouterr().out
+    assert "the search at the optimum (input_ids=1x8, attention_mask=1x8)" in text
+    assert "dynamic shapes: built for batch 1..2 (opt 1); sequence 1..32 (opt 8)" in text
+    assert "batch=2,sequence=32" in text and "shipped: dynamic: the model file per shape" in text
+    loaded = collage_tvm.load(out)
+    assert loaded.input_names == ["input_ids", "attention_mask"]
+    sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(1)
+    for b, s in ((1, 1), (1, 8), (2, 5), (2, 32)):
+        feed = {"input_ids": rng.integers(0, 50, (b, s)).astype("int64"),
+                "attention_mask": np.ones((b, s), "float32")}
+        assert matches([loaded(**feed)], sess.run(None, feed), 1e-3, 1e-4), (b, s)
+    with pytest.raises(ValueError, match="sequence = 33 is outside"):
+        loaded(np.zeros((1, 33), "int64"), np.ones((1, 33), "float32"))
+    with pytest.raises(ValueError, match="another input has sequence = 4"):
+        loaded(np.zeros((1, 4), "int64"), np.ones((1, 5), "float32"))
+    assert main(["run", str(out), "--bench", "2", "--warmup", "1"]) == 0
+    text = capsys.readouterr().out
+    assert text.count("latency over 2 runs") == len(loaded.dispatch.ranges.points())
+    assert "shape batch=2,sequence=32 (served by " in text
+
+
+def test_a_dynamic_model_stays_on_tvm_only_where_no_graph_library_is_among_the_backends(
+        tmp_path):
+    path = str(tmp_path / "cnn.onnx")
+    m = _cnn(path)
+    assert dynamic_model(path) is not None
+    assert dynamic_model(path, input_shapes={"image": (2, 3, 8, 8)}) is None  # static now
+    res = collage_tvm.optimize(path, "llvm", ["tvm"], db=str(tmp_path / "c.db"),
+                               progress=False, graph_level=False, compare=False)
+    assert not res.report.dynamic and res.graph is None
+    x = torch.randn(3, 3, 8, 8)
+    with torch.no_grad():
+        assert matches([_vm_run(res, x.numpy())], [m(x).numpy()], 1e-3, 1e-4)
