@@ -477,7 +477,8 @@ def _manifest(result, target, regions: list, count: dict) -> dict:
                 "device": b.device}
 
     backends = {name: {**info(name), "regions": count[name]}
-                for name in sorted({e["backend"] for e in regions})}
+                for name in sorted({n for e in regions
+                                    for n in e.get("libraries", [e["backend"]])})}
     # what the close call at load may choose instead (``load``): not needed to load it
     alternate = {name: info(name) for name in sorted({a["backend"] for e in regions
                                                      for a in e.get("alternates", ())})}

@@ -897,14 +897,23 @@ def _dynamic(model, target, options, db, placement_log, tuning_db, input_shapes,
     dynamic (``collage_tvm.dynamic``): it serves every shape of its ranges; None for a
     static model, one the given shapes fix, or one no graph library among the backends runs
     (TVM's build over symbolic shapes then, as before)."""
-    from .dynamic import dynamic_model, optimize_dynamic
+    from .dynamic import dynamic_model
+    from .dynamic.search import optimize_dynamic
 
     found = dynamic_model(model, options.shapes, input_shapes)
     if found is None:
         return None
     proto, path, ranges = found
-    result = optimize_dynamic(model, proto, path, ranges, target, options, db, placement_log,
-                              tuning_db, example_inputs)
+
+    def static(shapes):  # Collage's build at the optimum's shapes
+        return optimize(model, target, options=options, db=db, placement_log=placement_log,
+                        input_shapes=shapes, tuning_db=tuning_db, example_inputs=example_inputs)
+
+    result = optimize_dynamic(proto, path, ranges, target, options, static,
+                              open_placement_log(placement_log, open_db(db)),
+                              lambda backends: BuildReport(backends=backends))
+    if result is not None:
+        result = CollageResult(*result)
     if result is None:
         logger.warning("no graph library among the backends runs the model file: TVM builds "
                        "it over symbolic shapes (add onnxruntime or openvino to serve the "

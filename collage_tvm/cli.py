@@ -504,6 +504,48 @@ def _bench(args, parser) -> int:
     return 0
 
 
+def _bench_dynamic(args, backends) -> int:
+    """``bench --suite NAME --dynamic``: ``tools.dynamic_suite``; suite_<name>_dynamic.json
+    {"suite", "dynamic", "machine", "accuracy", "rows", "summary"} and its table (.md)."""
+    import os
+    from pathlib import Path
+
+    from ._files import write_json_atomic
+    from .build import DEFAULT_DB
+    from .tools import dynamic_suite
+    from .tools.bench import machine
+
+    if args.suite not in dynamic_suite.DYNAMIC_SUITES:
+        print(f"collage-tvm: error: --dynamic takes --suite "
+              f"{' or '.join(dynamic_suite.DYNAMIC_SUITES)}, not {args.suite}", file=sys.stderr)
+        return 2
+    from .options import SearchOptions
+
+    # optimize's defaults, as a user runs it with no flags (the backends and budget as given)
+    options = SearchOptions(backends=tuple(backends), graph_level=args.graph_level,
+                            budget=args.budget, accuracy=args.accuracy,
+                            build_jobs=args.build_jobs, lean=args.lean)
+    name = f"suite_{args.suite}_dynamic" + ("" if options.accuracy.strict
+                                             else f"_{options.accuracy.name}")
+    base = os.path.join(args.out, name)
+    os.makedirs(args.out, exist_ok=True)
+    here = machine()
+
+    def save(rows):
+        write_json_atomic(Path(base + ".json"), {
+            "suite": args.suite, "dynamic": True, "machine": here,
+            "accuracy": options.accuracy.name, "rows": rows,
+            "summary": dynamic_suite.summary(rows)})
+        Path(base + ".md").write_text(dynamic_suite.markdown(args.suite, rows, here))
+
+    rows = dynamic_suite.run(args.suite, args.models or None, args.out, options,
+                             args.db or DEFAULT_DB, on_row=save,
+                             log=lambda line: print(line, flush=True))
+    save(rows)
+    print(f"\nwrote {base}.json and {base}.md")
+    return 0
+
+
 def _bench_suite(args) -> int:
     """``bench --suite``: models nobody here wrote; a table per suite (docs/COVERAGE.md).
     suite_<name>.json (suite_<name>_<budget>.json under a reduced ``--accuracy``): {"suite",
@@ -520,6 +562,8 @@ def _bench_suite(args) -> int:
     from .tools.bench import machine
 
     backends = [b for b in args.backends.split(",") if b]
+    if getattr(args, "dynamic", False):
+        return _bench_dynamic(args, backends)
     try:
         budget = parse_accuracy(args.accuracy)  # a bad budget: before any model runs
     except ValueError as err:
@@ -792,6 +836,12 @@ def _suite_arguments(b) -> None:
                         "its default_cfg input size, transformers at 128 tokens; segmentation "
                         "and video keep their small sizes) or small (quick: 64x64 images, 16 "
                         "tokens)")
+    b.add_argument("--dynamic", action="store_true",
+                   help="with --suite torchvision, timm or transformers: each model exported "
+                        "with dynamic axes (batch; transformers: batch and sequence), built by "
+                        "optimize with no flags, saved and loaded, and timed at batch 1, 4, 8 "
+                        "(x sequence 8, 32, 128, 512) beside the same dynamic file on each "
+                        "framework; writes suite_<name>_dynamic.json/.md")
     b.add_argument("--no-frameworks", action="store_true",
                    help="with a torch --suite: leave out the frameworks (coverage only)")
     b.add_argument("--full", action="store_true",
@@ -888,10 +938,11 @@ def main(argv=None) -> int:
     try:
         return _tune(args) if args.cmd == "tune" else _optimize(args)
     except (ValueError, KeyError, FileNotFoundError, ArtifactError) as err:
+        from .dynamic import ShapeError
         from .frontend.load import ModelError
         from .registry import PatternFileError
 
-        if (isinstance(err, (ModelError, PatternFileError, ArtifactError))
+        if (isinstance(err, (ModelError, PatternFileError, ArtifactError, ShapeError))
                 or args.verbose is False):
             print(f"collage-tvm: error: {err}", file=sys.stderr)
             return 2

@@ -23,7 +23,8 @@ STAGES = [
     # torchvision's import against a CPU torch (the suites; onnx2torch in the inductor backend)
     ["collage_tvm._version", "collage_tvm._files", "collage_tvm._errors", "collage_tvm._memory", "collage_tvm.target", "collage_tvm.precision",
      "collage_tvm.registry", "collage_tvm.lowering", "collage_tvm._torchvision",
-     "collage_tvm.options", "collage_tvm.export"],
+     "collage_tvm.options", "collage_tvm.export", "collage_tvm.dynamic",
+     "collage_tvm.dynamic.shapes"],
     ["collage_tvm.frontend"],
     ["collage_tvm.rewrite"],
     ["collage_tvm.graph"],
@@ -36,8 +37,10 @@ STAGES = [
     ["collage_tvm.placer"],
     ["collage_tvm.byoc.partition"],  # chosen groups become functions (BYOC partitioning)
     ["collage_tvm.byoc"],  # external groups lowered to callables, the placement compiled
+    ["collage_tvm.dynamic.dispatch"],  # a dynamic model's build: a call to each shape's build
     ["collage_tvm.check"],
     ["collage_tvm.artifact"],  # a build saved, and loaded without the search
+    ["collage_tvm.dynamic.search"],  # the search over a range of shapes
     ["collage_tvm.build", "collage_tvm.pipeline", "collage_tvm.tuning.plan", "collage_tvm",
      "collage_tvm.torch_backend"],
     # on top: never imported by the engine

@@ -101,15 +101,17 @@ def choose(ranges: ShapeRanges, fns: dict, accuracy, static=None, progress=None)
     return {"points": points, "table": table, "special": special}
 
 
-def optimize_dynamic(model, proto, path, ranges: ShapeRanges, target, options, db,
-                     placement_log, tuning_db, example_inputs=None):
+def optimize_dynamic(proto, path, ranges: ShapeRanges, target, options, static_build, log,
+                     new_report) -> tuple | None:
     """``collage_tvm.optimize`` for an ONNX model with dynamic dimensions (``proto``, read
-    from ``path`` or given): a ``CollageResult`` whose executable serves every shape of
-    ``ranges``, or None where no graph library among the backends can run the file (the
-    caller keeps TVM's build over symbolic shapes then)."""
+    from ``path`` or given): the fields of a ``CollageResult`` whose executable serves every
+    shape of ``ranges``, or None where no graph library among the backends can run the file
+    (the caller keeps TVM's build over symbolic shapes then). ``static_build(shapes)``:
+    Collage's build at static ``shapes`` (``optimize``); ``log``: the placement log the
+    choice per point is kept in; ``new_report(backends)``: a report where the static build
+    failed."""
     import tvm
 
-    from ..build import CollageResult, open_db, open_placement_log, optimize
     from ..byoc.external import register
     from ..registry import resolve_backends
     from ..target import make_target
@@ -122,8 +124,8 @@ def optimize_dynamic(model, proto, path, ranges: ShapeRanges, target, options, d
         return None
     logger.warning("the model has dynamic dimensions: built for %s (%s)", ranges.describe(),
                    ranges.flags())
-    static = _static_build(model, target, options, db, placement_log, tuning_db, ranges,
-                           example_inputs)
+    static = _static_build(static_build, ranges)
+    static_s = time.perf_counter() - t0
     names = [n for n, _, _ in ranges.inputs]
     outs = output_types(proto)
     fns, skipped = {}, {}
@@ -140,9 +142,9 @@ def optimize_dynamic(model, proto, path, ranges: ShapeRanges, target, options, d
         special_fn = StaticBuild(tvm.relax.VirtualMachine(static.executable, tvm.cpu(0))["main"],
                                  tvm.cpu(0))
         static_label = f"{static.report.shipped}|{static.placement.cost}"
-    log = open_placement_log(placement_log, open_db(db))
     key = table_key(proto, ranges, {n: libs[n] for n in fns}, options.accuracy, static_label)
     logged = log.get(key)
+    t_points = time.perf_counter()
     if logged and set(logged.get("table", {}).values()) <= set(fns):
         chosen = {"points": logged["points"], "table": logged["table"],
                   "special": logged.get("special")}
@@ -158,31 +160,27 @@ def optimize_dynamic(model, proto, path, ranges: ShapeRanges, target, options, d
                       ("dynamic", ranges, proto, chosen, static if special else None))
     mod = dynamic_module(ranges, symbol, outs)
     executable = tvm.compile(mod, target)
-    report = static.report if static is not None else _empty_report(backends)
+    report = static.report if static is not None else new_report(list(backends))
     report.dynamic = {"ranges": ranges.to_json(), "described": ranges.describe(),
                       "flags": ranges.flags(), "points": chosen["points"],
                       "special": chosen["special"] if special else None,
                       "libraries": list(fns), "skipped": skipped, "from_log": from_log,
                       "static_shipped": static.report.shipped if static is not None else "",
+                      "static_s": round(static_s, 1),
+                      "points_s": round(time.perf_counter() - t_points, 1),
                       "seconds": round(time.perf_counter() - t0, 1)}
     report.shipped = _shipped(chosen, special is not None)
     report.times["dynamic"] = time.perf_counter() - t0
-    result = CollageResult(executable, mod,
-                           static.placement if static is not None else _no_placement(),
-                           static.graph if static is not None else None, report, target)
-    result.static = static if special else None
-    return result
+    return (executable, mod, static.placement if static is not None else _no_placement(),
+            static.graph if static is not None else None, report, target, None,
+            static if special else None)
 
 
-def _static_build(model, target, options, db, placement_log, tuning_db, ranges, example_inputs):
+def _static_build(static_build, ranges):
     """Collage's build at the optimum's shapes (None, with a warning, when it fails: the
     libraries still serve every shape)."""
-    from ..build import optimize
-
     try:
-        return optimize(model, target, options=options, db=db, placement_log=placement_log,
-                        input_shapes=ranges.opt_shapes(), tuning_db=tuning_db,
-                        example_inputs=example_inputs)
+        return static_build(ranges.opt_shapes())
     except Exception as err:  # noqa: BLE001 - the model file on a library still serves
         logger.warning("Collage's search at the optimum (%s) failed: %s; the model file on "
                        "the graph libraries serves every shape", ranges.opt_shapes(),
@@ -205,12 +203,6 @@ def _shipped(chosen: dict, special: bool) -> str:
         count.items(), key=lambda kv: -kv[1]))
     return f"dynamic: the model file per shape ({per})" + (
         "; Collage's placement at the optimum" if special else "")
-
-
-def _empty_report(backends):
-    from ..build import BuildReport
-
-    return BuildReport(backends=list(backends))
 
 
 def _no_placement():

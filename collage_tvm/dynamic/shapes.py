@@ -14,6 +14,7 @@ position embedding's rows) or 512, around 128.
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -27,7 +28,8 @@ MAX_POINTS_PER_SYMBOL = 6
 
 
 class ShapeError(ValueError):
-    """A shape range that does not fit the model; the message names the input and the fix."""
+    """A shape range that does not fit the model, or a call's shapes outside the range; the
+    message names the input and the fix."""
 
 
 @dataclass(frozen=True)
@@ -294,5 +296,60 @@ def shape_ranges(proto, given: dict | None = None) -> ShapeRanges:
     return ShapeRanges(inputs, axes, chosen)
 
 
-__all__ = ["Axis", "ShapeError", "ShapeRanges", "default_axis", "is_dynamic", "model_inputs",
+def dynamic_model(model, shapes=(), input_shapes: dict | None = None):
+    """(proto, path or None, ``ShapeRanges``) of an ONNX ``model`` (a path or a
+    ``ModelProto``) with a dimension that neither ``input_shapes`` (static shapes, as
+    ``--input-shape`` gives) fixes; None for any other model. ``shapes``:
+    ``SearchOptions.shapes`` ((name, (min, opt, max)), ...)."""
+    path = None
+    if isinstance(model, (str, os.PathLike)):
+        path = os.fspath(model)
+        if not (path.endswith(".onnx") and os.path.isfile(path)):
+            return None  # load_model names what is wrong
+        import onnx
+
+        try:
+            header = onnx.load(path, load_external_data=False)
+        except Exception:  # noqa: BLE001 - load_model names what is wrong
+            return None
+    elif type(model).__name__ == "ModelProto":
+        header = model
+    else:
+        return None
+    if not is_dynamic(header):
+        return None
+    inputs = _inputs(header)
+    if not inputs or set(input_shapes or {}) - {n for n, _, _ in inputs}:
+        return None  # an input of unknown rank, or a name that is not an input: load_model says
+    given = dict(shapes or ())
+    for name, shape in (input_shapes or {}).items():
+        given[name] = (tuple(shape),) * 3  # a static shape given wins
+    ranges = shape_ranges(header, given)
+    if all(a.min == a.opt == a.max for a in ranges.axes.values()) and input_shapes:
+        return None  # the static shapes the user gave: the static build, as before
+    proto = header if path is None else _full(path, header)
+    return proto, path, ranges
+
+
+def _inputs(proto) -> list:
+    from .shapes import model_inputs
+
+    try:
+        return model_inputs(proto)
+    except ShapeError:
+        return []
+
+
+def _full(path: str, header):
+    """The model at ``path`` with its weights (read once more only where they are outside
+    the file)."""
+    import onnx
+
+    if not any(t.data_location == onnx.TensorProto.EXTERNAL for t in header.graph.initializer):
+        return header
+    return onnx.load(path)
+
+
+
+__all__ = ["Axis", "dynamic_model", "ShapeError", "ShapeRanges", "default_axis", "is_dynamic", "model_inputs",
            "parse_shapes", "shape_ranges", "symbol_points"]

@@ -186,12 +186,13 @@ def _size(size: str) -> str:
     return size
 
 
-def transformers_model(name: str, size: str = "small"):
+def transformers_model(name: str, size: str = "small", positions: int | None = None):
     """(torch module returning the last hidden state, example inputs) of a 2-layer model
     built from its ``transformers`` config, random weights (nothing downloaded). ``size``
     "small": 16 tokens (ViT: a 32x32 image in 8x8 patches; Whisper: 16 mel bins, 32
     positions); "usual": 128 tokens (ViT: 224x224 in 16x16 patches, 196 tokens; Whisper:
-    80 mel bins, 128 positions)."""
+    80 mel bins, 128 positions). ``positions``: the longest sequence, in place of
+    max(64, tokens)."""
     import torch
 
     try:  # transformers imports torchvision where installed (ViT, Whisper): make it importable
@@ -201,7 +202,7 @@ def transformers_model(name: str, size: str = "small"):
     import transformers as T
 
     tokens = TRANSFORMERS_TOKENS[_size(size)]
-    positions = max(64, tokens)
+    positions = positions or max(64, tokens)  # (a dynamic export: the longest sequence)
     torch.manual_seed(0)
     ids = (torch.randint(0, 1000, (1, tokens), generator=torch.Generator().manual_seed(1)),)
     image, patch = (32, 8) if size == "small" else (224, 16)
