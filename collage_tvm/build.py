@@ -416,7 +416,10 @@ def import_model(state: SearchState) -> None:
         state.imported()
         state.done = state.result()
         return
-    if not state.options.accuracy.strict:
+    if state.options.accuracy.why:  # a quantized model, judged by its own precision
+        state.report.precision = {"accuracy": str(state.options.accuracy),
+                                  "why": state.options.accuracy.why}
+    elif not state.options.accuracy.strict:
         state.report.precision = {"accuracy": str(state.options.accuracy), **{
             p: (why or "available") if ok else f"not used: {why}"
             for p, (ok, why) in cpu_precisions().items() if p != "f32"}}
@@ -878,6 +881,7 @@ def optimize(model, target="llvm", backends=None, db=None, *, options: SearchOpt
     (``backends``, ``graph_level=True``, ``budget=120``, ``compare=True``, ...).
     """
     options = SearchOptions.of(options, backends=backends, **option_fields)
+    options = _own_precision(model, options)
     dynamic = _dynamic(model, target, options, db, placement_log, tuning_db, input_shapes,
                        example_inputs)
     if dynamic is not None:
@@ -889,6 +893,31 @@ def optimize(model, target="llvm", backends=None, db=None, *, options: SearchOpt
     _let_go()
     return CollageResult(executable, lowered, found.placement, found.graph, found.report,
                          found.target, found.model_file)
+
+
+def _own_precision(model, options: SearchOptions) -> SearchOptions:
+    """``options`` with the budget a quantized ONNX model is judged by
+    (``precision.model_budget``: its own int8 precision, not f32 rounding) where the
+    user left the strict default."""
+    from .precision import model_budget
+
+    if not options.accuracy.strict:
+        return options
+    header = None
+    if isinstance(model, (str, os.PathLike)) and os.fspath(model).endswith(".onnx"):
+        import onnx
+
+        try:
+            header = onnx.load(os.fspath(model), load_external_data=False)
+        except Exception:  # noqa: BLE001 - load_model names what is wrong
+            return options
+    elif type(model).__name__ == "ModelProto":
+        header = model
+    budget, why = model_budget(options.accuracy, header)
+    if not why:
+        return options
+    logger.warning("%s", why)
+    return dataclasses.replace(options, accuracy=budget)
 
 
 def _dynamic(model, target, options, db, placement_log, tuning_db, input_shapes,

@@ -167,7 +167,8 @@ def _print_conditions(rep) -> None:
               f"{rep.tuning['path']} (--no-tuning builds them untuned)")
     if rep.precision:
         print(f"  accuracy budget {rep.precision['accuracy']}: " + ", ".join(
-            f"{p} {why}" for p, why in rep.precision.items() if p != "accuracy"))
+            why if p == "why" else f"{p} {why}"
+            for p, why in rep.precision.items() if p != "accuracy"))
     for name, why in rep.skipped.items():
         print(f"  backend {name} skipped: {why}")
     for backend, label, reason in rep.failures[:10]:
@@ -272,16 +273,9 @@ def _run(args) -> int:
 
 def _point_inputs(module, point: dict) -> list:
     """Random inputs (seed 0) of a dynamic build at ``point`` (symbol -> size)."""
-    import numpy as np
+    from .dynamic.search import point_inputs
 
-    rng = np.random.default_rng(0)
-    out = []
-    for (_, dtype, _), shape in zip(module.dispatch.ranges.inputs,
-                                    module.dispatch.ranges.shapes(point).values()):
-        dtype = np.dtype(dtype)
-        out.append(rng.standard_normal(shape).astype(dtype) if dtype.kind == "f"
-                   else np.zeros(shape, dtype))
-    return out
+    return point_inputs(module.dispatch.ranges, point)
 
 
 def _time_loaded(module, arrays, args) -> None:

@@ -59,9 +59,10 @@ def example_inputs(specs: list, device, seed: int = 0) -> list:
 
 
 def _numpy(out) -> list:
-    """A callable's result (a TVM tensor or a tuple of them) as numpy arrays."""
+    """A callable's result (a TVM tensor or numpy array, or a tuple or list of them) as numpy
+    arrays."""
     outs = out if isinstance(out, (tuple, list)) else [out]
-    return [o.numpy() for o in outs]
+    return [o if isinstance(o, np.ndarray) else o.numpy() for o in outs]
 
 
 def decide(fns: dict, args: list, accuracy="f32", rounds: int = AT_LOAD_ROUNDS,

@@ -55,37 +55,38 @@ def table_key(proto, ranges: ShapeRanges, libs: dict, accuracy, static: str) -> 
     digest = hashlib.sha256()
     digest.update(proto.SerializeToString(deterministic=True) if proto.ByteSize() < 2**31 - 1
                   else proto.graph.SerializeToString(deterministic=True)[:1 << 20])
-    parts = ["dynamic", digest.hexdigest(), json.dumps(ranges.to_json(), sort_keys=True),
+    parts = ["dynamic-numpy-calls", digest.hexdigest(),
+             json.dumps(ranges.to_json(), sort_keys=True),
              *sorted(f"{n}={b.version()}" for n, b in libs.items()), accuracy.key(), static]
     return "dyn-" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
 
 
-def random_inputs(ranges: ShapeRanges, point: dict, device, seed: int = 0) -> list:
-    """TVM tensors of the inputs at ``point``: floats standard normal, integers zero."""
-    from ..check.at_load import example_inputs
+def point_inputs(ranges: ShapeRanges, point: dict, seed: int = 0) -> list:
+    """numpy arrays of the inputs at ``point``: floats standard normal, integers zero (a
+    valid token id, index or mask for any model)."""
+    import numpy as np
 
-    specs = [{"name": n, "dtype": t, "shape": list(s)}
-             for (n, t, _), s in zip(ranges.inputs, ranges.shapes(point).values())]
-    return example_inputs(specs, device, seed)
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(s).astype(t) if np.dtype(t).kind == "f" else np.zeros(s, t)
+            for (_, t, _), s in zip(ranges.inputs, ranges.shapes(point).values())]
 
 
 def choose(ranges: ShapeRanges, fns: dict, accuracy, static=None, progress=None) -> dict:
     """The choice at each point of ``ranges``: {"points": [{"point", "chose", "ms",
     "left_out"}], "table": point key -> label, "special": the optimum's point when the
     static build won it, else None}. ``fns``: label -> callable, the reference first;
-    ``static``: the static build's callable, a contender at the optimum only."""
-    import tvm
-
+    ``static``: the static build's callable, a contender at the optimum only. Each is timed
+    as a user calls the saved build: numpy arrays in and out (``numpy_call``)."""
     from ..check.at_load import decide
 
     points, table, special = [], {}, None
     opt = ranges.opt()
     todo = ranges.points()
     for k, point in enumerate(todo):
-        args = random_inputs(ranges, point, tvm.cpu(0), seed=k)
-        contenders = dict(fns)
+        args = point_inputs(ranges, point, seed=k)
+        contenders = {n: f.numpy_call for n, f in fns.items()}
         if static is not None and point == opt:
-            contenders[STATIC] = static
+            contenders[STATIC] = static.numpy_call
         chose, record = decide(contenders, args, accuracy, rounds=POINT_ROUNDS,
                                batch_ms=POINT_BATCH_MS)
         ms = record.get("ms") or {}

@@ -1,0 +1,111 @@
+"""Quantized models (issue #78): an int8 model judged by its own precision, not f32 rounding."""
+import numpy as np
+import pytest
+
+import collage_tvm
+from collage_tvm.precision import (INT8_MODEL, INT8_MODEL_TOLERANCE, model_budget,
+                                   parse_accuracy, quantized_ops)
+from collage_tvm.tools.suites import matches
+
+
+def _qdq_cnn(folder) -> tuple:
+    """(f32 file, int8 file) of a small CNN quantized as ONNX Runtime's docs show: QDQ,
+    u8 activations, s8 weights, 8 calibration batches."""
+    import torch
+    import torch.nn as nn
+    from onnxruntime.quantization import (CalibrationDataReader, QuantFormat, QuantType,
+                                          quantize_static)
+
+    from collage_tvm.frontend.model_file import export_torch
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, stride=2),
+                      nn.ReLU(), nn.Flatten(), nn.Linear(8 * 7 * 7, 10)).eval()
+    f32, int8 = str(folder / "m.onnx"), str(folder / "m_int8.onnx")
+    export_torch(m, (torch.randn(1, 3, 16, 16),), f32, input_names=["x"], output_names=["y"])
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            rng = np.random.default_rng(0)
+            self.it = iter([{"x": rng.standard_normal((1, 3, 16, 16)).astype("float32")}
+                            for _ in range(8)])
+
+        def get_next(self):
+            return next(self.it, None)
+
+    quantize_static(f32, int8, Reader(), quant_format=QuantFormat.QDQ,
+                    activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8)
+    return f32, int8
+
+
+def test_a_quantized_file_is_judged_by_its_own_precision_and_a_float_one_is_not(tmp_path):
+    import onnx
+
+    f32, int8 = _qdq_cnn(tmp_path)
+    ops = quantized_ops(onnx.load(int8))
+    assert ops["QuantizeLinear"] >= 3 and ops["DequantizeLinear"] >= 6
+    assert quantized_ops(onnx.load(f32)) == {}
+    strict = parse_accuracy("f32")
+    budget, why = model_budget(strict, onnx.load(int8))
+    assert budget.name == INT8_MODEL and budget.tolerance == INT8_MODEL_TOLERANCE
+    assert "the model is quantized" in why and "DequantizeLinear" in why
+    assert model_budget(strict, onnx.load(f32)) == (strict, "")
+    bf16 = parse_accuracy("bf16")
+    assert model_budget(bf16, onnx.load(int8)) == (bf16, "")  # the user's own budget stands
+
+
+def test_the_int8_budget_takes_two_int8_implementations_rounding_and_no_bf16_backend():
+    budget = parse_accuracy(INT8_MODEL)
+    assert budget == model_budget(parse_accuracy("f32"), _proto_with("QuantizeLinear"))[0]
+    ref = [np.linspace(-4, 4, 100).astype("float32")]
+    rounded = [ref[0] + 0.011 * 4 * np.sign(np.sin(np.arange(100)))]  # 1.1% of the scale
+    assert budget.check(rounded, ref)["match"]
+    assert not parse_accuracy("f32").check(rounded, ref)["match"]
+    wrong = [ref[0] * 0.8]  # 20% of the scale: a wrong build, not rounding
+    assert not budget.check(wrong, ref)["match"]
+    assert not budget.allows("bf16") and budget.allows("f32")
+    assert parse_accuracy(f"{INT8_MODEL_TOLERANCE:g}").allows("bf16")
+    assert budget.key() != parse_accuracy(f"{INT8_MODEL_TOLERANCE:g}").key()
+
+
+def _proto_with(op: str):
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])
+    y = helper.make_tensor_value_info("y", TensorProto.UINT8, [2])
+    s = helper.make_tensor("s", TensorProto.FLOAT, [], [0.1])
+    return helper.make_model(helper.make_graph([helper.make_node(op, ["x", "s"], ["y"])],
+                                               "g", [x], [y], [s]))
+
+
+def test_optimize_on_a_qdq_file_ships_a_build_within_its_int8_budget_and_saves_it(tmp_path):
+    import onnxruntime as ort
+
+    _, int8 = _qdq_cnn(tmp_path)
+    res = collage_tvm.optimize(int8, "llvm", ["tvm", "onnxruntime", "openvino"],
+                               db=str(tmp_path / "c.db"), progress=False, graph_level=False,
+                               isolate=False)
+    rep = res.report
+    assert rep.precision["accuracy"] == INT8_MODEL and "quantized" in rep.precision["why"]
+    assert not any(b.endswith("_bf16") for b in rep.backends)
+    assert rep.comparison and all(r.get("match") for n, r in rep.comparison.items()
+                                  if n in ("collage", rep.shipped))
+    m = collage_tvm.load(collage_tvm.save(res, tmp_path / "q.collage"))
+    assert m.manifest["accuracy"] == INT8_MODEL
+    x = np.random.default_rng(3).standard_normal((1, 3, 16, 16)).astype("float32")
+    want = ort.InferenceSession(int8, providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    got = m(x)
+    assert parse_accuracy(INT8_MODEL).check([np.asarray(got)], want)["match"]
+    assert matches([np.asarray(got)], want, 0.1, 0.1)
+
+
+def test_the_cli_says_the_budget_a_quantized_model_is_judged_by(tmp_path, capsys):
+    from collage_tvm.cli import main
+
+    _, int8 = _qdq_cnn(tmp_path)
+    assert main(["optimize", int8, "--backends", "tvm,onnxruntime", "--no-graph-level",
+                 "--in-process", "--db", str(tmp_path / "c.db")]) == 0
+    out = capsys.readouterr().out
+    assert f"accuracy budget {INT8_MODEL}: the model is quantized" in out
+    with pytest.raises(ValueError, match="expected f32, bf16 or a tolerance"):
+        parse_accuracy("int9")
