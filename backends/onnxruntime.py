@@ -26,6 +26,7 @@ from collage_tvm.backends._graphlib import (GraphLibraryLowering, as_numpy, mode
                                             new_output, single_or_tuple, threads)
 
 _NP = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32,
+       "int8": np.int8, "uint8": np.uint8,
        "bool": np.bool_, "float64": np.float64}
 
 

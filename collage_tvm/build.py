@@ -145,30 +145,66 @@ class CollageResult:
         return save(self, path, **kwargs)
 
 
-def _whole_on_a_library(err, backends: dict, input_shapes, report) -> tvm.IRModule:
+def _whole_on_a_library(err, backends: dict, input_shapes, report, target,
+                        accuracy) -> tvm.IRModule:
     """The module running the ONNX model TVM's importer refused (``err``) wholly on the
-    first of ``backends`` that is a graph library and loads it (``byoc.whole``); ``err``
-    again, with each library's reason added, when none does."""
+    graph library among ``backends`` that runs it fastest here: each one that loads it,
+    timed side by side on random inputs, its outputs checked against the first's within
+    ``accuracy`` (``check.at_load.decide``); ``err`` again, with each library's reason
+    added, when none loads it."""
     from .byoc.whole import NotWhole, whole_model_module
 
-    reasons = []
+    reasons, mods = [], {}
     for name, backend in backends.items():
-        if backend.kind != "graph":
+        if backend.kind != "graph" or not accuracy.allows(backend.precision):
             continue
         try:
-            mod = whole_model_module(err.proto, backend, input_shapes)
+            mods[name] = whole_model_module(err.proto, backend, input_shapes)
         except NotWhole as why:
             reasons.append(f"{name}: {why}")
-            continue
-        report.whole_model = {"backend": name, "why": first_line(err)}
-        logger.warning("TVM cannot import the model (%s); it runs wholly on %s",
-                       first_line(err), name)
-        return mod
-    if reasons:
-        raise ModelError(f"{err}; no graph library runs it whole either ({'; '.join(reasons)})"
-                         ) from err
-    raise ModelError(f"{err}; a graph library could run the whole model: add onnxruntime or "
-                     "openvino to the backends") from err
+    if not mods:
+        if reasons:
+            raise ModelError(f"{err}; no graph library runs it whole either "
+                             f"({'; '.join(reasons)})") from err
+        raise ModelError(f"{err}; a graph library could run the whole model: add onnxruntime "
+                         "or openvino to the backends") from err
+    name, timed = _fastest_whole(mods, target, accuracy)
+    report.whole_model = {"backend": name, "why": first_line(err),
+                          **({"timed": timed} if timed else {})}
+    logger.warning("TVM cannot import the model (%s); it runs wholly on %s%s",
+                   first_line(err), name, f" ({_ms_text(timed)})" if timed else "")
+    return mods[name]
+
+
+def _fastest_whole(mods: dict, target, accuracy) -> tuple:
+    """(name, {name: ms}) of the fastest of ``mods`` (modules running one file whole on a
+    library each), timed side by side here (nothing timed for one: {})."""
+    from .byoc.external import release_with
+    from .check.at_load import decide
+    from .graph.subgraph import random_inputs
+
+    if len(mods) == 1:
+        return next(iter(mods)), {}
+    first = next(iter(mods.values()))
+    dev = tvm.cpu() if target.kind.name == "llvm" else tvm.cuda()
+    args = [tvm.runtime.tensor(a, dev) for a in random_inputs(first["main"])]
+    mains, executables = {}, {}
+    for name, mod in mods.items():
+        try:
+            executables[name] = compile_module(mod, target)
+            mains[name] = relax.VirtualMachine(executables[name], dev)["main"]
+        except Exception as why:  # noqa: BLE001 - the others still run it
+            logger.warning("the model whole on %s does not build: %s", name, first_line(why))
+    chose, record = (decide(mains, args, accuracy) if len(mains) > 1
+                     else (next(iter(mains or mods)), {}))
+    for name, executable in executables.items():
+        if name != chose:  # the losers' sessions go with their executables
+            release_with(executable, mods[name])
+    return chose, record.get("ms", {})
+
+
+def _ms_text(timed: dict) -> str:
+    return ", ".join(f"{n} {ms:.3f} ms" for n, ms in sorted(timed.items(), key=lambda kv: kv[1]))
 
 
 def _floors(user_file: ModelFile, backends: dict, target, accuracy, input_shapes, main,
@@ -412,7 +448,8 @@ def import_model(state: SearchState) -> None:
     except ModelError as err:
         if err.proto is None:
             raise
-        state.mod = _whole_on_a_library(err, state.backends, state.input_shapes, state.report)
+        state.mod = _whole_on_a_library(err, state.backends, state.input_shapes, state.report,
+                                        state.target, state.options.accuracy)
         state.imported()
         state.done = state.result()
         return

@@ -103,8 +103,12 @@ def _report(args, res, t0) -> int:
           f"({', '.join(f'{k} {v:.1f} s' for k, v in rep.times.items())})")
     _print_conditions(rep)
     if rep.whole_model and not rep.whole_model.get("floor"):
+        timed = rep.whole_model.get("timed") or {}
         print(f"TVM cannot import this model ({rep.whole_model['why']}): it runs wholly on "
-              f"{rep.whole_model['backend']}, no placement to search, write or show")
+              f"{rep.whole_model['backend']}"
+              + (" (the fastest here: " + ", ".join(
+                  f"{n} {ms:.3f} ms" for n, ms in sorted(timed.items(), key=lambda kv: kv[1]))
+                 + ")" if timed else "") + ", no placement to search, write or show")
         return 0
     if rep.floor:
         print(f"  the model file was not run whole by a graph library: {rep.floor}")

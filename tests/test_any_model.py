@@ -161,6 +161,23 @@ def test_a_model_tvm_cannot_import_runs_wholly_on_a_graph_library(tmp_path, caps
     assert "it runs wholly on onnxruntime" in capsys.readouterr().out
 
 
+def test_a_model_tvm_cannot_import_runs_on_the_library_that_runs_it_fastest_here(tmp_path):
+    path = str(tmp_path / "lstm.onnx")
+    m = _Lstm().eval()
+    torch.onnx.export(m, (torch.randn(1, 5, 8),), path, dynamo=False, opset_version=17)
+    res = collage_tvm.optimize(path, "llvm", ["tvm", "onnxruntime", "openvino"],
+                               db=str(tmp_path / "c.db"), graph_level=False, compare=False)
+    whole = res.report.whole_model
+    assert set(whole["timed"]) == {"onnxruntime", "openvino"}  # both ran it, side by side
+    assert whole["backend"] in whole["timed"]
+    lead = min(whole["timed"], key=whole["timed"].get)
+    assert whole["backend"] == lead or whole["backend"] == "onnxruntime"  # (within 1%: kept)
+    x = torch.randn(1, 5, 8)
+    got = relax.VirtualMachine(res.executable, tvm.cpu())["main"](tvm.runtime.tensor(x.numpy()))
+    with torch.no_grad():
+        assert matches([got.numpy()], [m(x).numpy()], 1e-4, 1e-5)
+
+
 def _dynamic_batch_onnx(path):
     m = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU()).eval()
     torch.onnx.export(m, (torch.randn(1, 3, 8, 8),), path, dynamo=False, opset_version=17,

@@ -109,3 +109,33 @@ def test_the_cli_says_the_budget_a_quantized_model_is_judged_by(tmp_path, capsys
     assert f"accuracy budget {INT8_MODEL}: the model is quantized" in out
     with pytest.raises(ValueError, match="expected f32, bf16 or a tolerance"):
         parse_accuracy("int9")
+
+
+def test_quantize_and_dequantize_reach_a_graph_library_as_qdq_nodes(tmp_path):
+    """TVM's import keeps the file's Q/DQ as relax.quantize/dequantize; the exporter writes
+    them back, so a library region holds the int8 subgraph it fuses, not float arithmetic."""
+    import onnxruntime as ort
+
+    from collage_tvm.export.onnx import export_function, unsupported_reason
+    from collage_tvm.frontend import load_model, normalize_for_collage
+
+    _, int8 = _qdq_cnn(tmp_path)
+    mod = normalize_for_collage(load_model(int8))
+    text = mod.script()
+    assert "R.quantize(" in text and "R.dequantize(" in text
+    exported = export_function(mod["main"])
+    ops = {n.op_type for n in exported.graph.node}
+    assert {"QuantizeLinear", "DequantizeLinear", "Conv"} <= ops
+    x = np.random.default_rng(2).standard_normal((1, 3, 16, 16)).astype("float32")
+    got = ort.InferenceSession(exported.SerializeToString(),
+                               providers=["CPUExecutionProvider"]).run(
+        None, {exported.graph.input[0].name: x})
+    want = ort.InferenceSession(int8, providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    assert parse_accuracy(INT8_MODEL).check(got, want)["match"]
+    from tvm import relax
+
+    blocked = relax.BlockBuilder().normalize(relax.op.quantize(relax.Var("v", relax.TensorType((4, 4), "float32")),
+                                relax.const(np.ones((4, 4), "float32")),
+                                relax.const(np.zeros((4, 4), "int8")), axis=0,
+                                out_dtype="int8"))
+    assert "more than one dimension" in unsupported_reason(blocked)

@@ -153,7 +153,7 @@ def run_model(suite: str, name: str, out_dir: str, options, db, log=print) -> li
     from .. import load, optimize
     from ..artifact import save
     from .bench import torch_frameworks
-    from .suites import CONTROL, _framework_check, versus
+    from .suites import CONTROL, OPENVINO_F32_CONTROL, _framework_check, quietest, versus
 
     try:
         case = dynamic_case(suite, name)
@@ -180,6 +180,7 @@ def run_model(suite: str, name: str, out_dir: str, options, db, log=print) -> li
         f"{info['shipped']}")
     rows = []
     check = _framework_check(1e-3, 1e-4)
+    controls = {CONTROL: "onnxruntime", OPENVINO_F32_CONTROL: "openvino"}
     for k, shapes in enumerate(case["shapes"]):
         xs = shape_inputs(case["inputs"], shapes, seed=k)
         row = {**info, "shape": ", ".join("x".join(map(str, s)) for s in shapes[:2])
@@ -187,11 +188,14 @@ def run_model(suite: str, name: str, out_dir: str, options, db, log=print) -> li
         try:
             if loaded.dispatch is not None:
                 row["served_by"] = loaded.dispatch.label_for(shapes)
-            fws = torch_frameworks(case["model"], xs, path, loaded, check,
-                                   controls={CONTROL: "onnxruntime"},
-                                   label=f"{name} {row['shape']}")
-            row["frameworks"] = fws
-            row.update(versus(fws))
+            share, fws, tries = quietest(
+                lambda: torch_frameworks(case["model"], xs, path, loaded, check,
+                                         controls=controls, label=f"{name} {row['shape']}"),
+                f"{name} {row['shape']}")
+            row.update(frameworks=fws, frameworks_other_load=share, **versus(fws))
+            if len(tries) > 1:
+                row["frameworks_loads"] = [t[0] for t in tries]
+                row["frameworks_aa_spreads"] = [t[1] for t in tries]
         except Exception as err:  # noqa: BLE001 - the row says why
             row["error"] = first_line(err, 300)
         rows.append(row)

@@ -834,9 +834,6 @@ def framework_row(make, name: str, onnx_path: str, executable, rtol: float = 1e-
     "ms": nan, "match": False}}, "best_f32": (name, ms) of the fastest correct one of
     ``F32_FRAMEWORKS`` (None: none), "vs_best_f32": its ms / Collage's, "vs_openvino_default":
     OpenVINO default's ms / Collage's (None where one is missing), "threads"}."""
-    import time
-
-    from ..measure.timing import OtherLoad
     from ..target import host_cores
     from .bench import torch_frameworks
 
@@ -845,26 +842,16 @@ def framework_row(make, name: str, onnx_path: str, executable, rtol: float = 1e-
     if accuracy != "f32":
         controls[OPENVINO_CONTROL] = "openvino (default)"
     groups = framework_groups(onnx_path, controls)
-    tries = []  # (the share of the CPU other processes took, A/A spread, rows), per timing
     # A group at a time, an A/A control is timed in a group of its own, beside a Collage
     # build loaded again: its spread is the groups' drift, not one timing's noise, and the
     # timing is long (regnet_y_128gf: five groups, 18 minutes, its ONNX Runtime A/A 9%):
     # timed again only for the load of other processes.
-    for attempt in range(1 + BUSY_RETRIES):
-        if attempt:
-            print(f"  {name}: {_noise_text(*tries[-1][:2])} while the frameworks were "
-                  f"timed: timing them again in {BUSY_PAUSE_S:.0f} s", flush=True)
-            time.sleep(BUSY_PAUSE_S)
-        with OtherLoad() as load:
-            rows = _timed_in_groups(
-                lambda only: torch_frameworks(model, inputs, onnx_path, executable,
-                                              _framework_check(rtol, atol), label=name,
-                                              controls=controls, only=only),
-                groups)
-        tries.append((load.share, None if groups else _widest_spread(versus(rows)), rows))
-        if not _noisy(*tries[-1][:2]):  # (load nan: not measurable here)
-            break
-    share, _, rows = min(tries, key=lambda t: _noise_key(*t[:2]))
+    share, rows, tries = quietest(
+        lambda: _timed_in_groups(
+            lambda only: torch_frameworks(model, inputs, onnx_path, executable,
+                                          _framework_check(rtol, atol), label=name,
+                                          controls=controls, only=only),
+            groups), name, spread=groups is None)
     rows = {fw: {"precision": accuracy if fw == "collage" else "f32", **r}
             if "error" not in r else r for fw, r in rows.items()}
     out = {"frameworks": rows, **versus(rows), "threads": host_cores(),
@@ -875,6 +862,31 @@ def framework_row(make, name: str, onnx_path: str, executable, rtol: float = 1e-
         out["frameworks_loads"] = [t[0] for t in tries]
         out["frameworks_aa_spreads"] = [t[1] for t in tries]
     return out
+
+
+def quietest(time_rows, name: str, spread: bool = True) -> tuple:
+    """(the share of the CPU other processes took, the rows, every try's (share, A/A
+    spread, rows)) of the quietest of up to 1 + ``BUSY_RETRIES`` timings ``time_rows()``
+    (-> ``bench.torch_frameworks``' rows): one timed while other processes took more than
+    ``BUSY_SHARE`` of the CPU, or (``spread``) whose A/A controls landed more than
+    ``AA_NOISY`` from their frameworks, is timed again after ``BUSY_PAUSE_S``."""
+    import time
+
+    from ..measure.timing import OtherLoad
+
+    tries = []  # (the share of the CPU other processes took, A/A spread, rows), per timing
+    for attempt in range(1 + BUSY_RETRIES):
+        if attempt:
+            print(f"  {name}: {_noise_text(*tries[-1][:2])} while the frameworks were "
+                  f"timed: timing them again in {BUSY_PAUSE_S:.0f} s", flush=True)
+            time.sleep(BUSY_PAUSE_S)
+        with OtherLoad() as load:
+            rows = time_rows()
+        tries.append((load.share, _widest_spread(versus(rows)) if spread else None, rows))
+        if not _noisy(*tries[-1][:2]):  # (load nan: not measurable here)
+            break
+    share, _, rows = min(tries, key=lambda t: _noise_key(*t[:2]))
+    return share, rows, tries
 
 
 # What one framework's session (or compiled model) of a file holds, in multiples of the
