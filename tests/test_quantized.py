@@ -126,6 +126,16 @@ def test_quantize_and_dequantize_reach_a_graph_library_as_qdq_nodes(tmp_path):
     exported = export_function(mod["main"])
     ops = {n.op_type for n in exported.graph.node}
     assert {"QuantizeLinear", "DequantizeLinear", "Conv"} <= ops
+    # each weight as the file has it, int8 behind a DequantizeLinear (not folded to float),
+    # and each Conv with its bias, as the libraries' int8 fusions look for them
+    int8_weights = {t.name for t in exported.graph.initializer if t.data_type == 3}  # INT8
+    convs = [n for n in exported.graph.node if n.op_type == "Conv"]
+    producer = {o: n for n in exported.graph.node for o in n.output}
+    assert len(convs) == 2 and all(len(c.input) == 3 for c in convs)
+    assert all(producer[c.input[1]].op_type == "DequantizeLinear"
+               and producer[c.input[1]].input[0] in int8_weights for c in convs)
+    assert not any(n.op_type == "Add" and producer.get(i, n).op_type == "Conv"
+                   for n in exported.graph.node for i in n.input)
     x = np.random.default_rng(2).standard_normal((1, 3, 16, 16)).astype("float32")
     got = ort.InferenceSession(exported.SerializeToString(),
                                providers=["CPUExecutionProvider"]).run(

@@ -305,7 +305,15 @@ class _Builder:
     def constant(self, const) -> str:
         name = self._by_object.get(const)
         if name is None:
-            name = self.array(const.value.numpy())
+            made = _DEQUANTIZED.get(const)
+            if made is not None:  # an int8 weight dequantized: written as it came
+                q, scale, zero, axis = made
+                name = self.node("DequantizeLinear", [self.array(q, "weight_q"),
+                                                      self.array(scale, "scale"),
+                                                      self.array(zero.astype(q.dtype))],
+                                 axis=axis % max(q.ndim, 1))
+            else:
+                name = self.array(const.value.numpy())
             self._by_object[const] = name
         return name
 
@@ -456,6 +464,20 @@ def _astype(b, call):
 # Q/DQ pairs it fuses into int8 kernels (not the float arithmetic TVM computes them with)
 # ---------------------------------------------------------------------------------------
 QUANTIZED = frozenset({"int8", "uint8"})
+# A float constant that was the dequantize of an int8 weight (``frontend.quantized``):
+# constant -> (int8 array, scale, zero point, axis); written as that DequantizeLinear
+_DEQUANTIZED: dict = {}
+
+
+def mark_dequantized(const, q, scale, zero, axis: int) -> None:
+    """Record float ``const`` as ``DequantizeLinear(q, scale, zero, axis)``: the exporter
+    writes it so (a library's int8 fusions need the weight's DequantizeLinear)."""
+    _DEQUANTIZED[const] = (q, scale, zero, axis)
+
+
+def clear_dequantized() -> None:
+    """Forget the records of ``mark_dequantized`` (a new model's import)."""
+    _DEQUANTIZED.clear()
 
 
 def _check_qdq(call):
@@ -1023,13 +1045,65 @@ def export_function(func: relax.Function, opset: int = DEFAULT_OPSET,
         used.add(n)
         outputs.append(_tensor_info(n, ty))
 
-    graph = helper.make_graph(b.nodes, name, inputs, outputs, initializer=b.initializers)
+    nodes, initializers = _fold_conv_bias(b.nodes, b.initializers, {o.name for o in outputs})
+    graph = helper.make_graph(nodes, name, inputs, outputs, initializer=initializers)
     opsets = [helper.make_opsetid("", opset)]
     model = helper.make_model(graph, opset_imports=opsets, producer_name="collage-tvm")
     model.ir_version = helper.find_min_ir_version_for(opsets)
     if check:
         _check_shapes(model, expected)
     return model
+
+
+def _fold_conv_bias(nodes: list, initializers: list, outputs: set) -> tuple:
+    """(nodes, initializers) with each ``Add(Conv(x, w), Reshape(b, [1, C, 1, ...]))`` whose
+    Conv output feeds that Add alone written as ``Conv(x, w, b)``: TVM's importer splits an
+    ONNX Conv's bias into a reshape and an add, and the libraries' fusions look for the
+    bias inside the Conv (OpenVINO's int8 transformations, with the bias dequantized from
+    int32, miss it otherwise). Initializers no node reads any more are dropped."""
+    from onnx import numpy_helper
+
+    producer = {o: n for n in nodes for o in n.output}
+    readers: dict = {}
+    for n in nodes:
+        for i in n.input:
+            readers.setdefault(i, []).append(n)
+    consts = {t.name: t for t in initializers}
+    dropped = set()
+    def channels(dims) -> bool:  # [1, C, 1, ...]: one value per output channel
+        return len(dims) >= 3 and dims[0] == 1 and dims[1] > 1 and all(d == 1 for d in dims[2:])
+
+    added = []
+    for add in nodes:
+        if add.op_type != "Add" or len(add.input) != 2:
+            continue
+        for y, bias in (tuple(add.input), tuple(reversed(add.input))):
+            conv = producer.get(y)
+            if (conv is None or conv.op_type != "Conv" or len(conv.input) != 2
+                    or y in outputs or len(readers.get(y, ())) != 1 or id(conv) in dropped):
+                continue
+            reshape = producer.get(bias)
+            if bias in consts and channels(list(consts[bias].dims)):  # a folded constant
+                flat = numpy_helper.from_array(
+                    numpy_helper.to_array(consts[bias]).reshape(-1), f"{bias}_bias")
+                added.append(flat)
+                conv.input.append(flat.name)
+            elif (reshape is not None and reshape.op_type == "Reshape"
+                  and reshape.input[1] in consts
+                  and channels(numpy_helper.to_array(consts[reshape.input[1]]).tolist())):
+                conv.input.append(reshape.input[0])  # (a 1-D bias: Reshape made it [1,C,1,1])
+                if len(readers.get(bias, ())) == 1 and bias not in outputs:
+                    dropped.add(id(reshape))
+            else:
+                continue
+            conv.output[0] = add.output[0]
+            dropped.add(id(add))
+            break
+    if not dropped:
+        return nodes, initializers
+    kept = [n for n in nodes if id(n) not in dropped]
+    read = {i for n in kept for i in n.input} | outputs
+    return kept, [t for t in initializers + added if t.name in read]
 
 
 def _check_shapes(model, expected: dict) -> None:

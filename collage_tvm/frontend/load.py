@@ -9,6 +9,7 @@ from tvm import relax
 
 from .fold_shapes import fold_shapes
 from .raise_tir import raise_call_tir
+from .quantized import fold_dequantized_weights
 from .static_slices import static_slices
 
 logger = logging.getLogger("collage_tvm")
@@ -207,7 +208,7 @@ def normalize_for_collage(mod: tvm.IRModule, raise_tir: bool = True) -> tvm.IRMo
     static (``static_slices``); the importer's ``call_tir``s of ordinary operators raised to
     Relax ops (``raise_call_tir``; ``raise_tir=False`` leaves them, to measure what that
     buys: collage_tvm/tools/call_tir_survey.py)."""
-    mod = static_slices(mod)
+    mod = fold_dequantized_weights(static_slices(mod))
     try:
         out = _normalize(mod, fold=True)
     except Exception as err:  # noqa: BLE001 - TVM cannot fold an op it cannot compile
