@@ -42,9 +42,27 @@ def _optimize(args) -> int:
     code = _report(args, res, t0)
     if res.report.dynamic:
         _print_dynamic(res.report)
+    if args.report:
+        _write_report(res, args)
     if args.export:
         _export(res, args)
     return code
+
+
+def _write_report(res, args) -> None:
+    """``optimize --report FILE.json``: the build's report (``BuildReport``'s fields), the
+    target and the machine, as JSON (what ``docs``' "optimize-report" block renders)."""
+    import dataclasses
+    from pathlib import Path
+
+    from ._files import write_json_atomic
+    from .artifact import _jsonable
+    from .tools.bench import machine
+
+    doc = {"model": args.model, "target": str(args.target), "machine": machine(),
+           **dataclasses.asdict(res.report)}
+    write_json_atomic(Path(args.report), _jsonable(doc))
+    print(f"report written to {args.report}")
 
 
 def _shapes_text(ranges: dict, which: str) -> str:
@@ -659,6 +677,9 @@ def _optimize_parser(sub) -> None:
                    help="one static shape of an input with dynamic dimensions (batch, "
                         "sequence), e.g. input=1x3x224x224 (repeatable): the build serves "
                         "that shape alone")
+    o.add_argument("--report", metavar="FILE.json",
+                   help="also write the build's report as JSON: what ran where, the final "
+                        "check's table, the search's figures, the machine")
     o.add_argument("--shapes", action="append", metavar="NAME=MIN:OPT:MAX",
                    help="the range of shapes an input with dynamic dimensions is built for, "
                         "as TensorRT's profiles: e.g. input_ids=1x1:1x128:8x512 (searched at "

@@ -103,10 +103,16 @@ def test_the_cli_says_the_budget_a_quantized_model_is_judged_by(tmp_path, capsys
     from collage_tvm.cli import main
 
     _, int8 = _qdq_cnn(tmp_path)
+    import json
+
+    report = tmp_path / "report.json"
     assert main(["optimize", int8, "--backends", "tvm,onnxruntime", "--no-graph-level",
-                 "--in-process", "--db", str(tmp_path / "c.db")]) == 0
+                 "--in-process", "--db", str(tmp_path / "c.db"), "--report", str(report)]) == 0
     out = capsys.readouterr().out
     assert f"accuracy budget {INT8_MODEL}: the model is quantized" in out
+    doc = json.loads(report.read_text())  # what docs' "optimize-report" block renders
+    assert doc["precision"]["accuracy"] == INT8_MODEL and doc["shipped"] in doc["comparison"]
+    assert doc["machine"]["cpu"] and doc["model"] == int8
     with pytest.raises(ValueError, match="expected f32, bf16 or a tolerance"):
         parse_accuracy("int9")
 

@@ -143,6 +143,13 @@ def whole_model_module(proto, backend, input_shapes: dict | None = None,
     except Exception as err:  # noqa: BLE001 - the library's refusal is the reason
         raise NotWhole(f"{backend.name} cannot load it: {first_line(err, 300)}") from err
     symbol = register(f"collage.whole.{backend.name}", fn, ("onnx", backend.name, proto, specs))
+    return one_call_module(symbol, in_types, out_types)
+
+
+def one_call_module(symbol: str, in_types: list, out_types: list) -> tvm.IRModule:
+    """A Relax module whose ``main`` takes parameters of ``in_types`` and returns what the
+    packed function ``symbol`` returns for them (``out_types``: one, or a tuple of them),
+    its one call (``call_pure_packed``); the module lists ``symbol`` as its own."""
     params = [relax.Var(f"in{k}", t) for k, t in enumerate(in_types)]
     ret = out_types[0] if len(out_types) == 1 else relax.TupleType(out_types)
     bb = relax.BlockBuilder()

@@ -98,18 +98,13 @@ def dynamic_module(ranges: ShapeRanges, symbol: str, out_dtypes: list):
     import tvm
     from tvm import relax
 
+    from ..byoc.whole import one_call_module
+
     variables = {s: tvm.tirx.Var(s, "int64") for s in ranges.axes}
-    params = [relax.Var(f"in{k}", relax.TensorType(
-        [variables[d] if isinstance(d, str) else d for d in dims], dtype))
-        for k, (_, dtype, dims) in enumerate(ranges.inputs)]
-    outs = [relax.TensorType(ndim=rank, dtype=dtype) for rank, dtype in out_dtypes]
-    ret = outs[0] if len(outs) == 1 else relax.TupleType(outs)
-    bb = relax.BlockBuilder()
-    with bb.function("main", params):
-        with bb.dataflow():
-            out = bb.emit_output(relax.op.call_pure_packed(symbol, *params, ty_args=ret))
-        bb.emit_func_output(out)
-    return bb.get().with_attr("collage.symbols", [symbol])
+    ins = [relax.TensorType([variables[d] if isinstance(d, str) else d for d in dims], dtype)
+           for _, dtype, dims in ranges.inputs]
+    return one_call_module(symbol, ins, [relax.TensorType(ndim=rank, dtype=dtype)
+                                         for rank, dtype in out_dtypes])
 
 
 def output_types(proto) -> list:
