@@ -523,6 +523,7 @@ def _bench(args, parser) -> int:
 def _bench_dynamic(args, backends) -> int:
     """``bench --suite NAME --dynamic``: ``tools.dynamic_suite``; suite_<name>_dynamic.json
     {"suite", "dynamic", "machine", "accuracy", "rows", "summary"} and its table (.md)."""
+    import json
     import os
     from pathlib import Path
 
@@ -554,9 +555,18 @@ def _bench_dynamic(args, backends) -> int:
             "summary": dynamic_suite.summary(rows)})
         Path(base + ".md").write_text(dynamic_suite.markdown(args.suite, rows, here))
 
-    rows = dynamic_suite.run(args.suite, args.models or None, args.out, options,
-                             args.db or DEFAULT_DB, on_row=save,
-                             log=lambda line: print(line, flush=True))
+    names = list(args.models or dynamic_suite.DYNAMIC_SUITES[args.suite])
+    kept = []
+    if args.resume and os.path.exists(base + ".json"):  # as the other suites: --again reruns
+        with open(base + ".json") as f:
+            kept = [r for r in json.load(f)["rows"]
+                    if not (args.again and r.get("model") in names)]
+        names = [n for n in names if n not in {r.get("model") for r in kept}]
+        print(f"resuming: {len({r['model'] for r in kept})} model(s) of {base}.json kept",
+              flush=True)
+    rows = kept + dynamic_suite.run(args.suite, names, args.out, options,
+                                    args.db or DEFAULT_DB, on_row=lambda r: save(kept + r),
+                                    log=lambda line: print(line, flush=True))
     save(rows)
     print(f"\nwrote {base}.json and {base}.md")
     return 0

@@ -224,3 +224,75 @@ def test_a_dynamic_model_stays_on_tvm_only_where_no_graph_library_is_among_the_b
     x = torch.randn(3, 3, 8, 8)
     with torch.no_grad():
         assert matches([_vm_run(res, x.numpy())], [m(x).numpy()], 1e-3, 1e-4)
+
+
+def test_a_default_range_the_model_cannot_run_to_its_end_narrows_and_a_given_one_says_so(
+        monkeypatch):
+    from collage_tvm.dynamic import search
+
+    monkeypatch.setattr(search, "POINT_BATCH_MS", 1.0)
+    monkeypatch.setattr(search, "POINT_RUNOFF_ROUNDS", 3)
+
+    def lib(limit):
+        def call(x):
+            if x.shape[0] > limit:
+                raise RuntimeError(f"index {x.shape[0]} out of range")
+            return [x * 2]
+        call.numpy_call = call
+        return call
+
+    default = ShapeRanges([("x", "float32", ["past", 2])], {"past": Axis("past", 1, 2, 9)})
+    fns = {"a": lib(8), "b": lib(3)}  # b fails from 4 on: left out there
+    with pytest.raises(search.Unservable, match="at past=9 every library failed"):
+        search.choose(default, fns, collage_tvm.precision.parse_accuracy("f32"))
+    done = {}
+    with pytest.raises(search.Unservable) as err:
+        search.choose(default, fns, collage_tvm.precision.parse_accuracy("f32"), done=done)
+    narrow = search.narrowed(default, err.value)
+    assert narrow.axes["past"] == Axis("past", 1, 2, 8)
+    timed = set(done)
+    chosen = search.choose(narrow, fns, collage_tvm.precision.parse_accuracy("f32"), done=done)
+    assert set(chosen["table"]) == {"past=1", "past=2", "past=4", "past=8"} <= timed | set(done)
+    assert chosen["table"]["past=8"] == "a" and "b" in chosen["points"][-1]["left_out"]
+    assert chosen["ranges"]["axes"]["past"] == [1, 2, 8]
+    given = ShapeRanges(default.inputs, default.axes, {"past"})
+    with pytest.raises(ShapeError, match="past=9 every library failed.*give the range it "
+                                         "runs in with --shapes"):
+        search.narrowed(given, err.value)
+
+
+def test_the_dynamic_suites_summary_counts_wins_and_each_frameworks_mean_over_shapes():
+    from collage_tvm.tools import dynamic_suite
+
+    def row(shape, collage, ort, ov, served):
+        fws = {"collage": {"ms": collage, "match": True},
+               "onnxruntime": {"ms": ort, "match": True},
+               "openvino": {"ms": ov, "match": True}}
+        best = min(("onnxruntime", ort), ("openvino", ov), key=lambda kv: kv[1])
+        return {"model": "bert", "shape": shape, "served_by": served, "frameworks": fws,
+                "best_f32": best, "vs_best_f32": best[1] / collage, "search_s": 30.0,
+                "static_s": 20.0}
+
+    rows = [row("1x8", 1.0, 1.0, 2.0, "onnxruntime"), row("1x512", 10.0, 20.0, 10.0, "openvino"),
+            row("8x32", 1.0, 1.1, 1.05, "openvino"), {"model": "gpt2", "error": "export: x"}]
+    s = dynamic_suite.summary(rows)
+    assert s["timed"] == 3 and s["errors"] == 1 and s["below_goal"] == 0
+    assert s["clear_wins"] == [("bert", "8x32", 1.05)]
+    # ONNX Runtime: 1x, 2x, 1.1x Collage's time; OpenVINO 2x, 1x, 1.05x: each loses on average
+    assert s["framework_mean_over_collage"]["onnxruntime"] == pytest.approx(2.2 ** (1 / 3))
+    assert s["framework_mean_over_collage"]["openvino"] == pytest.approx(2.1 ** (1 / 3))
+    assert s["search_over_static"] == {"bert": 1.5}
+    text = dynamic_suite.markdown("transformers", rows)
+    assert "| bert | 1x512 | openvino | 10.000 | 20.000 | 10.000 |" in text
+    assert "error: export: x" in text and "1 rows beat every f32 framework by 3%" in text
+
+
+def test_the_decode_step_takes_eight_caches_of_one_past_length_and_batch():
+    from collage_tvm.tools.dynamic_suite import dynamic_case
+
+    case = dynamic_case("transformers", "gpt2_decode_step")
+    assert len(case["names"]) == 9 and case["axes"]["past_3_value"] == {0: "batch", 2: "past"}
+    assert len(case["shapes"]) == 12 and case["shapes"][-1][0] == (8, 1)
+    assert {s[2] for s in case["shapes"][-1][1:]} == {512}
+    out = case["model"](*case["inputs"])
+    assert out[0].shape == (1, 1, 1000) and out[1].shape[2] == 17  # the cache, one longer

@@ -77,43 +77,103 @@ def point_inputs(ranges: ShapeRanges, point: dict, seed: int = 0) -> list:
             for (_, t, _), s in zip(ranges.inputs, ranges.shapes(point).values())]
 
 
-def choose(ranges: ShapeRanges, fns: dict, accuracy, static=None, progress=None) -> dict:
+class Unservable(Exception):
+    """Every library failed at a point of the ranges: ``point``, ``failed`` (label -> why)."""
+
+    def __init__(self, point: dict, failed: dict):
+        super().__init__(f"at {point_key(point)} every library failed: "
+                         + "; ".join(f"{n}: {why}" for n, why in failed.items()))
+        self.point, self.failed = point, failed
+
+
+def choose(ranges: ShapeRanges, fns: dict, accuracy, static=None, progress=None,
+           done: dict | None = None) -> dict:
     """The choice at each point of ``ranges``: {"points": [{"point", "chose", "ms",
     "left_out"}], "table": point key -> label, "special": the optimum's point when the
     static build won it, else None}. ``fns``: label -> callable, the reference first;
     ``static``: the static build's callable, a contender at the optimum only. Each is timed
-    as a user calls the saved build: numpy arrays in and out (``numpy_call``)."""
-    from ..check.at_load import decide
-
+    as a user calls the saved build: numpy arrays in and out (``numpy_call``); one that
+    fails at a point is left out there, and a point where all fail raises ``Unservable``.
+    ``done``: point key -> an earlier record of this point (kept, not timed again)."""
     points, table, special = [], {}, None
     opt = ranges.opt()
     todo = ranges.points()
+    done = done if done is not None else {}
     for k, point in enumerate(todo):
-        args = point_inputs(ranges, point, seed=k)
-        contenders = {n: f.numpy_call for n, f in fns.items()}
-        if static is not None and point == opt:
-            contenders[STATIC] = static.numpy_call
-        chose, record = decide(contenders, args, accuracy, rounds=POINT_ROUNDS,
-                               batch_ms=POINT_BATCH_MS)
-        ms = record.get("ms") or {}
-        close = sorted(ms, key=ms.get)[:2]
-        if len(close) == 2 and ms[close[1]] <= ms[close[0]] * (1 + POINT_CLOSE):
-            pair = {n: f for n, f in contenders.items() if n in close}  # (reference first)
-            chose, again = decide(pair, args, accuracy, rounds=POINT_RUNOFF_ROUNDS,
-                                  batch_ms=POINT_BATCH_MS)
-            ms = {**ms, **(again.get("ms") or {})}
-            record["runoff"] = again.get("ms")
+        key = point_key(point)
+        if key not in done:
+            contenders = {n: f.numpy_call for n, f in fns.items()}
+            if static is not None and point == opt:
+                contenders[STATIC] = static.numpy_call
+            done[key] = _choose_at(point, contenders, point_inputs(ranges, point, seed=k),
+                                   accuracy)
+        record = done[key]
+        chose, ms = record["chose"], record["ms"]
         library = chose
         if chose == STATIC:
             special = point
             library = min((n for n in ms if n != STATIC), key=ms.get, default=next(iter(fns)))
-        table[point_key(point)] = library
-        points.append({"point": point, "chose": chose, "ms": ms,
-                       "left_out": record.get("left_out", {}),
-                       **({"runoff": True} if "runoff" in record else {})})
+        table[key] = library
+        points.append(record)
         if progress is not None:
             progress(k + 1, len(todo), point, chose, ms)
-    return {"points": points, "table": table, "special": special}
+    return {"points": points, "table": table, "special": special,
+            "ranges": ranges.to_json()}
+
+
+def _choose_at(point: dict, contenders: dict, args: list, accuracy) -> dict:
+    """The record of one point: the contenders that run there timed side by side
+    (``check.at_load.decide``; the two fastest again, alone, when within
+    ``POINT_CLOSE``)."""
+    from ..check.at_load import decide
+
+    failed = {}
+    for name, fn in list(contenders.items()):
+        try:
+            fn(*args)
+        except Exception as err:  # noqa: BLE001 - left out at this point, with the reason
+            failed[name] = first_line(err, 300)
+            del contenders[name]
+    if not contenders:
+        raise Unservable(point, failed)
+    chose, record = decide(contenders, args, accuracy, rounds=POINT_ROUNDS,
+                           batch_ms=POINT_BATCH_MS)
+    ms = record.get("ms") or {}
+    close = sorted(ms, key=ms.get)[:2]
+    if len(close) == 2 and ms[close[1]] <= ms[close[0]] * (1 + POINT_CLOSE):
+        pair = {n: f for n, f in contenders.items() if n in close}  # (reference first)
+        chose, again = decide(pair, args, accuracy, rounds=POINT_RUNOFF_ROUNDS,
+                              batch_ms=POINT_BATCH_MS)
+        ms = {**ms, **(again.get("ms") or {})}
+        record["runoff"] = again.get("ms")
+    return {"point": point, "chose": chose, "ms": ms,
+            "left_out": {**failed, **record.get("left_out", {})},
+            **({"runoff": True} if "runoff" in record else {})}
+
+
+def narrowed(ranges: ShapeRanges, err: Unservable) -> ShapeRanges:
+    """``ranges`` without the point where every library failed (``err``): each default axis
+    (not given by the user) at its max there ends at its next point below (a cache of
+    ``past`` 1..513 read from a 513-row position table: the position 513 is out of it).
+    A ``ShapeError`` naming the shape and the libraries' reasons where no default axis can
+    give way."""
+    from .shapes import Axis, ShapeError, symbol_points
+
+    axes = dict(ranges.axes)
+    moved = []
+    for symbol, value in err.point.items():
+        a = axes[symbol]
+        if symbol in ranges.given or value != a.max or a.max <= a.opt:
+            continue
+        below = [v for v in symbol_points(a) if a.opt <= v < a.max]
+        if below:
+            axes[symbol] = Axis(symbol, a.min, a.opt, max(below))
+            moved.append(f"{symbol} {a.min}..{a.max} -> ..{max(below)}")
+    if not moved:
+        raise ShapeError(f"{err}: the model does not run at that shape on any library; give "
+                         f"the range it runs in with --shapes ({ranges.flags()} now)")
+    logger.warning("the default range narrowed (%s): %s", "; ".join(moved), err)
+    return ShapeRanges(ranges.inputs, axes, ranges.given)
 
 
 def optimize_dynamic(proto, path, ranges: ShapeRanges, target, options, static_build, log,
@@ -165,10 +225,18 @@ def optimize_dynamic(proto, path, ranges: ShapeRanges, target, options, static_b
                   "special": logged.get("special")}
         from_log = True
     else:
-        chosen = choose(ranges, fns, options.accuracy, special_fn,
-                        _progress if options.progress else None)
+        done: dict = {}
+        while True:
+            try:
+                chosen = choose(ranges, fns, options.accuracy, special_fn,
+                                _progress if options.progress else None, done)
+                break
+            except Unservable as err:
+                ranges = narrowed(ranges, err)
         log.put(key, chosen)
         from_log = False
+    if "ranges" in chosen:  # (narrowed where the model does not run at a default's end)
+        ranges = ShapeRanges.from_json(chosen["ranges"])
     special = (chosen["special"], special_fn) if chosen["special"] and special_fn else None
     dispatch = Dispatch(ranges, chosen["table"], fns, special)
     symbol = register("collage.dynamic", dispatch,

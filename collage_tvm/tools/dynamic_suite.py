@@ -295,7 +295,7 @@ def run(suite: str, names, out_dir: str, options, db, on_row=None, log=print) ->
     if suite not in DYNAMIC_SUITES:
         raise ValueError(f"no dynamic suite {suite!r}: one of {', '.join(DYNAMIC_SUITES)}")
     rows = []
-    for name in names or DYNAMIC_SUITES[suite]:
+    for name in DYNAMIC_SUITES[suite] if names is None else names:
         log(f"== {suite} {name} (dynamic)")
         rows.extend(run_model(suite, name, out_dir, options, db, log))
         if on_row is not None:
