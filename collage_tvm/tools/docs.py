@@ -123,7 +123,11 @@ def _below(st: dict) -> str:
 
 def optimize_report(doc: dict) -> str:
     """The final check of one ``optimize`` report (``BuildReport`` as JSON)."""
-    comp = doc.get("comparison") or {}
+    # (a build not built or not timed: its "ms" is written as null)
+    comp = {n: {**r, "ms": math.nan if r.get("ms") is None else r["ms"],
+                "max_err": math.nan if r.get("max_err") is None else r["max_err"],
+                "rel_err": math.nan if r.get("rel_err") is None else r["rel_err"]}
+            for n, r in (doc.get("comparison") or {}).items()}
     lines = [f"Shipped: {doc.get('shipped', '?')}" + (f" (target {doc['target']})"
                                                        if doc.get("target") else ""), "",
              "| build | ms | correct | max err (rel err) | operators per backend |",
@@ -138,6 +142,9 @@ def optimize_report(doc: dict) -> str:
         mark = " (shipped)" if name == doc.get("shipped") else ""
         if r.get("outside_budget"):  # timed for the report's advice, never shipped
             mark += f" (outside the accuracy budget: {r['outside_budget']}, advice only)"
+        if not math.isfinite(ms) and r.get("error"):  # not built: the reason instead
+            lines.append(f"| {name}{mark} | not built | - | - | {r['error'][:90]} |")
+            continue
         lines.append(f"| {name}{mark} | {ms:.3f} | {'yes' if r.get('match') else 'no'} | "
                      f"{r.get('max_err', math.nan):.1e} ({r.get('rel_err', math.nan):.1e}) | "
                      f"{ops} |")
