@@ -221,8 +221,10 @@ def optimize_dynamic(proto, path, ranges: ShapeRanges, target, options, static_b
     logged = log.get(key)
     t_points = time.perf_counter()
     if logged and set(logged.get("table", {}).values()) <= set(fns):
-        chosen = {"points": logged["points"], "table": logged["table"],
-                  "special": logged.get("special")}
+        # (the ranges too: a default one narrowed where the model did not run to its end)
+        chosen = {k: logged.get(k) for k in ("points", "table", "special")}
+        if "ranges" in logged:
+            chosen["ranges"] = logged["ranges"]
         from_log = True
     else:
         done: dict = {}
