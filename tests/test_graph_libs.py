@@ -301,7 +301,7 @@ def test_a_model_protobuf_cannot_write_reaches_the_library_with_external_data(
 
     import onnx
 
-    import collage_tvm.export.onnx as export
+    import collage_tvm.export.model as export  # where model_source looks serialized up
 
     g = DataflowGraph(_two_output_func())
     target = make_target("llvm")
