@@ -25,6 +25,8 @@ from collage_tvm import ArtifactError, cli
 from collage_tvm.registry import get_backend
 
 artifact = importlib.import_module("collage_tvm.artifact")
+# where ``load`` looks up ``host_cpu_features`` (the package's ``load`` is the function)
+artifact_load = importlib.import_module("collage_tvm.artifact.load")
 ns = importlib.import_module("collage_tvm.check.never_slower")
 
 X = np.random.default_rng(3).standard_normal((1, 3, 16, 16)).astype("float32")
@@ -394,13 +396,13 @@ def test_a_cpu_without_a_feature_the_build_needs_is_refused(copy, monkeypatch):
     kernels = manifest["cpu_needs"][0]["features"]
     assert kernels and set(kernels) <= host  # what the kernels need, this CPU has
     lacking = kernels[-1]
-    monkeypatch.setattr(artifact, "host_cpu_features", lambda: host - {lacking})
+    monkeypatch.setattr(artifact_load, "host_cpu_features", lambda: host - {lacking})
     with pytest.raises(ArtifactError, match=f"this CPU lacks {lacking}, which TVM's kernels"):
         collage_tvm.load(path)
     # a bf16 region on a CPU without bf16 instructions
     edit(lambda m: m.update(cpu_needs=[{"any_of": list(artifact.BF16_FEATURES),
                                         "for": "the bf16 regions on openvino_bf16"}]))
-    monkeypatch.setattr(artifact, "host_cpu_features",
+    monkeypatch.setattr(artifact_load, "host_cpu_features",
                         lambda: host - set(artifact.BF16_FEATURES))
     with pytest.raises(ArtifactError, match="has none of avx512bf16 / amx-bf16, which the bf16 "
                                             "regions on openvino_bf16 need"):

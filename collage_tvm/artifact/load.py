@@ -1,0 +1,365 @@
+"""``load``: a saved directory read back and checked against this machine, each region
+handed to its library, the close call at load decided, and the Relax VM made over the
+kernels: a ``LoadedModule`` (``artifact.loaded``) to call."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .format import (FORMAT, FORMAT_VERSION, KERNELS, MANIFEST, ArtifactError,
+                     host_cpu_features)
+from .loaded import LoadedModule
+
+logger = logging.getLogger("collage_tvm")
+
+# ---------------------------------------------------------------------------- load
+
+def _read_manifest(path: Path) -> dict:
+    file = path / MANIFEST
+    if not path.is_dir():
+        raise ArtifactError(f"{path}: no such directory (write one with collage_tvm.save or "
+                            "collage-tvm optimize MODEL --export DIR)")
+    if not file.is_file():
+        raise ArtifactError(f"{path} is not a collage-tvm artifact: it has no {MANIFEST} (a "
+                            "directory being written is renamed into place only when whole; "
+                            "export the model again)")
+    try:
+        manifest = json.loads(file.read_text())
+    except (OSError, ValueError) as err:
+        raise ArtifactError(f"{file} is damaged or truncated ({err}): copy the directory again "
+                            "or export the model again") from err
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise ArtifactError(f"{file} is not a collage-tvm artifact's manifest")
+    return manifest
+
+
+def _check_format(manifest: dict, path: Path) -> None:
+    from .._version import __version__
+
+    version = manifest.get("format_version")
+    writer = manifest.get("versions", {}).get("collage_tvm", "?")
+    if version == FORMAT_VERSION:
+        return
+    if isinstance(version, int) and version > FORMAT_VERSION:
+        raise ArtifactError(f"{path}: artifact format version {version} is newer than this "
+                            f"collage-tvm ({__version__}) reads (version {FORMAT_VERSION}): "
+                            f"install the collage-tvm that wrote it ({writer}) or newer")
+    raise ArtifactError(f"{path}: artifact format version {version!r} is not one this "
+                        f"collage-tvm ({__version__}) reads (version {FORMAT_VERSION}): export "
+                        f"the model again with this collage-tvm")
+
+
+def _check_files(manifest: dict, path: Path) -> None:
+    files = manifest.get("files")
+    if not isinstance(files, dict) or KERNELS not in files:
+        raise ArtifactError(f"{path / MANIFEST} lists no files: the manifest is damaged; "
+                            "export the model again")
+    for rel, size in files.items():
+        file = path / rel
+        if not file.is_file():
+            raise ArtifactError(f"{path} is incomplete: {rel} is missing (copy the whole "
+                                "directory again, or export the model again)")
+        have = file.stat().st_size
+        if have != size:
+            raise ArtifactError(f"{path} is damaged: {rel} has {have} bytes, the manifest says "
+                                f"{size} (truncated? copy the whole directory again, or export "
+                                "the model again)")
+
+
+def _check_machine(manifest: dict, path: Path, device) -> None:
+    import tvm
+
+    built = manifest["versions"].get("tvm")
+    if built != tvm.__version__:
+        raise ArtifactError(f"{path} was built with TVM {built}; this is TVM {tvm.__version__}: "
+                            f"its kernels ({KERNELS}) load only into the TVM that compiled them "
+                            f"(install TVM {built}, or export the model again with this one)")
+    arch = manifest.get("machine", {}).get("arch")
+    if arch and arch != platform.machine():
+        raise ArtifactError(f"{path} was built for {arch} CPUs; this machine is "
+                            f"{platform.machine()}: export the model again on (or for) it")
+    if manifest.get("device") == "cuda":
+        dev = tvm.cuda(0)
+        if not dev.exist:
+            raise ArtifactError(f"{path} runs on a CUDA GPU ({manifest.get('cuda_arch')}); "
+                                "none is visible here")
+        here = "sm_" + str(dev.compute_version).replace(".", "")
+        if manifest.get("cuda_arch") and manifest["cuda_arch"] != here:
+            raise ArtifactError(f"{path} was compiled for {manifest['cuda_arch']}; this GPU is "
+                                f"{here}: export the model again for it")
+    needs = manifest.get("cpu_needs") or []
+    if not needs:
+        return
+    host = host_cpu_features()
+    if host is None:
+        logger.warning("%s: this CPU's features cannot be read; not checked", path)
+        return
+    built_on = manifest.get("machine", {}).get("cpu", "another CPU")
+    for need in needs:
+        what = need.get("for", "the build")
+        missing = [f for f in need.get("features", []) if f not in host]
+        if missing:
+            raise ArtifactError(
+                f"{path}: this CPU lacks {', '.join(missing)}, which {what} use (built on "
+                f"{built_on}): load it on a CPU that has them, or export the model again on "
+                "this machine")
+        any_of = need.get("any_of") or []
+        if any_of and not any(f in host for f in any_of):
+            raise ArtifactError(
+                f"{path}: this CPU has none of {' / '.join(any_of)}, which {what} need (built "
+                f"on {built_on}): load it on a CPU with bf16 instructions, or export the model "
+                "again here with the f32 accuracy budget")
+
+
+def _check_backends(manifest: dict, path: Path) -> dict:
+    """name -> Backend of every library the regions run on, each present, loadable here
+    and of the version the artifact was built with."""
+    from ..registry import get_backend, list_backends
+
+    out = {}
+    for name, info in (manifest.get("backends") or {}).items():
+        built = info.get("version", "?")
+        n = info.get("regions", "?")
+        try:
+            backend = get_backend(name)
+        except KeyError:
+            raise ArtifactError(
+                f"{path} runs {n} region(s) on the backend {name!r} ({built}), which this "
+                f"collage-tvm does not know (known: {', '.join(list_backends())}): load the "
+                "pattern file that registers it before loading, or export the model without "
+                "it") from None
+        ok, why = backend.available()
+        if not ok:
+            raise ArtifactError(f"{path} runs {n} region(s) on {name}, which cannot run here "
+                                f"({why}): install {built}, the library it was built with")
+        here = backend.version()
+        if here != built:
+            raise ArtifactError(f"{path} was built with {built} for its {name} region(s); this "
+                                f"machine has {here}: install {built}, or export the model "
+                                "again with this one")
+        out[name] = backend
+    return out
+
+
+def _lower_regions(manifest: dict, path: Path, backends: dict) -> dict:
+    """symbol -> the callable of each region, made by its library from the saved file."""
+    return {entry["symbol"]: _lower_dynamic(entry, path, backends)
+            if entry.get("format") == "dynamic" else
+            _lower_region(entry, path, backends[entry["backend"]])
+            for entry in manifest.get("regions", [])}
+
+
+def _lower_dynamic(entry: dict, path: Path, backends: dict):
+    """A dynamic model's dispatch (``dynamic.Dispatch``): the user's file on each library
+    of its table, and the static build at the optimum loaded from ``STATIC``."""
+    from .._errors import first_line
+    from ..dynamic.dispatch import Dispatch, StaticBuild, library_call
+    from ..dynamic.shapes import ShapeRanges
+
+    file = path / entry["file"]
+    outs = [tuple(t) for t in entry["outputs"]]
+    fns = {}
+    for name in entry["libraries"]:
+        try:
+            proto = None
+            if not getattr(backends[name].get_lowering(), "reads_files", False):
+                import onnx
+
+                proto = onnx.load(str(file))
+            fns[name] = library_call(backends[name], proto, str(file), entry["inputs"], outs)
+        except Exception as err:  # noqa: BLE001 - the library's refusal names the cause
+            raise ArtifactError(f"{path}: {name} could not load the model file "
+                                f"{entry['file']} ({first_line(err, 300)}); export the "
+                                "model again") from err
+    special = None
+    if entry.get("static") and entry.get("special"):
+        import tvm
+
+        loaded = load(path / entry["static"], decide=False)
+        build = StaticBuild(loaded.vm["main"], tvm.cpu(0))
+        build.loaded = loaded  # kept alive with the dispatch
+        special = ({s: int(v) for s, v in entry["special"].items()}, build)
+    return Dispatch(ShapeRanges.from_json(entry["ranges"]), entry["table"], fns, special)
+
+
+def _lower_region(entry: dict, path: Path, backend):
+    """The callable of region ``entry``, made by ``backend``'s library from the saved file
+    (raises ``ArtifactError`` naming the file when the library refuses it)."""
+    import tvm
+
+    from .._errors import first_line
+
+    file = path / entry["file"]
+    lowering = backend.get_lowering()
+    try:
+        if entry["format"] == "onnx":
+            if getattr(lowering, "reads_files", False) and "inputs" in entry:
+                from ..export.onnx import OnnxFile
+
+                model = OnnxFile(str(file), tuple(entry["inputs"]))  # the library reads it
+            else:
+                import onnx
+
+                model = onnx.load(str(file))
+            specs = [(tuple(int(d) for d in shape), dtype) for shape, dtype in entry["outputs"]]
+            return lowering.compile(model, specs, bool(entry.get("sole", False)))
+        if entry["format"] == "relax":
+            return lowering.lower(tvm.ir.load_json(file.read_text()))
+        raise ArtifactError(f"{path}: region {entry['file']} has the unknown format "
+                            f"{entry['format']!r}: export the model again")
+    except ArtifactError:
+        raise
+    except Exception as err:  # noqa: BLE001 - the library's refusal names the cause
+        raise ArtifactError(f"{path}: {backend.name} could not load its region {entry['file']} "
+                            f"({first_line(err, 300)}); export the model again") from err
+
+
+def alternate_label(alt: dict) -> str:
+    """An alternate's name in the decision at load: its library, and "(model file)" where it
+    runs the user's file (the library may be the shipped one's, on the exported region)."""
+    from ..check import file_label
+
+    return file_label(alt["backend"], alt.get("source") or "")
+
+
+def _decide_close_call(manifest: dict, path: Path, fns: dict, device) -> dict | None:
+    """The region that lists alternates (the model's one file, and the other libraries that
+    ran it within a few percent in the final check, or the user's file beside an exported
+    region, on any library): each one that loads here, timed beside the shipped one in this
+    process (``check.at_load.decide``, by ``alternate_label``); the faster's callable takes
+    the symbol in ``fns``. Returns the decision's record (None: nothing to decide). An
+    alternate that cannot run here is left out with the reason; nothing fails the load."""
+    from .._errors import first_line
+    from ..check.at_load import decide, example_inputs
+    from ..registry import get_backend
+
+    entry = next((e for e in manifest.get("regions", []) if e.get("alternates")), None)
+    if entry is None or manifest.get("device") == "cuda":  # (the floors run on the CPU)
+        return None
+    built = manifest.get("alternate_backends") or {}
+    contenders, left_out = {entry["backend"]: fns[entry["symbol"]]}, {}
+    for alt in entry["alternates"]:
+        name = alt["backend"]
+        label = alternate_label(alt)
+        try:
+            backend = get_backend(name)
+            ok, why = backend.available()
+            if not ok:
+                raise RuntimeError(why)
+            version = built.get(name, {}).get("version")
+            if version is not None and backend.version() != version:
+                raise RuntimeError(f"it is {backend.version()} here, {version} when built")
+            own = {k: alt[k] for k in ("file", "inputs") if k in alt}  # the user's file
+            contenders[label] = _lower_region({**entry, "backend": name, **own}, path, backend)
+        except Exception as err:  # noqa: BLE001 - the shipped one still runs
+            left_out[label] = first_line(err, 200)
+    record = {"chose": entry["backend"], "ms": {}, "rounds": 0, "seconds": 0.0}
+    if len(contenders) > 1:
+        try:
+            args = example_inputs(manifest["inputs"], device)
+            chose, record = decide(contenders, args, manifest.get("accuracy", "f32"))
+        except Exception as err:  # noqa: BLE001 - the final check's verdict stands
+            left_out["(timing)"] = first_line(err, 200)
+            chose = entry["backend"]
+        fns[entry["symbol"]] = contenders[chose]
+    record["shipped"] = entry["backend"]
+    record["left_out"] = {**left_out, **record.get("left_out", {})}
+    if record["chose"] != entry["backend"]:
+        logger.info("%s: the model runs whole on %s (%s), not %s as the final check had "
+                    "it: a close call, decided here", path, record["chose"],
+                    ", ".join(f"{n} {ms:.3f} ms" for n, ms in record["ms"].items()),
+                    entry["backend"])
+    return record
+
+
+def _load_library(file: str):
+    """``tvm.runtime.load_module(file)`` without the line TVM 0.27's runtime writes to
+    stderr for every constant it loads (``executable.cc:340: Warning: Scope Loaded:``);
+    anything else it writes is passed on."""
+    import tvm
+
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no stderr to keep clean
+        return tvm.runtime.load_module(file)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            return tvm.runtime.load_module(file)
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            rest = [line for line in sink.read().decode(errors="replace").splitlines(True)
+                    if "Warning: Scope Loaded:" not in line]
+            if rest:
+                sys.stderr.write("".join(rest))
+
+
+def _make_vm(lib, dev, fns: dict):
+    """The Relax VM over ``lib`` with ``fns`` registered under their symbols while it is
+    made (it binds them then); what those symbols named before is put back."""
+    import tvm
+    import tvm_ffi
+    from tvm import relax
+
+    before = {s: tvm.get_global_func(s, allow_missing=True) for s in fns}
+    try:
+        for symbol, fn in fns.items():
+            tvm.register_global_func(symbol, fn, override=True)
+        return relax.VirtualMachine(lib, dev)
+    finally:
+        for symbol, prev in before.items():
+            if prev is not None:
+                tvm.register_global_func(symbol, prev, override=True)
+            else:
+                try:
+                    tvm_ffi.remove_global_func(symbol)
+                except Exception:  # noqa: BLE001 - not there: nothing to remove
+                    pass
+
+
+def load(path, decide: bool = True) -> "LoadedModule":
+    """The build saved in directory ``path`` (``save``), ready to run: a ``LoadedModule``.
+
+    ``decide``: where the final check found one file run whole by two graph libraries
+    within a few percent of each other (the model file, or the model as one region), the
+    build holds both; they are timed side by side
+    here, in the process that will run the model, and the faster is kept (about 2-4 s;
+    ``LoadedModule.decided`` says how it went). ``decide=False`` keeps the final check's.
+
+    Refuses with an ``ArtifactError`` naming the cause and the fix: not an artifact, an
+    unknown format version, a missing or truncated file, another TVM, another machine
+    architecture, a CPU without the features its kernels or bf16 regions use, a library
+    that is missing, cannot load, or has another version."""
+    import tvm
+
+    t0 = time.perf_counter()
+    path = Path(path).expanduser()
+    manifest = _read_manifest(path)
+    _check_format(manifest, path)
+    _check_files(manifest, path)
+    dev = tvm.cuda(0) if manifest.get("device") == "cuda" else tvm.cpu(0)
+    _check_machine(manifest, path, dev)
+    backends = _check_backends(manifest, path)
+    fns = _lower_regions(manifest, path, backends)
+    decided = _decide_close_call(manifest, path, fns, dev) if decide else None
+    try:
+        lib = _load_library(str(path / manifest.get("kernels", KERNELS)))
+    except Exception as err:  # noqa: BLE001 - a damaged library: say which file
+        raise ArtifactError(f"{path}: {KERNELS} does not load ({type(err).__name__}: "
+                            f"{str(err).strip()[:300]}); export the model again") from err
+    try:
+        vm = _make_vm(lib, dev, fns)
+    except Exception as err:  # noqa: BLE001
+        raise ArtifactError(f"{path}: the Relax VM could not be made over {KERNELS} "
+                            f"({type(err).__name__}: {str(err).strip()[:300]}); export the "
+                            "model again") from err
+    return LoadedModule(path, manifest, vm, lib, dev, fns, time.perf_counter() - t0, decided)
