@@ -6,12 +6,9 @@ setup(
     description="Collage (automated integration of deep-learning backends) on TVM Relax",
     python_requires=">=3.10",
     # Every package under collage_tvm/ (tests/test_packaging.py checks the wheel holds every
-    # .py file of the tree), plus the two mapped below.
-    packages=find_packages(include=["collage_tvm", "collage_tvm.*"])
-    + ["collage_tvm.backends", "collage_tvm._patterns"],
-    # The built-in lowerings and pattern files live at the top of the tree (backends/,
-    # patterns/) where a person adding a backend finds them; they install under collage_tvm.
-    package_dir={"collage_tvm.backends": "backends", "collage_tvm._patterns": "patterns"},
+    # .py file of the tree), the built-in backends included: collage_tvm/backends/<name>/
+    # holds a backend's lowering (__init__.py) and its pattern file (patterns.py).
+    packages=find_packages(include=["collage_tvm", "collage_tvm.*"]),
     install_requires=[
         "apache-tvm==0.27.0.post1",
         "apache-tvm-ffi==0.1.14.post0",  # 0.1.15.post2 segfaults in MetaSchedule (DESIGN.md)

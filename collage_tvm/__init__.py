@@ -19,16 +19,6 @@ if "TVM_NUM_THREADS" not in _os.environ and "OMP_NUM_THREADS" not in _os.environ
 
     _os.environ["TVM_NUM_THREADS"] = str(_host_cores())
 
-# An uninstalled checkout (the source tree on PYTHONPATH, as on the GPU machine, docs/GPU.md):
-# setup.py installs the built-in lowerings of ../backends as collage_tvm.backends; here the
-# checkout's root joins the package's search path so that name resolves the same way.
-_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
-if _os.path.isfile(_os.path.join(_root, "backends", "cudnn.py")) and _root not in __path__:
-    import importlib.util as _util
-
-    if _util.find_spec(__name__ + ".backends") is None:
-        __path__.append(_root)
-
 from .build import CollageResult, build, optimize  # noqa: E402
 from .artifact import ArtifactError, LoadedModule, load, save  # noqa: E402
 from .options import SearchOptions  # noqa: E402

@@ -329,7 +329,7 @@ _LOADING: list[str] = []
 def load_pattern_file(path: str | os.PathLike) -> list[str]:
     """Run a pattern file; return the backends it registered.
 
-    Errors name the file and line, e.g. ``patterns/foo.py:12: NameError: ...``.
+    Errors name the file and line, e.g. ``mylib.py:12: NameError: ...``.
     """
     ensure_builtin_backends()
     path = os.fspath(path)
@@ -337,8 +337,11 @@ def load_pattern_file(path: str | os.PathLike) -> list[str]:
         raise PatternFileError(f"{path}: pattern file not found")
     before = {k: id(v) for k, v in _BACKENDS.items()}
     _LOADING.append(os.path.abspath(path))
+    stem = os.path.basename(path)[:-3]
+    if stem == "patterns":  # a backend folder's file (backends/<name>/patterns.py): its name
+        stem = os.path.basename(os.path.dirname(os.path.abspath(path)))
     try:
-        runpy.run_path(path, run_name=f"collage_pattern_file_{os.path.basename(path)[:-3]}")
+        runpy.run_path(path, run_name=f"collage_pattern_file_{stem}")
     except SyntaxError as err:
         raise PatternFileError(f"{path}:{err.lineno}: SyntaxError: {err.msg}") from err
     except PatternFileError:
@@ -362,19 +365,27 @@ def _line_in(path: str, err: BaseException) -> int | str:
 
 
 def builtin_pattern_dir() -> str:
-    """Where the built-in pattern files live (``patterns/`` of the source tree)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    for cand in (os.path.join(os.path.dirname(here), "patterns"), os.path.join(here, "_patterns")):
-        if os.path.isdir(cand):
-            return cand
-    raise FileNotFoundError("built-in pattern directory not found next to collage_tvm")
+    """Where the built-in backends live (``collage_tvm/backends/``): one folder each, its
+    pattern file ``<name>/patterns.py`` beside its lowering."""
+    cand = os.path.join(os.path.dirname(os.path.abspath(__file__)), "backends")
+    if os.path.isdir(cand):
+        return cand
+    raise FileNotFoundError("built-in backends directory not found in collage_tvm")
+
+
+def builtin_pattern_files() -> list[str]:
+    """Every built-in pattern file, ``backends/<name>/patterns.py``, sorted by backend name
+    (names starting with ``_`` are helpers, not backends)."""
+    bdir = builtin_pattern_dir()
+    return [os.path.join(bdir, name, "patterns.py") for name in sorted(os.listdir(bdir))
+            if not name.startswith("_") and os.path.isfile(os.path.join(bdir, name, "patterns.py"))]
 
 
 _BUILTINS_LOADED = False
 
 
 def ensure_builtin_backends() -> None:
-    """Load every ``patterns/*.py`` once, through the same loader users call.
+    """Load every ``backends/<name>/patterns.py`` once, through the same loader users call.
 
     Every public registry function calls it first, so the built-in backends exist before
     a user's pattern file extends (or replaces) one of them."""
@@ -383,13 +394,12 @@ def ensure_builtin_backends() -> None:
         return
     _BUILTINS_LOADED = True
     try:
-        pdir = builtin_pattern_dir()
+        files = builtin_pattern_files()
     except FileNotFoundError as err:
         logger.warning("no built-in backends: %s", err)
         return
-    for fname in sorted(os.listdir(pdir)):
-        if fname.endswith(".py") and not fname.startswith("_"):
-            try:
-                load_pattern_file(os.path.join(pdir, fname))
-            except PatternFileError as err:
-                logger.warning("skipping built-in pattern file: %s", err)
+    for path in files:
+        try:
+            load_pattern_file(path)
+        except PatternFileError as err:
+            logger.warning("skipping built-in pattern file: %s", err)

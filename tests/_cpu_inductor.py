@@ -1,9 +1,6 @@
 """The inductor lowering on the CPU (``torch.compile``'s C++ backend), importable by build and
 measuring processes: the test of libraries whose builds leave a cache on disk."""
-try:
-    from collage_tvm.backends.inductor import InductorLowering
-except ImportError:  # an uninstalled checkout: the lowerings live in backends/
-    from backends.inductor import InductorLowering
+from collage_tvm.backends.inductor import InductorLowering
 
 
 class InductorOnCpu(InductorLowering):

@@ -1,4 +1,5 @@
-"""The dnnl backend: pattern file (patterns/dnnl.py) and oneDNN lowering (backends/dnnl.py)."""
+"""The dnnl backend: pattern file (collage_tvm/backends/dnnl/patterns.py) and oneDNN lowering
+(collage_tvm/backends/dnnl/)."""
 import gc
 import os
 from types import SimpleNamespace
@@ -11,16 +12,14 @@ torch = pytest.importorskip("torch")
 import tvm
 from tvm import relax
 
-try:
-    from collage_tvm.backends.dnnl import DnnlLowering
-except ImportError:
-    from backends.dnnl import DnnlLowering
+from collage_tvm.backends.dnnl import DnnlLowering
 
 from collage_tvm.registry import get_backend, load_pattern_file
 
 F = torch.nn.functional
 RNG = np.random.default_rng(0)
-PATTERN_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "patterns", "dnnl.py")
+PATTERN_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "collage_tvm",
+                            "backends", "dnnl", "patterns.py")
 
 
 def _rand(*shape):
@@ -256,7 +255,7 @@ def test_pattern_file_registers_backend(dnnl_backend):
 
 
 def test_registry_resolves_the_lowering(dnnl_backend):
-    """``lowering="collage_tvm.backends.dnnl:DnnlLowering"`` resolves once setup.py maps backends/."""
+    """``lowering="collage_tvm.backends.dnnl:DnnlLowering"`` resolves (collage_tvm/backends/dnnl/)."""
     import importlib.util
 
     if importlib.util.find_spec("collage_tvm.backends") is None:

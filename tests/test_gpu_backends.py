@@ -19,18 +19,11 @@ from collage_tvm.candidates import generate_candidates
 from collage_tvm.placer.op_level import place
 from collage_tvm.registry import get_backend
 
-try:
-    from collage_tvm.backends._cuda import torch_cuda
-    from collage_tvm.backends._epilogue import analyse
-    from collage_tvm.backends.cublas import CublasLowering
-    from collage_tvm.backends.cudnn import CudnnLowering
-    from collage_tvm.backends.inductor import InductorLowering
-except ImportError:
-    from backends._cuda import torch_cuda
-    from backends._epilogue import analyse
-    from backends.cublas import CublasLowering
-    from backends.cudnn import CudnnLowering
-    from backends.inductor import InductorLowering
+from collage_tvm.backends._cuda import torch_cuda
+from collage_tvm.backends._epilogue import analyse
+from collage_tvm.backends.cublas import CublasLowering
+from collage_tvm.backends.cudnn import CudnnLowering
+from collage_tvm.backends.inductor import InductorLowering
 
 HAVE_GPU, NO_GPU_REASON = torch_cuda()
 
@@ -373,7 +366,7 @@ def test_the_gpu_machine_set_up_scripts_parse_and_refuse_a_wrong_step(tmp_path):
 
 def test_an_uninstalled_checkout_finds_the_built_in_lowerings(tmp_path):
     # The GPU machine runs the source tree from PYTHONPATH, without installing it: the
-    # lowerings of backends/ must still resolve as collage_tvm.backends (setup.py's name).
+    # built-in backends of collage_tvm/backends/ must resolve, patterns and lowerings.
     import os
     import site
     import subprocess

@@ -12,9 +12,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Where each module's source lives: the engine, plus the two folders that install under it.
-SOURCES = {"collage_tvm": ROOT / "collage_tvm", "collage_tvm.backends": ROOT / "backends",
-           "collage_tvm._patterns": ROOT / "patterns"}
+# Where each module's source lives: the engine, the built-in backends included.
+SOURCES = {"collage_tvm": ROOT / "collage_tvm"}
 
 # DESIGN.md's data flow, earliest first. A module may import its own stage or earlier ones.
 STAGES = [
@@ -32,7 +31,7 @@ STAGES = [
     ["collage_tvm.placement"],
     ["collage_tvm.patterns"],  # the kit pattern files are written with
     ["collage_tvm.candidates"],  # the generator: pattern files -> candidates over a graph
-    ["collage_tvm.backends", "collage_tvm._patterns"],  # the built-in lowerings and pattern files
+    ["collage_tvm.backends"],  # the built-in lowerings and pattern files (one folder each)
     ["collage_tvm.measure", "collage_tvm.placement_log"],
     ["collage_tvm.placer"],
     ["collage_tvm.byoc.partition"],  # chosen groups become functions (BYOC partitioning)

@@ -1,4 +1,5 @@
-"""The mkl backend: pattern file (patterns/mkl.py) and MKL GEMM lowering (backends/mkl.py)."""
+"""The mkl backend: pattern file (collage_tvm/backends/mkl/patterns.py) and MKL GEMM lowering
+(collage_tvm/backends/mkl/)."""
 import os
 
 import numpy as np
@@ -8,10 +9,7 @@ import pytest
 import tvm
 from tvm import relax
 
-try:
-    from collage_tvm.backends.mkl import MklLowering
-except ImportError:
-    from backends.mkl import MklLowering
+from collage_tvm.backends.mkl import MklLowering
 
 from collage_tvm.graph import DataflowGraph
 from collage_tvm.graph.subgraph import extract_function
@@ -22,7 +20,8 @@ if not MklLowering().available()[0]:
     pytest.skip(f"MKL unavailable: {MklLowering().available()[1]}", allow_module_level=True)
 
 RNG = np.random.default_rng(0)
-PATTERN_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "patterns", "mkl.py")
+PATTERN_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "collage_tvm",
+                            "backends", "mkl", "patterns.py")
 op = relax.op
 
 

@@ -20,9 +20,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Source folder -> where its modules install (setup.py's packages and package_dir).
-INSTALLED_AS = {"collage_tvm": "collage_tvm", "backends": "collage_tvm/backends",
-                "patterns": "collage_tvm/_patterns"}
+# Source folder -> where its modules install (setup.py's packages).
+INSTALLED_AS = {"collage_tvm": "collage_tvm"}
 
 # What a checkout may hold that is no part of a build.
 NOT_SOURCE = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__",
@@ -57,6 +56,10 @@ def test_wheel_holds_every_module_of_the_source_tree(wheel):
                 for folder in INSTALLED_AS
                 for path in (ROOT / folder).rglob("*.py") if "__pycache__" not in path.parts}
     assert "collage_tvm/export/onnx.py" in expected and "collage_tvm/tools/zoo.py" in expected
+    # the built-in backends: each one's lowering and pattern file
+    assert {"collage_tvm/backends/onnxruntime/__init__.py",
+            "collage_tvm/backends/onnxruntime/patterns.py",
+            "collage_tvm/backends/tvm/patterns.py"} <= expected
     assert sorted(expected - names) == []
     # matplotlib only with the plot extra
     plot = [r for r in requires if "matplotlib" in r]
@@ -100,10 +103,11 @@ def test_wheel_installed_outside_the_tree_runs_the_graph_libraries(wheel, tmp_pa
     model = _tiny_onnx(work / "model.onnx")
     env = {**os.environ, "PYTHONPATH": str(target)}
     where = _run([sys.executable, "-c",
-                  "import collage_tvm, collage_tvm.export, collage_tvm.backends, "
-                  "collage_tvm._patterns as p; print(collage_tvm.__file__); "
-                  "print(collage_tvm.export.__file__); print(collage_tvm.backends.__file__); "
-                  "print(list(p.__path__)[0])"], cwd=work, env=env, timeout=300)
+                  "import importlib.util, collage_tvm, collage_tvm.export, collage_tvm.backends; "
+                  "print(collage_tvm.__file__); print(collage_tvm.export.__file__); "
+                  "print(collage_tvm.backends.__file__); print(importlib.util.find_spec("
+                  "'collage_tvm.backends.onnxruntime.patterns').origin)"],
+                 cwd=work, env=env, timeout=300)
     assert where.returncode == 0, where.stderr
     paths = where.stdout.split()
     assert len(paths) == 4 and all(Path(p).resolve().is_relative_to(target.resolve())

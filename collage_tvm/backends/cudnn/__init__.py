@@ -10,6 +10,8 @@ points (``F.conv2d`` may pick a non-cuDNN kernel, so it is not used):
   ``benchmark=True``), then the bias, residual and relu in place on its output.
 
 Tensors stay on the GPU: DLPack in and out, no copies (backends/_cuda.py).
+
+This module is the backend's lowering; ``patterns.py`` beside it is its pattern file.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Pattern table for the cudnn backend (device cuda): conv2d / conv3d with fused epilogues.
 
 cuDNN runs a convolution with a per-channel bias, a residual add of a same-shaped tensor
-and relu in one kernel (``relu(conv(x) + z + bias)``); the lowering (backends/cudnn.py)
+and relu in one kernel (``relu(conv(x) + z + bias)``); the lowering (``__init__.py`` beside it)
 reads the matched subgraph itself. Only float32, NCHW/NCDHW data with OIHW/OIDHW constant
 weights, static shapes and symmetric padding are offered (what torch's cuDNN entry points
 take). TVM's own cuDNN table (``tvm.relax.backend.cuda.cudnn``) is NHWC only, which our

@@ -17,7 +17,7 @@ Entries (each with and without ``_bias``):
 
 Offered: float32, static shapes, rank 2..4 operands, batch dimensions that are equal or
 where one side has none (all 1: a weight shared by the batch); the bias is a constant
-broadcast over the last dimension. The lowering is backends/mkl.py.
+broadcast over the last dimension. The lowering is ``__init__.py`` beside it.
 """
 import tvm
 from tvm.relax.dpl import is_const, is_op, wildcard

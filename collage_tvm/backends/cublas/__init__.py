@@ -10,6 +10,8 @@ The binding is the cuBLAS that PyTorch's CUDA build carries:
 * a residual add runs in place on the GEMM's output.
 
 Tensors stay on the GPU: DLPack in and out, no copies (backends/_cuda.py).
+
+This module is the backend's lowering; ``patterns.py`` beside it is its pattern file.
 """
 from __future__ import annotations
 

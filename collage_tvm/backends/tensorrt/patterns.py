@@ -2,7 +2,7 @@
 
 The patterns are the ones TVM ships for its TensorRT codegen
 (``tvm.relax.backend.contrib.tensorrt``: convolutions, pooling, elementwise, reductions,
-shape ops, ...), added in TVM's priority order. The lowering (backends/tensorrt.py) says
+shape ops, ...), added in TVM's priority order. The lowering (``__init__.py`` beside it) says
 why TensorRT cannot run here; the backend is then skipped with that reason.
 """
 from collage_tvm.registry import add_backend_patterns_from_tvm, register_backend

@@ -2,7 +2,7 @@
 ``torch.compile`` (TorchInductor: Triton kernels on the GPU, fused across operators).
 
 The GPU graph library that exists on our GPU machines (TensorRT cannot be installed there:
-backends/tensorrt.py). The subgraph travels the way it does to the other graph libraries:
+backends/tensorrt/). The subgraph travels the way it does to the other graph libraries:
 exported from Relax to ONNX (``collage_tvm.export.onnx``, shape-checked on export), then
 translated into a ``torch.fx`` module by onnx2torch's op table (weights become the
 module's parameters, moved to the device once), which ``torch.compile`` compiles. Tensors
@@ -10,6 +10,8 @@ cross by DLPack on the device without copies; the outputs are torch's, handed to
 
 The translation and the compiled module run on the CPU as well (``device = "cpu"``): the
 tests check a subgraph's outputs there, without a GPU.
+
+This module is the backend's lowering; ``patterns.py`` beside it is its pattern file.
 """
 from __future__ import annotations
 

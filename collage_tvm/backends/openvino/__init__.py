@@ -7,6 +7,8 @@ runs in bf16, its default there, which does not match the f32 reference);
 ``openvino_bf16`` bf16, placed only under an accuracy budget that allows it
 (``collage_tvm.precision``). Either takes and returns f32 tensors. Inputs and outputs are OpenVINO tensors sharing memory with the
 TVM buffers (``shared_memory=True``): nothing is copied.
+
+This module is the backend's lowering; ``patterns.py`` beside it is its pattern file.
 """
 from __future__ import annotations
 

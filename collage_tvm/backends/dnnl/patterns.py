@@ -3,7 +3,7 @@
 oneDNN runs a convolution or an inner product with its epilogue in one primitive:
 a per-channel bias, a residual add of a same-shaped tensor, and relu (gelu for matmul).
 Each entry is (name, pattern, annotations, check); the lowering lives in
-backends/dnnl.py and reads the matched subgraph itself, so the annotations only
+``__init__.py`` beside it and reads the matched subgraph itself, so the annotations only
 serve the checks below. Only float32, NCHW/NCDHW data with OIHW/OIDHW weights,
 static shapes and symmetric padding are offered (what torch's oneDNN entry points take).
 """

@@ -3,7 +3,7 @@
 ``x @ W`` with a constant weight (a dense layer) with bias and relu or tanh-approximated
 gelu (cuBLASLt's bias+activation epilogue, one kernel), and a residual add; a matmul of
 two run-time tensors, 2-D or batched with one batch shape (attention's QK^T and AV), with
-bias and relu. The lowering is backends/cublas.py. Erf gelu is left to other backends
+bias and relu. The lowering is ``__init__.py`` beside it. Erf gelu is left to other backends
 (cuBLASLt's GELU epilogue is the tanh approximation).
 """
 import functools

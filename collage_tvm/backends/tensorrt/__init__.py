@@ -4,6 +4,8 @@ TensorRT's libraries are not on the package index: ``tensorrt-cu13-libs`` there 
 whose install downloads about 1 GB from NVIDIA's servers, which our machines cannot reach.
 No engine builder is written against a library nobody here can run; ``available()`` names
 which of the two stops it, and ``lower`` refuses with the same reason.
+
+This module is the backend's lowering; ``patterns.py`` beside it is its pattern file.
 """
 from __future__ import annotations
 

@@ -15,6 +15,8 @@ right after the last onnxruntime call took 20 ms instead of 0.18, while dnnl+tvm
 next to onnxruntime builds slowed down. It is also a process-wide choice: once it is set
 up, ONNX Runtime refuses any session in the process that asks for its own pool (a user's
 own sessions included). Hence opt-in. The version string (the cost DB key) says which.
+
+This module is the backend's lowering; ``patterns.py`` beside it is its pattern file.
 """
 from __future__ import annotations
 

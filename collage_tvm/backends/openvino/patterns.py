@@ -1,6 +1,6 @@
 """Pattern file for OpenVINO (a graph library): a pattern rule, no explicit list.
 
-The same rule as onnxruntime (see patterns/onnxruntime.py): what the Relax -> ONNX
+The same rule as onnxruntime (see backends/onnxruntime/patterns.py): what the Relax -> ONNX
 exporter writes is valid, and an op-level group holds at most one heavy operator.
 OpenVINO's per-call overhead is high (DESIGN.md), so it mostly wins through the
 graph-level placer, on large merged subgraphs.

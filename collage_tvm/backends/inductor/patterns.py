@@ -1,7 +1,7 @@
 """Pattern file for the inductor backend (a graph library on cuda): ``torch.compile``.
 
 What the Relax -> ONNX exporter writes is valid (the lowering translates that ONNX into
-torch ops), as for the CPU graph libraries (see patterns/onnxruntime.py). Unlike them, the
+torch ops), as for the CPU graph libraries (see backends/onnxruntime/patterns.py). Unlike them, the
 op level gets whole regions of the graph only (``regions_only``): each candidate is a
 ``torch.compile`` of its own, seconds of compiling where onnxruntime takes milliseconds,
 and one per operator (ResNet-50 at paper size: 728 distinct; regions only: 31) would spend a GPU

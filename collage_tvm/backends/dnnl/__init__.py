@@ -22,6 +22,8 @@ costs more than the fused add saves (docs/DNNL_BINDING.md, rows R1/R2).
 Tensors cross by DLPack without copies: ``torch.from_dlpack`` on the way in and
 ``tvm.runtime.from_dlpack`` on the way out; the DLPack capsule keeps the torch result
 alive for as long as TVM holds the returned tensor.
+
+This module is the backend's lowering; ``patterns.py`` beside it is its pattern file.
 """
 from __future__ import annotations
 
