@@ -6,7 +6,7 @@ import os as _os
 # spins after its kernel starves the next runtime's threads (docs/BENCHMARKS.md, "Thread
 # pools", has the measurements). TVM's workers therefore sleep at once (read when TVM's
 # pool starts, so set it here, before any kernel runs); onnxruntime sessions disable
-# spinning in backends/onnxruntime.py. A user's own setting wins.
+# spinning in collage_tvm/backends/onnxruntime. A user's own setting wins.
 _os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
 
 # TVM's runtime sizes its pool at half the logical CPUs on x86 (it assumes two hyperthreads

@@ -65,6 +65,82 @@ def _shape_specs(shapes) -> tuple:
 
 
 @dataclass(frozen=True)
+class FinalCheck:
+    """The final check's thresholds (``check.never_slower``), in one object passed in: a
+    test that needs other rounds or pauses makes its own. Each figure's evidence is beside
+    it."""
+
+    # A build whose first run is this many times slower than the Collage placement's is
+    # timed once (it cannot win; an untuned TVM build of a big model takes minutes per run).
+    slow_build_factor: float = 10.0
+    # A "<lib>+tvm" build whose TVM kernels do at least this share of the model's FLOPs is
+    # judged by tvm-only's time (``never_slower._hopeless_like_tvm_only``).
+    hopeless_share: float = 0.9
+    # A single-backend build that by the search's measurements takes at least this many
+    # times the placement's first time is not built (``_hopeless_by_estimate``): the
+    # re-timing takes the builds within 2x of the fastest, so it could not win; a margin
+    # over that for the estimate's noise ...
+    alone_factor: float = 2.5
+    # ... and at least this many ms: a build that quick costs little to build and time, and
+    # an estimate (call overheads left out) is least sure where they are most of the time.
+    alone_min_ms: float = 1.0
+    # A final check timed while other processes took over ``retry_share`` of the CPU times
+    # its contenders again once, after ``busy_retry_s``, those within ``busy_factor`` of the
+    # fastest (wider than the first re-timing's 2x: a build timed in a busy stretch can read
+    # several times its speed). The timm suite's vit_tiny_patch16_224 under --accuracy bf16
+    # on the Xeon had 14% of the CPU go to other guests while the model file on OpenVINO
+    # timed 29.3 ms against 21.6 for the import on ONNX Runtime, which shipped; the row's
+    # interleaved timing then had 17.9 and 20.4.
+    retry_share: float = 0.10
+    busy_retry_s: float = 10.0
+    busy_factor: float = 4.0
+    # The runoff (``check.runoff``): contenders within ``runoff_margin`` of the fastest after
+    # the re-timing, timed in ``runoff_rounds`` rounds. A close call the runoff leaves open
+    # is timed on, ``runoff_step`` rounds at a time, up to ``runoff_max_rounds`` (the rounds
+    # a suite row's close figures get). A large model's single-call batches swing by ~10% a
+    # round on a shared VM: 15 rounds leave a standard error of ~3% on the ratio of two
+    # builds, as large as the gaps between the libraries' whole-model runs the check ranks.
+    runoff_margin: float = 0.10
+    runoff_rounds: int = 15
+    runoff_max_rounds: int = 45
+    runoff_step: int = 10
+    # Two builds surely within this share of each other need no more rounds: either ships
+    # within the 0.97x the suites hold Collage to.
+    same_share: float = 0.03
+    # A contender whose fastest batch (of ``timing.DROP_AFTER`` or more) is over this share
+    # slower than the leader's median is timed no further: the rounds go to the builds that
+    # can still win.
+    drop_margin: float = 0.05
+    # A round's batch of each build lasts ``batch_ms``; where the fastest build's call takes
+    # microseconds, ``batch_calls`` of them and at least ``short_batch_ms``. A 6-us model's
+    # 200-ms batch is 33,000 calls: the verdict rests on the rounds, paired, and their count
+    # stays; shorter batches put a round's builds closer in time.
+    batch_ms: float = 200.0
+    short_batch_ms: float = 50.0
+    batch_calls: int = 1000
+    # What one build of a model holds, in multiples of its weights' bytes: an ONNX Runtime
+    # session of torchvision's vit_b_32 took 1.8x, an OpenVINO model compiled from it 2.5x,
+    # OpenVINO's bf16 compile 3x; at 5x, with the builds' pages given back after the check,
+    # ViT-L/32's check under bf16 peaked at 19.9 GB of 24 (``check.memory``).
+    build_holds: float = 5.0
+    # The builds that run the shipped build's file whole on another graph library within
+    # this share of it are decided between again where the saved build is loaded
+    # (``check.at_load``): the check runs in the process that searched, a build is served
+    # elsewhere, and two libraries 2-10% apart here were ranked the other way round in a
+    # suite row's timing process (docs/COVERAGE.md): the runoff's margin.
+    at_load_share: float = 0.10
+
+
+# The settings a check takes when none are passed (``SearchOptions.final_check``).
+DEFAULT_FINAL_CHECK = FinalCheck()
+
+
+def final_check(settings: FinalCheck | None = None) -> FinalCheck:
+    """``settings``, or the default ones."""
+    return settings if settings is not None else DEFAULT_FINAL_CHECK
+
+
+@dataclass(frozen=True)
 class SearchOptions:
     """How Collage searches a placement (DESIGN.md's data flow, one build)."""
 
@@ -78,8 +154,8 @@ class SearchOptions:
     switching: bool = _flag("|switching", True)
     # After the op-level DP, the evolutionary graph-level placer over the graph libraries.
     graph_level: bool = _flag("|graph-level", True)
-    # Before placement, the verified graph rewrites (``collage_tvm.rewrite``; today: a
-    # convolution's per-channel affine tail folded into its weights).
+    # Before placement, the verified graph rewrites (``collage_tvm.rewrite``: TASO-style
+    # substitutions proved with z3, a cost-based backtracking search over them).
     rewrite: bool = _flag("|rewrite", False)
     # TVM's kernels built with the tuning database's records (``collage-tvm tune``), when
     # it has any; False: untuned TVM, as if no tuning had happened. The records themselves
@@ -96,7 +172,7 @@ class SearchOptions:
     # by a search that measured everything, still answers: its placement is the one the
     # floors approximate).
     lean: bool = field(default=True, metadata={"key": lambda v: "" if v else "|measure-all"})
-    # Rounds of side-by-side re-timing of the op-level placement's close calls, each
+    # Rounds of side-by-side re-timing of the op-level placement's alternative covers, each
     # followed by a DP re-run (``placer.alternatives.refine``); 0 turns it off.
     refine_rounds: int = _rounds("|refined", 2)
     # Rounds of in-context calibration of the op-level placement (``placer.calibrate``).
@@ -115,8 +191,8 @@ class SearchOptions:
     build_jobs: int | None = _not_key(None, "where candidates are built, not what they cost")
     # Measure on the TVM RPC servers registered under ``rpc_key`` at the tracker
     # ``rpc_tracker`` ("HOST:PORT"; ``collage_tvm.measure.remote`` starts a server): the
-    # candidates spread over them, their costs keyed by the servers' device. The graph
-    # level, the calibration and the final check still time on this machine.
+    # candidates spread over them, their costs keyed by the servers' device; the graph
+    # level's latencies and the final check are timed on a server too (``check.remote``).
     rpc_tracker: str = _not_key("", "where measuring runs; the servers' kind is rpc_key")
     rpc_key: str = field(default="", metadata={"key": lambda v: f"|rpc={v}" if v else ""})
     # A model with dynamic dimensions: per input, the range it is built for, as TensorRT's
@@ -125,6 +201,10 @@ class SearchOptions:
     # read from the model (``collage_tvm.dynamic.shapes``).
     shapes: tuple = _not_key((), "the search runs at the optimum's static shapes, keyed by "
                              "them; the choice per shape is keyed by the ranges")
+    # The final check's thresholds (``FinalCheck``).
+    final_check: FinalCheck = field(default_factory=lambda: DEFAULT_FINAL_CHECK,
+                                    metadata={"key": None, "why": "judges a placement after "
+                                              "the search, as ``compare``"})
     progress: bool = _not_key(True, "display only")
     on_generation: Callable | None = _not_key(None, "a callback: sees the graph-level search")
     on_calibration: Callable | None = _not_key(None, "a callback: sees each calibration round")

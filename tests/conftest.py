@@ -1,6 +1,4 @@
 """Shared test settings."""
-import importlib
-
 import pytest
 
 from collage_tvm.measure import timing
@@ -21,16 +19,16 @@ def _short_timing():
       (``timing.PAIRED_MIN_ROUNDS``) of figures nobody reads.
     - A timing found noisy (other load, an A/A control astray) is timed again after half a
       second, not ten (the retries themselves are tested with a clock of their own)."""
-    never_slower = importlib.import_module("collage_tvm.check.never_slower")
+    from collage_tvm import options
     from collage_tvm.tools import bench, suites
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(timing, "SETTLE_S", 0.002)
-        mp.setattr(never_slower, "RUNOFF_ROUNDS", 7)
-        mp.setattr(never_slower, "RUNOFF_MAX_ROUNDS", 7)
+        # the final check's default settings (``options.FinalCheck``): one object
+        mp.setattr(options, "DEFAULT_FINAL_CHECK", options.FinalCheck(
+            runoff_rounds=7, runoff_max_rounds=7, busy_retry_s=0.5))
         mp.setattr(bench, "FRAMEWORK_ROUNDS", timing.PAIRED_MIN_ROUNDS + 1)
         mp.setattr(bench, "ROW_RUNOFF_ROUNDS", timing.PAIRED_MIN_ROUNDS + 3)
         mp.setattr(bench, "FRAMEWORK_BATCH_MS", 20.0)
-        mp.setattr(never_slower, "BUSY_RETRY_S", 0.5)
         mp.setattr(suites, "BUSY_PAUSE_S", 0.5)
         yield

@@ -13,6 +13,7 @@ from collage_tvm.placement import Candidate
 from collage_tvm.placer.op_level import ensure_cover
 from collage_tvm.target import make_target
 from collage_tvm.tools.suites import matches, onnx_cases, tvm_only_check
+from collage_tvm.check.contender import records
 
 CPU_BACKENDS = ["tvm", "dnnl", "mkl", "onnxruntime", "openvino"]
 
@@ -110,7 +111,7 @@ def test_models_that_crashed_the_search_build_on_every_cpu_backend_and_match_tor
     res = collage_tvm.optimize(path, "llvm", backends, db=str(tmp_path / "c.db"), compare=True,
                                isolate=False, progress=False, calibrate_rounds=0,
                                refine_rounds=0, graph_level=False)
-    assert all(r["match"] for r in res.report.comparison.values()), res.report.comparison
+    assert all(r["match"] for r in records(res.report.comparison).values()), records(res.report.comparison)
     vm = relax.VirtualMachine(res.executable, tvm.cpu())
     got = vm["main"](tvm.runtime.tensor(x.numpy())).numpy()
     with torch.no_grad():
@@ -427,7 +428,7 @@ def test_the_check_runs_every_build_on_the_users_inputs_first(tmp_path):
     vm = relax.VirtualMachine(res.executable, tvm.cpu())
     got = vm["main"](*[tvm.runtime.tensor(a) for a in case.inputs])
     assert matches([got.numpy()], case.outputs, case.rtol, case.atol)
-    assert res.report.comparison["tvm-only"]["match"]
+    assert records(res.report.comparison)["tvm-only"]["match"]
     # Only seed 0, and only where the arrays fit the parameters.
     func = res.graph.func
     with given_inputs(case.inputs):
@@ -480,7 +481,7 @@ def test_a_placement_that_fails_to_compile_ships_tvm_alone_with_the_reason(tmp_p
     m, x = Relu6CNN().eval(), torch.randn(1, 3, 16, 16)
     path = str(tmp_path / "m.onnx")
     torch.onnx.export(m, (x,), path, dynamo=False, opset_version=17)
-    monkeypatch.setattr(build, "compile_placement", broken)
+    monkeypatch.setattr(build, "compile_placement", broken)  # (the shipped build's compile)
     res = collage_tvm.optimize(path, "llvm", ["tvm"], db=str(tmp_path / "c.db"), isolate=False,
                                progress=False, calibrate_rounds=0, refine_rounds=0,
                                graph_level=False, compare=False)
@@ -908,18 +909,22 @@ def test_where_tvm_alone_cannot_build_a_whole_model_library_build_is_the_referen
 
     from collage_tvm.placement import Candidate
 
-    ns = importlib.import_module("collage_tvm.check.never_slower")
+    from collage_tvm.check.contender import from_records
+    from collage_tvm.check.reference import reference
+
     whole = [Candidate("onnxruntime", frozenset([0, 1]))]
     builds = {"collage": whole, "tvm-only": [], "onnxruntime": whole,
               "dnnl+tvm": [Candidate("dnnl", frozenset([0])), Candidate("tvm", frozenset([1]))]}
     failed = {"ms": math.inf, "match": False, "error": "power only applies to float"}
-    assert ns._reference({"tvm-only": failed, "onnxruntime": {"ms": 1.0}}, builds) == "onnxruntime"
-    assert ns._reference({"tvm-only": {"ms": 2.0}, "onnxruntime": {"ms": 1.0}}, builds) == "tvm-only"
-    assert ns._reference({"tvm-only": failed, "onnxruntime": dict(failed),
-                          "dnnl+tvm": {"ms": 3.0}}, builds) == "dnnl+tvm"
+    def ref(results):
+        return reference(from_records(results), builds)
+
+    assert ref({"tvm-only": failed, "onnxruntime": {"ms": 1.0}}) == "onnxruntime"
+    assert ref({"tvm-only": {"ms": 2.0}, "onnxruntime": {"ms": 1.0}}) == "tvm-only"
+    assert ref({"tvm-only": failed, "onnxruntime": dict(failed), "dnnl+tvm": {"ms": 3.0}}) \
+        == "dnnl+tvm"
     with pytest.raises(RuntimeError, match="TVM alone cannot build this model"):
-        ns._reference({"tvm-only": failed, "onnxruntime": dict(failed),
-                       "dnnl+tvm": dict(failed)}, builds)
+        ref({"tvm-only": failed, "onnxruntime": dict(failed), "dnnl+tvm": dict(failed)})
 
 
 def test_a_suite_row_says_when_the_output_hardly_depends_on_the_input():

@@ -67,7 +67,7 @@ def model_path(tmp_path_factory):
 def _favour(mp, backend: str) -> None:
     """The op-level search answers with ``backend`` wherever it has a candidate (cost 1e-3
     against 1 for TVM's, no per-call overhead), measuring nothing."""
-    from collage_tvm.build import OpLevel
+    from collage_tvm.placer.op_stage import OpLevel
     from collage_tvm.candidates import generate_candidates
     from collage_tvm.placer.op_level import place
 
@@ -77,7 +77,7 @@ def _favour(mp, backend: str) -> None:
         eps = {b: 0.0 for b in p.backends}
         return OpLevel(place(p.graph.producers, cands, costs, eps), cands, costs, eps, {})
 
-    mp.setattr(importlib.import_module("collage_tvm.build"), "_op_level", op_level)
+    mp.setattr(importlib.import_module("collage_tvm.placing"), "_op_level", op_level)
 
 
 def _build(model, db, backend: str | None, **kw):
@@ -102,6 +102,7 @@ from tvm import relax
 import collage_tvm
 from collage_tvm.measure import measurer
 build = importlib.import_module("collage_tvm.build")
+stages = importlib.import_module("collage_tvm.stages")
 lower = importlib.import_module("collage_tvm.byoc")
 
 def refuse(what):
@@ -111,7 +112,7 @@ def refuse(what):
 
 tvm.compile = refuse("tvm.compile")
 relax.build = refuse("relax.build")
-build.search = refuse("search")
+build.search = stages.search = refuse("search")
 build.optimize = refuse("optimize")
 lower.compile_module = refuse("collage's TVM compile")
 measurer.Measurer.__init__ = refuse("the measurer")
@@ -216,13 +217,14 @@ def test_the_model_file_that_won_the_final_check_saves_and_loads(model_path, tmp
         pytest.skip(f"{library} is not available here")
     real = ns.evaluate
     monkeypatch.setattr(ns, "evaluate", lambda *a, **k: {**real(*a, **k), "ms": 1.0})
-    monkeypatch.setattr(ns, "interleaved", lambda runs, **kw: {
+    monkeypatch.setattr(importlib.import_module("collage_tvm.check.runoff"), "interleaved",
+                        lambda runs, **kw: {
         n: (0.1 if n == f"{library} (model file)" else 1.0) for n in runs})
     res = collage_tvm.optimize(model_path, "llvm", ["tvm", library],
                                db=str(tmp_path / "c.db"), progress=False, isolate=False,
                                graph_level=False, calibrate_rounds=0, refine_rounds=0)
     monkeypatch.undo()
-    assert res.graph is None and res.report.whole_model.get("floor")
+    assert res.graph is None and res.report.shipped_floor
     ref = _run_build(res)
     path = collage_tvm.save(res, tmp_path / "art")
     manifest = json.loads((path / "manifest.json").read_text())

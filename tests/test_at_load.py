@@ -1,4 +1,4 @@
-"""A close call decided where the build runs (issue #33): when the user's model file ran whole
+"""The alternates decided where the build runs (issue #33): when the user's model file ran whole
 on two graph libraries within a few percent of each other in the final check, the saved
 build holds both and ``collage_tvm.load`` times them side by side in the loading process,
 keeping the faster. Which library wins is the machine's call, so the tests that need a
@@ -13,11 +13,13 @@ from tvm import relax
 
 import collage_tvm
 from collage_tvm.check.at_load import decide, example_inputs
+from collage_tvm.check.floors import alternates
 from collage_tvm.registry import get_backend
 
 from test_artifact import X, _block_onnx
 
 ns = importlib.import_module("collage_tvm.check.never_slower")
+runoff = importlib.import_module("collage_tvm.check.runoff")
 at_load = importlib.import_module("collage_tvm.check.at_load")
 
 pytestmark = pytest.mark.skipif(
@@ -41,7 +43,7 @@ def _clock(monkeypatch, figures: dict):
     monkeypatch.setattr(measurer.Measurer, "_cached", capped)
     real = ns.evaluate
     monkeypatch.setattr(ns, "evaluate", lambda *a, **k: {**real(*a, **k), "ms": 1.0})
-    monkeypatch.setattr(ns, "interleaved", lambda runs, **kw: {
+    monkeypatch.setattr(runoff, "interleaved", lambda runs, **kw: {
         n: figures.get(n, 1.0) for n in runs})
     timing = importlib.import_module("collage_tvm.measure.timing")
     monkeypatch.setattr(timing.OtherLoad, "__exit__", lambda self, *exc: setattr(self, "share", 0.0))
@@ -112,7 +114,7 @@ def test_the_model_as_one_exported_region_carries_its_close_libraries_too(tmp_pa
     path = _block_onnx(tmp_path / "block.onnx")
     _clock(monkeypatch, {"onnxruntime": 0.100, "openvino": 0.102})
     res = _optimize(path, tmp_path)
-    assert res.report.shipped == "onnxruntime" and not res.report.whole_model
+    assert res.report.shipped == "onnxruntime" and not res.report.shipped_floor
     assert res.report.alternates == [{"backend": "openvino", "ms": 0.102}]
     ref, saved, entry = _saved(res, tmp_path, monkeypatch)
     assert entry["sole"] and entry["label"] != "the model file, whole"
@@ -120,7 +122,7 @@ def test_the_model_as_one_exported_region_carries_its_close_libraries_too(tmp_pa
     module = _load_choosing(saved, monkeypatch, "openvino")
     assert module.decided["chose"] == "openvino", module.decided
     np.testing.assert_allclose(module(X), ref, rtol=1e-4, atol=1e-5)
-    # the placement log keeps the close call: the next build ships it again
+    # the placement log keeps the alternates: the next build ships them again
     again = _optimize(path, tmp_path)
     assert again.report.placement_from_log
     assert again.report.alternates == [{"backend": "openvino", "ms": 0.102}]
@@ -207,9 +209,9 @@ def test_run_prints_the_close_call_and_no_decide_keeps_the_search_choice(close_c
     _, path = close_call
     assert cli.main(["run", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "close call timed at load (onnxruntime" in out and "runs on " in out
+    assert "decided at load (onnxruntime" in out and "runs on " in out
     assert cli.main(["run", str(path), "--no-decide"]) == 0
-    assert "close call" not in capsys.readouterr().out
+    assert "decided at load" not in capsys.readouterr().out
 
 
 def test_beside_an_exported_region_the_user_s_own_file_is_an_alternate_too(tmp_path,
@@ -220,7 +222,7 @@ def test_beside_an_exported_region_the_user_s_own_file_is_an_alternate_too(tmp_p
     path = _block_onnx(tmp_path / "block.onnx")
     _clock(monkeypatch, {"openvino": 0.100, "onnxruntime (model file)": 0.102})
     res = _optimize(path, tmp_path)
-    assert res.report.shipped == "openvino" and not res.report.whole_model
+    assert res.report.shipped == "openvino" and not res.report.shipped_floor
     assert res.report.alternates == [{"backend": "onnxruntime", "ms": 0.102,
                                       "source": "model file"}]
     assert res.model_file is not None
@@ -247,19 +249,18 @@ def test_beside_an_exported_region_the_user_s_own_file_is_an_alternate_too(tmp_p
     assert "alternates" not in bare
 
 
-def test_close_calls_take_the_user_s_file_beside_a_region_not_a_region_beside_the_file():
-    ok = {"collage": {"ms": 1.0}, "openvino": {"ms": 1.0},
-          "onnxruntime (model file)": {"ms": 1.03}, "openvino (model file)": {"ms": 1.01},
-          "onnxruntime": {"ms": 1.2}}
+def test_alternates_take_the_user_s_file_beside_a_region_not_a_region_beside_the_file():
+    ok = {"collage": 1.0, "openvino": 1.0, "onnxruntime (model file)": 1.03,
+          "openvino (model file)": 1.01, "onnxruntime": 1.2}
     runs = {"openvino": (1, "openvino"), "onnxruntime": (1, "onnxruntime"),
             "onnxruntime (model file)": ("model file", "onnxruntime"),
             "openvino (model file)": ("model file", "openvino")}
     # beside OpenVINO's region, the user's file on OpenVINO and on ONNX Runtime; ONNX
     # Runtime's region is past 10%
-    assert ns.close_calls("openvino", ok, runs) == [("openvino", 1.01, "model file"),
-                                                     ("onnxruntime", 1.03, "model file")]
+    assert alternates("openvino", ok, runs, 0.10) == [("openvino", 1.01, "model file"),
+                                                      ("onnxruntime", 1.03, "model file")]
     # shipping the user's file: the regions are no alternates
-    assert ns.close_calls("openvino (model file)", ok, runs) == \
+    assert alternates("openvino (model file)", ok, runs, 0.10) == \
         [("onnxruntime", 1.03, "")]
 
 
@@ -271,7 +272,7 @@ def test_the_user_s_file_on_the_shipped_region_s_own_library_is_decided_at_load(
     path = _block_onnx(tmp_path / "block.onnx")
     _clock(monkeypatch, {"onnxruntime": 0.100, "onnxruntime (model file)": 0.102})
     res = _optimize(path, tmp_path)
-    assert res.report.shipped == "onnxruntime" and not res.report.whole_model
+    assert res.report.shipped == "onnxruntime" and not res.report.shipped_floor
     assert {"backend": "onnxruntime", "ms": 0.102, "source": "model file"} \
         in res.report.alternates
     ref, saved, entry = _saved(res, tmp_path, monkeypatch)

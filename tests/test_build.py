@@ -7,6 +7,7 @@ from tvm import relax
 import collage_tvm
 from collage_tvm.check import evaluate
 from collage_tvm.tools.zoo import export_onnx
+from collage_tvm.check.contender import records
 
 
 @pytest.fixture(scope="module")
@@ -141,20 +142,22 @@ def test_never_slower_compares_every_build_and_times_hopeless_ones_once(small_on
                                                                         monkeypatch):
     import importlib
     import math
+    from dataclasses import replace
 
-    check = importlib.import_module("collage_tvm.check.never_slower")
+    from collage_tvm import options
 
     backends = ["tvm", "dnnl"] if _available("dnnl") else ["tvm"]
     db = str(tmp_path / "c.db")
     # Every build after the Collage placement counts as hopeless: timed once. (What TVM
     # alone takes at least is left unknown here, so tvm-only is built: tests/test_floor.py
     # has the one not built.)
-    monkeypatch.setattr(check, "SLOW_BUILD_FACTOR", 1e-9)
     monkeypatch.setattr(importlib.import_module("collage_tvm.placer.lean"), "_alone",
                         lambda *a, **kw: math.inf)
     res = collage_tvm.optimize(small_onnx, "llvm", backends, db=db, isolate=False,
-                               progress=False, compare=True, graph_level=False)
-    comp = res.report.comparison
+                               progress=False, compare=True, graph_level=False,
+                               final_check=replace(options.DEFAULT_FINAL_CHECK,
+                                                   slow_build_factor=1e-9))
+    comp = records(res.report.comparison)
     assert list(comp)[:2] == ["tvm-only", "collage"]
     assert all(r["match"] for r in comp.values()), comp
     assert "timed_once" not in comp["collage"]

@@ -111,18 +111,20 @@ def test_a_placement_of_one_library_group_is_not_calibrated(setup, monkeypatch):
     # DP moved the model onto ONNX Runtime for that). Two groups: calibrated.
     import importlib
 
-    from collage_tvm.build import OpLevel, Placing
     from collage_tvm.options import SearchOptions
     from collage_tvm.placement import Placement
+    from collage_tvm.placer.op_stage import OpLevel
+    from collage_tvm.placing import Placing
+    from collage_tvm.report import BuildReport
 
-    build = importlib.import_module("collage_tvm.build")
+    build = importlib.import_module("collage_tvm.placing")
     graph, backends, cands, costs = setup
     called = []
     monkeypatch.setattr(importlib.import_module("collage_tvm.placer.op_stage"), "calibrate",
                         lambda *a, **kw: called.append(1) or
                         type("C", (), {"history": [], "placement": a[5]})())
     p = Placing(graph, backends, make_target("llvm"), None,
-                SearchOptions(calibrate_rounds=4), build.BuildReport(backends=[]))
+                SearchOptions(calibrate_rounds=4), BuildReport(backends=[]))
     whole = Placement([Candidate("slowlib", frozenset(range(len(graph))), "slowlib.region")], 1.0)
     work = OpLevel(whole, cands, costs, {"tvm": 0.0, "slowlib": 0.0}, {})
     assert build._calibrated(p, work) is whole and not called

@@ -5,6 +5,7 @@ tests that need a winner fix the timings (a fake clock); the builds and outputs 
 import importlib
 import importlib.util
 import statistics
+from dataclasses import replace
 
 import numpy as np
 import onnx
@@ -17,8 +18,25 @@ from tvm import relax
 import collage_tvm
 from collage_tvm.precision import cpu_precisions
 from collage_tvm.registry import get_backend
+from collage_tvm.check.contender import from_records, records
+from collage_tvm.options import FinalCheck
 
 ns = importlib.import_module("collage_tvm.check.never_slower")  # the module, not the function
+runoff = importlib.import_module("collage_tvm.check.runoff")
+memory = importlib.import_module("collage_tvm.check.memory")
+# the final check's settings the tests run under (tests/conftest.py makes them the default)
+TESTS = FinalCheck(runoff_rounds=7, runoff_max_rounds=7, busy_retry_s=0.5)
+
+
+def _on_records(step, results: dict, *args, **kw):
+    """``step`` (a ``check.runoff`` function) run on the contenders ``results`` (name ->
+    record) describe; the records then hold what it wrote."""
+    contenders = from_records(results)
+    out = step(contenders, *args, **kw)
+    for name, c in contenders.items():
+        results[name].clear()
+        results[name].update(c.record())
+    return out
 
 
 def _conv_relu6_onnx(path) -> str:
@@ -57,7 +75,7 @@ def _fixed_clock(monkeypatch, fastest: str):
         return {**real(*args, **kwargs), "ms": 1.0}
 
     monkeypatch.setattr(ns, "evaluate", evaluate)
-    monkeypatch.setattr(ns, "interleaved", lambda runs, **kw: {
+    monkeypatch.setattr(runoff, "interleaved", lambda runs, **kw: {
         n: (0.1 if n == fastest else 1.0) for n in runs})
 
 
@@ -103,11 +121,11 @@ def _search(path, tmp_path, backends=("tvm", "onnxruntime"), **kw):
 
 def test_the_model_file_whole_on_each_graph_library_is_a_contender(model_path, tmp_path):
     res = _search(model_path, tmp_path, ("tvm", "onnxruntime", "openvino"))
-    comp = res.report.comparison
+    comp = records(res.report.comparison)
     for lib in ("onnxruntime", "openvino"):
         row = comp[f"{lib} (model file)"]
         assert row["match"] and row["ms"] > 0, row
-    assert res.report.floor == ""
+    assert res.report.no_floor == ""
     # builds of Collage's own placements say what runs where (the model file's do not)
     assert set(comp["tvm-only"]["ops"]) == {"tvm"} and "ops" not in comp["onnxruntime (model file)"]
 
@@ -120,7 +138,7 @@ def test_a_hopeless_tvm_alone_is_not_built_and_a_library_build_is_the_reference(
     lean = importlib.import_module("collage_tvm.placer.lean")
     monkeypatch.setattr(lean, "_alone", lambda *a, **kw: 1e9)
     res = _search(model_path, tmp_path, ("tvm", "dnnl", "onnxruntime"))
-    comp = res.report.comparison
+    comp = records(res.report.comparison)
     assert set(res.report.lean["alone_ms"]) == {"tvm-only", "dnnl+tvm"}
     for name in ("tvm-only", "dnnl+tvm"):  # an op library's build alike
         assert comp[name]["skipped"] and "not built" in comp[name]["error"], comp
@@ -130,7 +148,7 @@ def test_a_hopeless_tvm_alone_is_not_built_and_a_library_build_is_the_reference(
     # a TVM alone that can come near: built, and the reference
     monkeypatch.setattr(lean, "_alone", lambda *a, **kw: 0.0)
     again = _search(model_path, tmp_path / "again")
-    assert again.report.comparison["tvm-only"].get("reference"), again.report.comparison
+    assert records(again.report.comparison)["tvm-only"].get("reference"), records(again.report.comparison)
 
 
 def test_the_model_file_ships_when_it_is_the_fastest_and_the_log_remembers(model_path, tmp_path,
@@ -141,8 +159,7 @@ def test_the_model_file_ships_when_it_is_the_fastest_and_the_log_remembers(model
     _machine_busy(monkeypatch, 0.0)  # a sure verdict (a busy one is checked again)
     res = _search(model_path, tmp_path)
     assert res.report.shipped == "onnxruntime (model file)"
-    assert res.report.whole_model == {"backend": "onnxruntime", "floor": True,
-                                      "why": res.report.whole_model["why"]}
+    assert res.report.shipped_floor == "onnxruntime" and not res.report.whole_model
     assert res.graph is None and res.report.ops_per_backend.get("onnxruntime", 0) > 0
     x = np.random.default_rng(3).standard_normal((1, 3, 16, 16)).astype("float32")
     got = relax.VirtualMachine(res.executable, tvm.cpu())["main"](tvm.runtime.tensor(x)).numpy()
@@ -180,12 +197,12 @@ def test_a_final_check_short_of_memory_keeps_the_fastest_build_so_far_and_frees_
     # A model of gigabytes of weights (torchvision's ViT-L/32 at 224x224: 21.7 GB of 24 in
     # its final check, 1.2 GB of weights): when one more build may not fit, the builds held
     # so far meet side by side and only the fastest correct one stays for the next.
-    monkeypatch.setattr(ns, "_available", lambda: 0)
-    monkeypatch.setattr(ns, "room_beside_one", lambda weights: True)  # (else: set aside)
+    monkeypatch.setattr(memory, "_available", lambda: 0)
+    monkeypatch.setattr(memory, "room_beside_one", lambda weights, s: True)  # (else: set aside)
     _fixed_clock(monkeypatch, "onnxruntime (model file)")
     _machine_busy(monkeypatch, 0.0)
     res = _search(model_path, tmp_path)
-    comp = res.report.comparison
+    comp = records(res.report.comparison)
     lost = {n: r["lost_to"] for n, r in comp.items() if "lost_to" in r}
     # builds 3 and 4 each found memory short: the two before the 3rd met, one was kept...
     assert len(lost) >= 2 and len(set(lost.values())) == 1, comp
@@ -203,8 +220,8 @@ def test_a_final_check_short_of_memory_keeps_the_fastest_build_so_far_and_frees_
 def test_a_model_file_that_is_slower_does_not_ship(model_path, tmp_path, monkeypatch):
     _fixed_clock(monkeypatch, "collage")
     res = _search(model_path, tmp_path)
-    assert res.report.shipped == "collage" and not res.report.whole_model
-    assert res.graph is not None and "onnxruntime (model file)" in res.report.comparison
+    assert res.report.shipped == "collage" and not res.report.shipped_floor
+    assert res.graph is not None and "onnxruntime (model file)" in records(res.report.comparison)
 
 
 @pytest.mark.skipif(not cpu_precisions()["bf16"][0] or not get_backend("openvino").available()[0],
@@ -213,7 +230,7 @@ def test_a_faster_build_outside_the_f32_budget_is_reported_with_its_flag_never_s
         model_path, tmp_path, monkeypatch):
     _fixed_clock(monkeypatch, "openvino_bf16 (model file)")
     res = _search(model_path, tmp_path, ("tvm", "openvino"))
-    row = res.report.comparison["openvino_bf16 (model file)"]
+    row = records(res.report.comparison)["openvino_bf16 (model file)"]
     assert row["outside_budget"] == "bf16"
     assert res.report.shipped != "openvino_bf16 (model file)"
     assert "--accuracy bf16" in row["advice"] and "faster than the shipped build" in row["advice"]
@@ -232,7 +249,7 @@ def test_a_torch_module_is_judged_against_its_own_onnx_export(tmp_path):
                                example_inputs=(torch.randn(1, 3, 16, 16),),
                                db=str(tmp_path / "c.db"), progress=False, isolate=False,
                                graph_level=False, calibrate_rounds=0, refine_rounds=0)
-    assert res.report.comparison["onnxruntime (model file)"]["match"]
+    assert records(res.report.comparison)["onnxruntime (model file)"]["match"]
 
 
 def test_without_a_model_file_the_report_says_why_there_is_no_floor(tmp_path):
@@ -245,8 +262,8 @@ def test_without_a_model_file_the_report_says_why_there_is_no_floor(tmp_path):
     res = collage_tvm.optimize(bb.get(), "llvm", ["tvm", "onnxruntime"],
                                db=str(tmp_path / "c.db"), progress=False, isolate=False,
                                graph_level=False, calibrate_rounds=0, refine_rounds=0)
-    assert "Relax module" in res.report.floor
-    assert not any("(model file)" in n for n in res.report.comparison)
+    assert "Relax module" in res.report.no_floor
+    assert not any("(model file)" in n for n in records(res.report.comparison))
 
 
 @pytest.mark.skipif(not cpu_precisions()["bf16"][0] or not get_backend("openvino").available()[0],
@@ -255,29 +272,29 @@ def test_under_the_bf16_budget_the_model_file_at_openvinos_default_precision_can
         model_path, tmp_path, monkeypatch):
     _fixed_clock(monkeypatch, "openvino_bf16 (model file)")
     res = _search(model_path, tmp_path, ("tvm", "openvino"), accuracy="bf16")
-    row = res.report.comparison["openvino_bf16 (model file)"]
+    row = records(res.report.comparison)["openvino_bf16 (model file)"]
     assert "outside_budget" not in row and row["match"]
     assert res.report.shipped == "openvino_bf16 (model file)"
-    assert res.report.whole_model["backend"] == "openvino_bf16"
+    assert res.report.shipped_floor == "openvino_bf16"
 
 
 def test_close_builds_meet_again_in_more_rounds_and_the_runoff_decides(monkeypatch):
-    """After the re-timing, the builds within ``RUNOFF_MARGIN`` of the fastest are timed
-    again in ``RUNOFF_ROUNDS`` rounds, and those figures decide; a build far behind, one
+    """After the re-timing, the builds within ``runoff_margin`` of the fastest are timed
+    again in ``runoff_rounds`` rounds, and those figures decide; a build far behind, one
     with wrong outputs and one outside the budget stay out of it."""
     calls = []
-    monkeypatch.setattr(ns, "RUNOFF_ROUNDS", 15)  # (tests/conftest.py sets 7)
+    s = replace(TESTS, runoff_rounds=15)  # (tests/conftest.py's default: 7)
 
     def clock(fns, rounds=7, **kw):
         calls.append((set(fns), rounds))
         return {"a": 1.00, "b": 1.05}
 
-    monkeypatch.setattr(ns, "interleaved", clock)
+    monkeypatch.setattr(runoff, "interleaved", clock)
     results = {"a": {"ms": 1.04, "match": True}, "b": {"ms": 1.0, "match": True},
                "far": {"ms": 1.5, "match": True}, "wrong": {"ms": 0.5, "match": False},
                "bf16": {"ms": 0.6, "match": True}}
-    ns._runoff(results, {n: None for n in results}, {"bf16"}, tvm.target.Target("llvm"))
-    assert calls == [({"a", "b"}, ns.RUNOFF_ROUNDS)]
+    _on_records(runoff.runoff, results, {n: None for n in results}, {"bf16"}, tvm.target.Target("llvm"), s)
+    assert calls == [({"a", "b"}, s.runoff_rounds)]
     assert results["a"] == {"ms": 1.0, "first_ms": 1.04, "match": True, "runoff": True}
     assert results["b"]["ms"] == 1.05 and results["b"]["first_ms"] == 1.0
     # "far" lost to "b" by over the margin: whatever the runoff's rounds do to the close
@@ -286,26 +303,26 @@ def test_close_builds_meet_again_in_more_rounds_and_the_runoff_decides(monkeypat
     assert "outrun_by" not in results["wrong"] and "outrun_by" not in results["bf16"]
     # the runoff's rounds fell on a slow stretch: both close builds rose past the one left
     # out (timm's hardcorenas_a on a host at two speeds); it stays out
-    monkeypatch.setattr(ns, "interleaved", lambda fns, **kw: {"a": 1.6, "b": 1.65})
+    monkeypatch.setattr(runoff, "interleaved", lambda fns, **kw: {"a": 1.6, "b": 1.65})
     slow = {"a": {"ms": 1.04, "match": True}, "b": {"ms": 1.0, "match": True},
             "left": {"ms": 1.12, "match": True}}
-    ns._runoff(slow, {n: None for n in slow}, set(), tvm.target.Target("llvm"))
+    _on_records(runoff.runoff, slow, {n: None for n in slow}, set(), tvm.target.Target("llvm"), s)
     assert slow["left"]["ms"] < slow["a"]["ms"] and slow["left"]["outrun_by"] == "b"
     # a runoff again (a busy machine's second timing) decides afresh
-    monkeypatch.setattr(ns, "interleaved", clock)
+    monkeypatch.setattr(runoff, "interleaved", clock)
     slow["left"]["ms"] = 1.01
-    ns._runoff(slow, {n: None for n in slow}, set(), tvm.target.Target("llvm"))
+    _on_records(runoff.runoff, slow, {n: None for n in slow}, set(), tvm.target.Target("llvm"), s)
     assert "outrun_by" not in slow["left"]
     # the batches the re-timing took count: only the rounds missing are timed
     calls.clear()
-    ns._runoff({"a": {"ms": 1.0, "match": True}, "b": {"ms": 1.01, "match": True}},
-               {"a": None, "b": None}, set(), tvm.target.Target("llvm"),
+    _on_records(runoff.runoff, {"a": {"ms": 1.0, "match": True}, "b": {"ms": 1.01, "match": True}},
+               {"a": None, "b": None}, set(), tvm.target.Target("llvm"), s,
                {"a": [1.0] * 7, "b": [1.01] * 7})
-    assert calls == [({"a", "b"}, ns.RUNOFF_ROUNDS - 7)]
+    assert calls == [({"a", "b"}, s.runoff_rounds - 7)]
     # one close build alone: nothing to run off
     calls.clear()
-    ns._runoff({"a": {"ms": 1.0, "match": True}, "far": {"ms": 1.5, "match": True}},
-               {"a": None, "far": None}, set(), tvm.target.Target("llvm"))
+    _on_records(runoff.runoff, {"a": {"ms": 1.0, "match": True}, "far": {"ms": 1.5, "match": True}},
+               {"a": None, "far": None}, set(), tvm.target.Target("llvm"), s)
     assert calls == []
 
 
@@ -313,8 +330,8 @@ def test_the_runoff_ranks_close_builds_round_by_round(monkeypatch):
     """The close builds' figures are taken round by round (``_by_round``): a build faster
     in most rounds ranks first though its plain median landed on the slower rounds; the
     plain median is kept as "median_ms". Too few rounds, or one build: left as they are."""
-    monkeypatch.setattr(ns, "RUNOFF_ROUNDS", 7)
-    monkeypatch.setattr(ns, "interleaved", lambda *a, **k: pytest.fail("nothing to time"))
+    s = replace(TESTS, runoff_rounds=7)
+    monkeypatch.setattr(runoff, "interleaved", lambda *a, **k: pytest.fail("nothing to time"))
     # the machine's load drifting from 100 to 116 ms a call; "b" 3% ahead of "a" in each
     # round but the last two (a slow stretch for it alone, a quick one for "a"): "a" has
     # the lower plain median (104 against 108.6)
@@ -324,7 +341,7 @@ def test_the_runoff_ranks_close_builds_round_by_round(monkeypatch):
     results = {"a": {"ms": statistics.median(a), "match": True},
                "b": {"ms": statistics.median(b), "match": True}}
     assert results["a"]["ms"] < results["b"]["ms"]
-    ns._runoff(results, {"a": None, "b": None}, set(), tvm.target.Target("llvm"),
+    _on_records(runoff.runoff, results, {"a": None, "b": None}, set(), tvm.target.Target("llvm"), s,
                {"a": list(a), "b": list(b)})
     assert results["b"]["ms"] < results["a"]["ms"]
     assert results["a"]["median_ms"] == statistics.median(a)
@@ -333,7 +350,7 @@ def test_the_runoff_ranks_close_builds_round_by_round(monkeypatch):
     # fewer rounds than PAIRED_MIN_ROUNDS: the plain medians stay
     short = {"a": {"ms": 104.0, "match": True}, "b": {"ms": 108.6, "match": True}}
     k = importlib.import_module("collage_tvm.measure.timing").PAIRED_MIN_ROUNDS - 1
-    ns._by_round(short, {"a": a[:k], "b": b[:k]})
+    _on_records(runoff._by_round, short, {"a": a[:k], "b": b[:k]})
     assert short == {"a": {"ms": 104.0, "match": True}, "b": {"ms": 108.6, "match": True}}
 
 
@@ -342,7 +359,7 @@ def test_a_build_matched_round_for_round_enters_the_runoff(monkeypatch):
     but one, where it met a slow stretch alone, and its plain median (the slow rounds)
     lands 50% behind. Round by round the two are equal, so "b" enters the runoff with
     "a" instead of being left out on its plain median."""
-    monkeypatch.setattr(ns, "RUNOFF_ROUNDS", 15)
+    s = replace(TESTS, runoff_rounds=15)
     calls = []
 
     def clock(fns, rounds=7, samples=None, **kw):
@@ -355,15 +372,15 @@ def test_a_build_matched_round_for_round_enters_the_runoff(monkeypatch):
                 samples[n].extend([100.0] * rounds)
         return {n: statistics.median(samples[n]) for n in fns}
 
-    monkeypatch.setattr(ns, "interleaved", clock)
+    monkeypatch.setattr(runoff, "interleaved", clock)
     results = {"a": {"ms": 100.0, "match": True}, "b": {"ms": 101.0, "match": True}}
-    ns._retime(results, {"a": None, "b": None}, set(), tvm.target.Target("llvm"))
+    _on_records(runoff.retime, results, {"a": None, "b": None}, set(), tvm.target.Target("llvm"), s)
     assert calls[0] == ({"a", "b"}, 7)
-    assert calls[1] == ({"a", "b"}, ns.RUNOFF_ROUNDS - 7)
+    assert calls[1] == ({"a", "b"}, s.runoff_rounds - 7)
     assert results["b"]["runoff"] and results["a"]["runoff"]
     assert results["b"]["median_ms"] == 100.0 and results["a"]["ms"] == results["b"]["ms"]
     # the plain medians alone would have left "b" out (150 against 100)
-    assert statistics.median([100.0] * 3 + [150.0] * 4) > (1 + ns.RUNOFF_MARGIN) * 100.0
+    assert statistics.median([100.0] * 3 + [150.0] * 4) > (1 + s.runoff_margin) * 100.0
 
 
 @pytest.mark.parametrize("noise,b_factor,rounds", [
@@ -373,13 +390,11 @@ def test_a_build_matched_round_for_round_enters_the_runoff(monkeypatch):
 ])
 def test_an_open_close_call_is_timed_on_up_to_the_cap(monkeypatch, noise, b_factor, rounds):
     """After the runoff's rounds, two close builds whose ranking the rounds leave open
-    (``_open_calls``) are timed on, ``RUNOFF_STEP`` rounds at a time, up to
-    ``RUNOFF_MAX_ROUNDS``; a call already settled either way is not."""
+    (``_open_calls``) are timed on, ``runoff_step`` rounds at a time, up to
+    ``runoff_max_rounds``; a call already settled either way is not."""
     import random
 
-    monkeypatch.setattr(ns, "RUNOFF_ROUNDS", 15)
-    monkeypatch.setattr(ns, "RUNOFF_MAX_ROUNDS", 45)
-    monkeypatch.setattr(ns, "RUNOFF_STEP", 10)
+    s = replace(TESTS, runoff_rounds=15, runoff_max_rounds=45, runoff_step=10)
     rng = random.Random(1)
     factor = {"a": 1.0, "b": b_factor}
 
@@ -389,10 +404,10 @@ def test_an_open_close_call_is_timed_on_up_to_the_cap(monkeypatch, noise, b_fact
                 samples.setdefault(n, []).append(100.0 * factor[n] * (1 + noise * rng.gauss(0, 1)))
         return {n: statistics.median(samples[n]) for n in fns}
 
-    monkeypatch.setattr(ns, "interleaved", clock)
+    monkeypatch.setattr(runoff, "interleaved", clock)
     results = {"a": {"ms": 100.0, "match": True}, "b": {"ms": 100.0 * b_factor, "match": True}}
     samples = {"a": [], "b": []}
-    ns._runoff(results, {"a": None, "b": None}, set(), tvm.target.Target("llvm"), samples)
+    _on_records(runoff.runoff, results, {"a": None, "b": None}, set(), tvm.target.Target("llvm"), s, samples)
     assert results["a"]["rounds"] == results["b"]["rounds"] == rounds
     if b_factor > 1:
         assert results["a"]["ms"] < results["b"]["ms"]
@@ -403,9 +418,7 @@ def test_a_build_settled_as_slower_stays_behind_the_leader_timed_on(monkeypatch)
     "b" are open and timed on, and the host turns twice as slow for those rounds. "c" is
     timed no more, and its figure follows the leader's ("settled_against"): it stays 6%
     behind instead of keeping the fast rounds' figure and shipping."""
-    monkeypatch.setattr(ns, "RUNOFF_ROUNDS", 15)
-    monkeypatch.setattr(ns, "RUNOFF_MAX_ROUNDS", 45)
-    monkeypatch.setattr(ns, "RUNOFF_STEP", 10)
+    s = replace(TESTS, runoff_rounds=15, runoff_max_rounds=45, runoff_step=10)
     import random
 
     rng = random.Random(1)
@@ -423,10 +436,10 @@ def test_a_build_settled_as_slower_stays_behind_the_leader_timed_on(monkeypatch)
                 samples[n].append(base[n] * speed * wobble[n])
         return {n: statistics.median(samples[n]) for n in fns}
 
-    monkeypatch.setattr(ns, "interleaved", clock)
+    monkeypatch.setattr(runoff, "interleaved", clock)
     results = {n: {"ms": ms, "match": True} for n, ms in base.items()}
     samples = {n: [] for n in base}
-    ns._runoff(results, {n: None for n in base}, set(), tvm.target.Target("llvm"), samples)
+    _on_records(runoff.runoff, results, {n: None for n in base}, set(), tvm.target.Target("llvm"), s, samples)
     assert calls[0] == {"a", "b", "c"} and calls[1:] and all(c == {"a", "b"} for c in calls[1:])
     assert results["c"]["rounds"] == 15 and results["a"]["rounds"] > 15
     assert results["c"]["settled_against"] == "a" and "settled_against" not in results["a"]
@@ -476,14 +489,16 @@ def test_the_final_check_s_batches_hold_a_thousand_calls_of_a_microsecond_model(
     from collage_tvm.target import make_target
 
     seen = []
-    monkeypatch.setattr(ns, "interleaved", lambda fns, **kw: (seen.append(kw["min_ms"]),
-                                                              {n: 1.0 for n in fns})[1])
-    for ms, want in ((0.006, ns.SHORT_BATCH_MS), (0.1, 100.0), (0.7, ns.BATCH_MS),
-                     (300.0, ns.BATCH_MS)):
+    monkeypatch.setattr(runoff, "interleaved", lambda fns, **kw: (seen.append(kw["min_ms"]),
+                                                                  {n: 1.0 for n in fns})[1])
+    for ms, want in ((0.006, TESTS.short_batch_ms), (0.1, 100.0), (0.7, TESTS.batch_ms),
+                     (300.0, TESTS.batch_ms)):
         results = {"a": {"ms": 3 * ms}, "b": {"ms": ms}}
-        ns._time_again(results, {"a": None, "b": None}, make_target("llvm"))
+        _on_records(runoff.time_again, results, {"a": None, "b": None}, make_target("llvm"),
+                    TESTS)
         assert seen[-1] == pytest.approx(want), ms
-    ns._time_again({"a": {"ms": 0.006}}, {"a": None}, make_target("llvm"), min_ms=7.0)
+    _on_records(runoff.time_again, {"a": {"ms": 0.006}}, {"a": None}, make_target("llvm"),
+                TESTS, min_ms=7.0)
     assert seen[-1] == 7.0  # a caller's own batch length is kept
 
 

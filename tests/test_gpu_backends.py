@@ -24,6 +24,7 @@ from collage_tvm.backends._epilogue import analyse
 from collage_tvm.backends.cublas import CublasLowering
 from collage_tvm.backends.cudnn import CudnnLowering
 from collage_tvm.backends.inductor import InductorLowering
+from collage_tvm.check.contender import records
 
 HAVE_GPU, NO_GPU_REASON = torch_cuda()
 
@@ -304,7 +305,7 @@ def test_a_whole_build_on_cuda_matches_tvm_alone(tmp_path):
     mod = tvm.IRModule({"main": _cnn_and_mlp()})
     res = collage_tvm.optimize(mod, "cuda", ["tvm", "cudnn", "cublas"], db=str(tmp_path / "c.db"),
                                progress=False, compare=True, graph_level=False)
-    comp = res.report.comparison
+    comp = records(res.report.comparison)
     assert "tvm-only" in comp and "collage" in comp
     assert all(r["match"] for r in comp.values()), comp
 

@@ -1,5 +1,7 @@
 """Graph-library backends (onnxruntime, openvino) end to end, and the two-level search on them."""
+import importlib
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -7,6 +9,7 @@ import tvm
 from tvm import relax
 
 import collage_tvm
+from collage_tvm import options
 from collage_tvm.check import evaluate, graph_lib_groups
 from collage_tvm.byoc import compile_placement
 from collage_tvm.measure.measurer import probe_function
@@ -15,6 +18,10 @@ from collage_tvm.graph import DataflowGraph
 from collage_tvm.tools.zoo import export_onnx
 from collage_tvm.registry import get_backend, register_backend
 from collage_tvm.target import make_target
+from collage_tvm.check.contender import records
+
+memory = importlib.import_module("collage_tvm.check.memory")
+runoff = importlib.import_module("collage_tvm.check.runoff")
 
 GRAPH_LIBS = [b for b in ("onnxruntime", "openvino") if get_backend(b).available()[0]]
 pytestmark = pytest.mark.skipif(not GRAPH_LIBS, reason="no graph library available")
@@ -162,7 +169,7 @@ def test_a_graph_level_with_only_final_check_builds_to_reach_is_left_to_the_fina
     gl = res.report.graph_level
     assert "history" not in gl and "the final check times anyway" in gl["skipped"]
     assert gl["eligible_groups"] == 1
-    assert set(GRAPH_LIBS) <= set(res.report.comparison)  # each library's build was timed
+    assert set(GRAPH_LIBS) <= set(records(res.report.comparison))  # each library's build was timed
     # Without the final check the graph level is the only judge: it runs.
     off = collage_tvm.optimize(path, "llvm", ["tvm"] + GRAPH_LIBS, db=str(tmp_path / "c.db"),
                                placement_log=str(tmp_path / "off.json"), isolate=False,
@@ -344,13 +351,13 @@ def test_when_memory_is_short_the_final_check_holds_two_builds_and_ships_no_free
     the others are freed and cannot be shipped."""
     ns, lib, g, backends, Placement, groups = _final_check_case()
     held = []
-    real = ns.interleaved
-    monkeypatch.setattr(ns, "memory_short", lambda weights: True)
-    monkeypatch.setattr(ns, "room_beside_one", lambda weights: True)
-    monkeypatch.setattr(ns, "interleaved", lambda fns, **kw: (held.append(len(fns)),
-                                                              real(fns, **kw))[1])
+    real = runoff.interleaved
+    monkeypatch.setattr(memory, "memory_short", lambda weights, s: True)
+    monkeypatch.setattr(memory, "room_beside_one", lambda weights, s: True)
+    monkeypatch.setattr(runoff, "interleaved", lambda fns, **kw: (held.append(len(fns)),
+                                                                  real(fns, **kw))[1])
     verdict = ns.never_slower(g, Placement(groups, 1.0), backends, make_target("llvm"))
-    res = verdict.comparison
+    res = records(verdict.comparison)
     assert {"collage", "tvm-only", lib} <= set(res), res
     lost = {n for n, r in res.items() if "lost_to" in r}
     assert lost and held and max(held) == 2, (res, held)
@@ -368,14 +375,14 @@ def test_when_one_build_leaves_too_little_room_it_is_set_aside_and_can_still_shi
     fastest correct one ships all the same."""
     ns, lib, g, backends, Placement, groups = _final_check_case()
     held, forgotten = [], []
-    real = ns.interleaved
-    monkeypatch.setattr(ns, "memory_short", lambda weights: True)
-    monkeypatch.setattr(ns, "room_beside_one", lambda weights: False)
-    monkeypatch.setattr(ns, "forget_lowered", lambda: forgotten.append(1))
-    monkeypatch.setattr(ns, "interleaved", lambda fns, **kw: (held.append(len(fns)),
-                                                              real(fns, **kw))[1])
+    real = runoff.interleaved
+    monkeypatch.setattr(memory, "memory_short", lambda weights, s: True)
+    monkeypatch.setattr(memory, "room_beside_one", lambda weights, s: False)
+    monkeypatch.setattr(memory, "forget_lowered", lambda: forgotten.append(1))
+    monkeypatch.setattr(runoff, "interleaved", lambda fns, **kw: (held.append(len(fns)),
+                                                                  real(fns, **kw))[1])
     verdict = ns.never_slower(g, Placement(groups, 1.0), backends, make_target("llvm"))
-    res = verdict.comparison
+    res = records(verdict.comparison)
     built = {n for n, r in res.items() if "same_as" not in r and "skipped" not in r}
     assert {"collage", "tvm-only"} <= built, res
     aside = {n for n, r in res.items() if r.get("set_aside")}
@@ -394,13 +401,13 @@ def test_when_tvm_alone_is_hopeless_and_memory_short_a_reference_is_built_before
     one were freed, and the final check failed ("no other build ran"). The builds that can
     be the reference are built right after tvm-only, before any other."""
     ns, lib, g, backends, Placement, groups = _final_check_case()
-    monkeypatch.setattr(ns, "memory_short", lambda weights: True)
-    monkeypatch.setattr(ns, "room_beside_one", lambda weights: True)
+    monkeypatch.setattr(memory, "memory_short", lambda weights, s: True)
+    monkeypatch.setattr(memory, "room_beside_one", lambda weights, s: True)
     op_level = Placement([Candidate(lib, frozenset([0, 1])), *(Candidate("tvm", frozenset([i]))
                                                                for i in (2, 3, 4))], 1.0)
     verdict = ns.never_slower(g, Placement(groups, 1.0), backends, make_target("llvm"),
                               op_level=op_level, alone_ms={"tvm-only": 1e9})
-    res = verdict.comparison
+    res = records(verdict.comparison)
     assert res["tvm-only"].get("skipped"), res
     assert "same_as" not in res["collage-op-level"], res
     refs = [n for n, r in res.items() if r.get("reference")]
@@ -411,7 +418,7 @@ def test_when_tvm_alone_is_hopeless_and_memory_short_a_reference_is_built_before
 
 def test_a_final_check_timed_beside_other_work_times_its_contenders_again(monkeypatch):
     """Other processes took more than ``RETRY_SHARE`` of the CPU while the builds were timed
-    (faked here): the contenders within ``BUSY_FACTOR`` of the fastest are timed again after
+    (faked here): the contenders within ``busy_factor`` of the fastest are timed again after
     a pause, the busy figures kept as "busy_ms", the verdict's load the second timing's. A
     quiet timing is not repeated."""
     ns, lib, g, backends, Placement, groups = _final_check_case()
@@ -425,21 +432,22 @@ def test_a_final_check_timed_beside_other_work_times_its_contenders_again(monkey
             self.share = shares.pop(0)
 
     factors: list = []
-    real = ns._retime
+    real = runoff.retime
     monkeypatch.setattr(ns, "OtherLoad", Load)
-    monkeypatch.setattr(ns, "BUSY_RETRY_S", 0.0)
-    monkeypatch.setattr(ns, "_retime", lambda *a, **k: (factors.append(k.get("factor", 2.0)),
-                                                        real(*a, **k))[1])
+    monkeypatch.setattr(runoff, "OtherLoad", Load)
+    monkeypatch.setattr(runoff, "retime", lambda *a, **k: (factors.append(k.get("factor", 2.0)),
+                                                           real(*a, **k))[1])
+    s = replace(options.DEFAULT_FINAL_CHECK, busy_retry_s=0.0)
     shares[:] = [0.12, 0.01]
-    busy = ns.never_slower(g, Placement(groups, 1.0), backends, make_target("llvm"))
-    assert factors == [2.0, ns.BUSY_FACTOR] and not shares
+    busy = ns.never_slower(g, Placement(groups, 1.0), backends, make_target("llvm"), settings=s)
+    assert factors == [2.0, s.busy_factor] and not shares
     assert busy.other_load == 0.01 and not busy.unsure
-    again = [r for r in busy.comparison.values() if "busy_ms" in r]
-    assert len(again) >= 2 and all(r["match"] for r in again), busy.comparison
+    again = [r for r in records(busy.comparison).values() if "busy_ms" in r]
+    assert len(again) >= 2 and all(r["match"] for r in again), records(busy.comparison)
     factors.clear()
     shares[:] = [0.09]
-    quiet = ns.never_slower(g, Placement(groups, 1.0), backends, make_target("llvm"))
-    assert factors == [2.0] and not any("busy_ms" in r for r in quiet.comparison.values())
+    quiet = ns.never_slower(g, Placement(groups, 1.0), backends, make_target("llvm"), settings=s)
+    assert factors == [2.0] and not any("busy_ms" in r for r in records(quiet.comparison).values())
 
 
 def test_a_piece_of_a_model_is_timed_as_it_runs_in_place_not_as_the_whole_model():
@@ -478,7 +486,7 @@ def test_optimize_lets_go_of_the_contenders_lowered_callables_and_its_build_stil
     mod = tvm.IRModule({"main": g.func})
     res = collage_tvm.optimize(mod, "llvm", ["tvm", "onnxruntime"], db=str(tmp_path / "c.db"),
                                isolate=False, progress=False, graph_level=False, compare=True)
-    assert {"tvm-only", "onnxruntime"} <= set(res.report.comparison)
+    assert {"tvm-only", "onnxruntime"} <= set(records(res.report.comparison))
     assert len(external._CACHE) == 0
     target = make_target("llvm")
     ref = evaluate(tvm.compile(mod, target), g, target)

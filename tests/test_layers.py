@@ -40,6 +40,9 @@ STAGES = [
     ["collage_tvm.check"],
     ["collage_tvm.artifact"],  # a build saved, and loaded without the search
     ["collage_tvm.dynamic.search"],  # the search over a range of shapes
+    ["collage_tvm.report", "collage_tvm.stores"],  # what a build found; where it keeps it
+    ["collage_tvm.placing"],  # a new placement: op level, graph level, final check
+    ["collage_tvm.stages"],  # the search, stage by stage
     ["collage_tvm.build", "collage_tvm.pipeline", "collage_tvm.tuning.plan", "collage_tvm",
      "collage_tvm.torch_backend"],
     # on top: never imported by the engine

@@ -7,7 +7,9 @@ import pytest
 import tvm
 
 import collage_tvm
-from collage_tvm.build import OUTSIDE_BUDGET, BuildReport, Placing, _within_budget, open_db
+from collage_tvm.placing import OUTSIDE_BUDGET, Placing, _within_budget
+from collage_tvm.report import BuildReport
+from collage_tvm.stores import open_db
 from collage_tvm.check import graph_lib_groups, never_slower
 from collage_tvm.registry import resolve_backends
 from collage_tvm.graph import DataflowGraph
@@ -17,6 +19,7 @@ from collage_tvm.precision import Accuracy, cpu_precisions, parse_accuracy, rela
 from collage_tvm.registry import get_backend, register_backend
 from collage_tvm.target import make_target
 from collage_tvm.tools.zoo import export_onnx
+from collage_tvm.check.contender import records
 
 BF16, BF16_WHY = cpu_precisions()["bf16"]
 ORT = get_backend("onnxruntime").available()[0]
@@ -139,8 +142,8 @@ def test_a_build_whose_error_breaks_the_budget_is_not_shipped(tmp_path):
     assert any(g.backend == "noisy_bf16" for g in noisy.groups)
     # the final comparison: the noisy build is reported with its error and not shipped
     verdict = never_slower(graph, noisy, backends, target, accuracy="bf16")
-    assert not verdict.comparison["collage"]["match"]
-    assert verdict.comparison["collage"]["rel_err"] == pytest.approx(0.1, rel=0.05)
+    assert not records(verdict.comparison)["collage"]["match"]
+    assert records(verdict.comparison)["collage"]["rel_err"] == pytest.approx(0.1, rel=0.05)
     assert all(g.backend == "tvm" for g in verdict.placement.groups), verdict.shipped
     # without the comparison: the check against f32 still runs, and the search goes again
     # on the f32 backends
@@ -151,8 +154,8 @@ def test_a_build_whose_error_breaks_the_budget_is_not_shipped(tmp_path):
     placed, placed_graph = _within_budget(
         Placing(graph, backends, target, open_db(str(tmp_path / "c.db")), options, report), noisy)
     assert placed_graph is graph and all(g.backend == "tvm" for g in placed.groups)
-    assert not report.comparison[OUTSIDE_BUDGET]["match"] and "f32" in report.shipped
-    assert report.comparison[OUTSIDE_BUDGET]["rel_err"] == pytest.approx(0.1, rel=0.05)
+    assert not records(report.comparison)[OUTSIDE_BUDGET]["match"] and "f32" in report.shipped
+    assert records(report.comparison)[OUTSIDE_BUDGET]["rel_err"] == pytest.approx(0.1, rel=0.05)
 
 
 @pytest.mark.skipif(not (BF16 and get_backend("openvino_bf16").available()[0]),
@@ -162,7 +165,7 @@ def test_openvino_in_bf16_is_placed_within_the_bf16_budget_and_reported(tmp_path
     res = collage_tvm.optimize(path, "llvm", ["tvm", "openvino"], db=str(tmp_path / "c.db"),
                                accuracy="bf16", compare=True, progress=False,
                                calibrate_rounds=0, refine_rounds=0, graph_level=False)
-    comp = res.report.comparison
+    comp = records(res.report.comparison)
     assert "openvino_bf16" in res.report.backends and "openvino_bf16" in comp
     assert "flag" in res.report.precision["bf16"]  # which CPU flag allowed bf16
     bf16 = comp["openvino_bf16"]

@@ -6,6 +6,7 @@ import collage_tvm
 from collage_tvm.precision import (INT8_MODEL, INT8_MODEL_TOLERANCE, model_budget,
                                    parse_accuracy, quantized_ops)
 from collage_tvm.tools.suites import matches
+from collage_tvm.check.contender import records
 
 
 def _qdq_cnn(folder) -> tuple:
@@ -88,7 +89,7 @@ def test_optimize_on_a_qdq_file_ships_a_build_within_its_int8_budget_and_saves_i
     rep = res.report
     assert rep.precision["accuracy"] == INT8_MODEL and "quantized" in rep.precision["why"]
     assert not any(b.endswith("_bf16") for b in rep.backends)
-    assert rep.comparison and all(r.get("match") for n, r in rep.comparison.items()
+    assert records(rep.comparison) and all(r.get("match") for n, r in records(rep.comparison).items()
                                   if n in ("collage", rep.shipped))
     m = collage_tvm.load(collage_tvm.save(res, tmp_path / "q.collage"))
     assert m.manifest["accuracy"] == INT8_MODEL

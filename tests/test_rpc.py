@@ -20,6 +20,7 @@ from onnx import TensorProto, helper
 import collage_tvm
 from collage_tvm.measure.db import CostDB
 from collage_tvm.options import SearchOptions
+from collage_tvm.check.contender import records
 
 pytest.importorskip("tornado")  # TVM's tracker needs it
 
@@ -106,7 +107,7 @@ def test_a_search_through_the_tracker_spreads_candidates_and_places_as_locally(
         assert res.report.distinct_measured > 4
         with CostDB(db) as cdb:
             rows = cdb.rows()
-        from collage_tvm.measure.measurer import LEAN_KEY
+        from collage_tvm.measure.keys import LEAN_KEY
 
         # (the lean search's verdict is a row of the DB too, but no measurement)
         served = [r["extra"].get("server") for r in rows
@@ -131,7 +132,8 @@ def test_a_server_killed_mid_batch_loses_no_candidate(tracker, tmp_path):
     from collage_tvm.graph import DataflowGraph
     from collage_tvm.graph.subgraph import extract_function
     from collage_tvm.byoc import candidate_vm
-    from collage_tvm.measure.measurer import _function_json, target_json
+    from collage_tvm.measure.timers import function_json as _function_json
+    from collage_tvm.measure.timers import target_json
     from collage_tvm.measure.worker import _message
     from collage_tvm.registry import get_backend
     from collage_tvm.target import make_target
@@ -268,7 +270,7 @@ def _elsewhere(monkeypatch):
     fingerprint differs), and any whole build run here an error."""
     import importlib
 
-    build = importlib.import_module("collage_tvm.build")  # the package's ``build`` is a function
+    build = importlib.import_module("collage_tvm.placing")  # where the search's device is told
     monkeypatch.setattr(build, "device_fingerprint", lambda target: "another-cpu|64c|llvm:")
 
     def judged_here(*a, **k):
@@ -308,7 +310,7 @@ def test_a_search_for_a_device_of_another_kind_judges_whole_builds_on_a_server(
         rep = res.report
         assert rep.measured_elsewhere and rep.measured_elsewhere != "another-cpu|64c|llvm:"
         assert "skipped" not in rep.graph_level  # run on the server (or nothing to try)
-        cmp = rep.comparison
+        cmp = records(rep.comparison)
         assert {"collage", "tvm-only", "onnxruntime (model file)"} <= set(cmp), cmp
         served = {r.get("server") for r in cmp.values()}
         assert len(served) == 1 and None not in served, served  # all judged by one server
@@ -317,7 +319,7 @@ def test_a_search_for_a_device_of_another_kind_judges_whole_builds_on_a_server(
             assert r["match"] and 0 < r["ms"] < 1e3, (name, r)
         assert rep.shipped in cmp and cmp[rep.shipped]["ms"] == min(
             r["ms"] for r in cmp.values() if r["match"] and "outside_budget" not in r)
-        assert not rep.floor and rep.distinct_measured > 4 and res.executable is not None
+        assert not rep.no_floor and rep.distinct_measured > 4 and res.executable is not None
         assert len(opened) == 1, opened
         # The verdict marked unsure (as if timed beside other work): the next build checks
         # it again on a server, not here.
@@ -330,7 +332,7 @@ def test_a_search_for_a_device_of_another_kind_judges_whole_builds_on_a_server(
             rpc_key=KEY, placement_log=str(tmp_path / "p.json"),
             **{**SEARCH, "graph_level": True, "compare": True, "calibrate_rounds": 1})
         assert again.report.placement_from_log and again.report.rechecked
-        assert {r.get("server") for r in again.report.comparison.values()} == served
+        assert {r.get("server") for r in records(again.report.comparison).values()} == served
     finally:
         for s in servers:
             s.terminate()
@@ -358,8 +360,8 @@ def test_with_no_server_to_judge_the_placement_ships_unjudged(
                 **{**SEARCH, "graph_level": True, "compare": compare, "calibrate_rounds": 1})
             rep = res.report
             assert "no RPC server to run it" in rep.graph_level["skipped"]
-            assert not rep.comparison and res.executable is not None
-            assert ("could not judge" if compare else "--no-compare") in rep.floor, rep.floor
+            assert not records(rep.comparison) and res.executable is not None
+            assert ("could not judge" if compare else "--no-compare") in rep.no_floor, rep.no_floor
     finally:
         for s in servers:
             s.terminate()

@@ -12,7 +12,7 @@ from tvm import relax
 
 import collage_tvm
 from collage_tvm import tuning
-from collage_tvm.build import placement_key
+from collage_tvm.stores import placement_key
 from collage_tvm.graph import DataflowGraph
 from collage_tvm.placement import Candidate
 from collage_tvm.target import make_target
@@ -273,7 +273,7 @@ def test_placement_key_names_the_cost_model(monkeypatch):
     # are searched again.
     import importlib
 
-    build = importlib.import_module("collage_tvm.build")  # the module, not collage_tvm.build()
+    build = importlib.import_module("collage_tvm.stores")  # where the key is made
     func = _conv_block()["main"]
     backends = {"tvm": collage_tvm.get_backend("tvm")}
     now = placement_key(func, TARGET, backends)

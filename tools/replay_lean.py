@@ -17,6 +17,7 @@ import json
 import math
 import os
 
+from collage_tvm.byoc import candidate_vm_for
 from collage_tvm.candidates import generate_candidates
 from collage_tvm.measure.measurer import Measurer
 from collage_tvm.options import SearchOptions
@@ -24,7 +25,7 @@ from collage_tvm.placer import lean
 from collage_tvm.placer.op_level import ensure_cover, place
 from collage_tvm.tools.bench import machine
 
-build = importlib.import_module("collage_tvm.build")
+build = importlib.import_module("collage_tvm.stages")  # the search, stage by stage
 
 
 class TableMeasurer:
@@ -54,7 +55,7 @@ def replay(model: str, db: str) -> dict:
     build.open_stores(st)
     graph, backends = st.graph, st.backends
     cands = generate_candidates(graph, backends.values())
-    m = Measurer.from_options(st.target, st.cost_db, build.candidate_vm_for(None), opts)
+    m = Measurer.from_options(st.target, st.cost_db, candidate_vm_for(None), opts)
     try:
         table = m.known(graph, cands, backends)
         ident = m.identities(graph, cands, backends)
@@ -82,11 +83,11 @@ def replay(model: str, db: str) -> dict:
 
 def _least_shares(graph, cands, table, eps) -> dict:
     """backend -> the least share of its heavy operators' single times a region of it took
-    (``Floors.least`` after every candidate of the table)."""
-    floors = lean.Floors(graph, cands, eps)
+    (``LowerBounds.least`` after every candidate of the table)."""
+    bounds = lean.LowerBounds(graph, cands, eps)
     for c in cands:
-        floors.observe(c, table[c])
-    return floors.least
+        bounds.observe(c, table[c])
+    return bounds.least
 
 
 def main() -> None:

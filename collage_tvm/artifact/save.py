@@ -13,6 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..check.contender import records
 from .format import (ALTERNATE_FILE, BF16_FEATURES, FORMAT, FORMAT_VERSION, KERNELS, MANIFEST,
                      PLACEMENT, REGIONS, STATIC, ArtifactError, _jsonable, _kernel_features)
 
@@ -261,8 +262,12 @@ def _placement_summary(result) -> dict:
     report = result.report
     out = {"shipped": report.shipped, "ops_per_backend": dict(report.ops_per_backend),
            "estimated_ms": report.estimated_ms, "from_log": report.placement_from_log}
-    if report.whole_model:
+    if report.whole_model:  # TVM cannot import it: the model runs whole on a library
         out["whole_model"] = dict(report.whole_model)
+    elif report.shipped_floor:  # the user's file run whole by a library won the check
+        out["whole_model"] = {"backend": report.shipped_floor, "floor": True,
+                              "why": "the model file run whole by it was the fastest "
+                                     "correct build"}
     if result.graph is not None:
         out["groups"] = [{"backend": g.backend, "label": g.label, "ops": len(g.nodes)}
                          for g in result.placement.groups]
@@ -352,7 +357,7 @@ def _write_contents(result, tmp: Path, target) -> dict:
         from ..placement import placement_record
 
         (tmp / PLACEMENT).write_text(json.dumps(_jsonable(placement_record(
-            result.placement, result.graph, target, result.report.comparison,
+            result.placement, result.graph, target, records(result.report.comparison),
             result.report.shipped, result.report.graph_level)), indent=1))
     return _manifest(result, target, regions, count)
 
@@ -390,8 +395,8 @@ def _manifest(result, target, regions: list, count: dict) -> dict:
         "alternate_backends": alternate,
         "accuracy": report.precision.get("accuracy", "f32") if report.precision else "f32",
         "placement": _placement_summary(result),
-        "latency_ms": {n: r.get("ms") for n, r in report.comparison.items()},
-        "comparison": report.comparison,
+        "latency_ms": {n: r.ms for n, r in report.comparison.items()},
+        "comparison": records(report.comparison),
         "kernels": KERNELS,
         "regions": regions,
     }

@@ -21,6 +21,7 @@ on the servers yet.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
@@ -30,9 +31,12 @@ import tvm
 from ..measure.measurer import target_json
 from ..measure.remote import RemoteDevices, RemoteError
 from ..measure.worker import CALLBACK_TIMEOUT_S, _message
+from ..options import FinalCheck
 from ..precision import parse_accuracy
 from ..registry import get_backend
-from .never_slower import floor, judge_builds
+from .contender import records
+from .floors import floor
+from .never_slower import judge_builds
 
 logger = logging.getLogger("collage_tvm")
 
@@ -40,9 +44,10 @@ JUDGED = "judged remotely"  # the label of the groups rebuilt on the server
 
 
 def remote_judge(devices: RemoteDevices, graph, backends: dict, target, accuracy,
-                 alone_ms: dict | None = None):
+                 alone_ms: dict | None = None, settings=None):
     """``never_slower``'s ``judge``: ``(builds, floors) -> (results, other_load)`` by one of
-    the search's RPC servers (``devices``); each result names the server ("server").
+    the search's RPC servers (``devices``); each result (a ``Contender``'s record) names the
+    server ("server"). ``settings``: the thresholds (``options.FinalCheck``), sent along.
     Raises ``measure.remote.RemoteError`` when no server answers or the judging failed."""
 
     def judge(builds: dict, floors: dict) -> tuple:
@@ -67,7 +72,8 @@ def remote_judge(devices: RemoteDevices, graph, backends: dict, target, accuracy
         libs = _with(backends, "tvm", *(f.backend for f in floors.values()))
         message = _message("run_callback", _entries(libs), target_json(target), None,
                            (judge_here, module_json(graph), spec, floor_spec, model, shapes,
-                            str(parse_accuracy(accuracy)), alone_ms))
+                            str(parse_accuracy(accuracy)), alone_ms,
+                            None if settings is None else dataclasses.asdict(settings)))
         logger.info("end to end: the builds go to an RPC server under %r (%s)", devices.key,
                     devices.device)
         results, reason, extra = _ask(devices, message)
@@ -82,7 +88,8 @@ def remote_judge(devices: RemoteDevices, graph, backends: dict, target, accuracy
 
 
 def judge_here(funcs: list, target, module_json: str, spec: dict, floor_spec: dict,
-               model: bytes | None, input_shapes, accuracy: str, alone_ms) -> tuple:
+               model: bytes | None, input_shapes, accuracy: str, alone_ms,
+               settings: dict | None = None) -> tuple:
     """The server's side of ``remote_judge`` (run by ``measure.runner.run_callback`` in the
     measuring child): (results, None, {"other_load": share})."""
     backends = {b.name: b for _, b, _ in funcs}
@@ -100,8 +107,9 @@ def judge_here(funcs: list, target, module_json: str, spec: dict, floor_spec: di
             floors[name] = floor(lib, user_file, backends[lib], input_shapes, graph.func,
                                  target, budget)
     results, share = judge_builds(builds, {n: graph for n in builds}, floors, backends,
-                                  target, parse_accuracy(accuracy), alone_ms)
-    return results, None, {"other_load": share}
+                                  target, parse_accuracy(accuracy), alone_ms,
+                                  None if settings is None else FinalCheck(**settings))
+    return records(results), None, {"other_load": share}
 
 
 def remote_evaluator(devices: RemoteDevices, graph, backends: dict, target, accuracy,

@@ -276,7 +276,7 @@ def _static_build(static_build, ranges):
 def _specializes(static) -> bool:
     """Whether the static build is something other than the user's file run whole (which
     the libraries run at every point anyway)."""
-    return static.executable is not None and not static.report.whole_model.get("floor")
+    return static.executable is not None and not static.report.shipped_floor
 
 
 def _shipped(chosen: dict, special: bool) -> str:

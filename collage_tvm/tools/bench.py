@@ -19,6 +19,7 @@ import os
 import platform
 import time
 
+from collage_tvm.check.contender import records
 from collage_tvm.measure.cuda_graph import note
 from collage_tvm.options import SearchOptions
 from collage_tvm.tools import MissingPlotExtra, need_matplotlib
@@ -233,7 +234,7 @@ def torch_frameworks(model, inputs, onnx_path: str, collage_executable, check, *
         # of one file, OpenVINO runs the one compiled first a few percent slower (docs/
         # COVERAGE.md), so an instance on either side brackets the build in time
         collage_executable = collage_executable.load()
-        if getattr(collage_executable, "decided", None):  # a close call timed at load
+        if getattr(collage_executable, "decided", None):  # alternates timed at load
             extra["collage"] = {"decided_at_load": collage_executable.decided}
     _library_runs({c: makers[fw] for c, fw in controls.items()
                    if fw in runs or (only is not None and fw not in only)}, runs, outs, extra)
@@ -722,7 +723,7 @@ def _searched(name: str, path: str, label: str, options: SearchOptions, db, targ
     t0 = time.perf_counter()
     res = optimize(path, target, db=db, options=_with_progress(options, compare=True))
     rep = res.report
-    entry = {"comparison": rep.comparison, "shipped": rep.shipped,
+    entry = {"comparison": records(rep.comparison), "shipped": rep.shipped,
              "times": rep.times, "wall_s": time.perf_counter() - t0,
              "measured": rep.distinct_measured, "db_hits": rep.db_hits,
              "from_log": rep.placement_from_log,
@@ -732,7 +733,7 @@ def _searched(name: str, path: str, label: str, options: SearchOptions, db, targ
              "lean": rep.lean, "candidates": rep.candidates,
              "switch": {f"{a}|{b}": v for (a, b), v in rep.switch.items()},
              "graph_level": {k: v for k, v in rep.graph_level.items() if k != "history"}}
-    _print_comparison(rep.comparison, rep.shipped)
+    _print_comparison(entry["comparison"], rep.shipped)
     f32 = None
     if not options.accuracy.strict:
         print(f"\n== {name}: Collage {label} at the strict f32 budget, for the "
@@ -784,6 +785,7 @@ def _print_generation(e) -> None:
 
 
 def _print_comparison(comparison: dict, shipped: str) -> None:
+    """The final check's contenders (their records, ``check.contender``), one line each."""
     base = comparison.get("collage", {}).get("ms", math.nan)
     for n, r in comparison.items():
         flag = "  <- shipped" if n == shipped else ""

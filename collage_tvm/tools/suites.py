@@ -519,24 +519,24 @@ def _collage_build(model, inputs, expected, backends, db, rtol, atol, graph_leve
     row["accuracy"] = allowed.name
     row["max_err"] = compare_outputs(got, expected)[1]
     comp = {n: r for n, r in rep.comparison.items()  # (a build outside the budget: not one)
-            if r.get("match") and not r.get("outside_budget")}
-    row["collage_ms"] = rep.comparison.get("collage", {}).get("ms", math.nan)
-    singles = {n: r["ms"] for n, r in comp.items() if not n.startswith("collage")}
+            if r.match and not r.outside_budget}
+    row["collage_ms"] = getattr(rep.comparison.get("collage"), "ms", math.nan)
+    singles = {n: r.ms for n, r in comp.items() if not n.startswith("collage")}
     if singles:
         best = min(singles, key=singles.get)
         row["best"] = (best, singles[best])
     row["shipped"] = rep.shipped
     # what the final check timed each build at (its verdict, beside the frameworks' figures)
-    row["final_check"] = {n: round(r["ms"], 3) for n, r in rep.comparison.items()
-                          if math.isfinite(r.get("ms", math.nan))}
+    row["final_check"] = {n: round(r.ms, 3) for n, r in rep.comparison.items()
+                          if math.isfinite(r.ms)}
     # and the batches of each build it timed again, in order: what the verdict rests on
-    row["final_check_batches"] = {n: r["batches"] for n, r in rep.comparison.items()
-                                  if r.get("batches") and "same_as" not in r}
-    if rep.whole_model and not rep.whole_model.get("floor"):
+    row["final_check_batches"] = {n: r.batches for n, r in rep.comparison.items()
+                                  if r.batches and not r.same_as}
+    if rep.whole_model:
         # TVM cannot import it: a graph library runs it whole (the model file winning the
         # final check is named by ``rep.shipped``: "openvino (model file)")
         row["shipped"] = f"{rep.whole_model['backend']} (whole: {rep.whole_model['why']})"
-    row["collage_ops"] = rep.comparison.get("collage", {}).get("ops", {})
+    row["collage_ops"] = getattr(rep.comparison.get("collage"), "ops", None) or {}
     row["kept_on_tvm"] = sorted(set(rep.kept_on_tvm))
     row["other_load"] = rep.other_load  # the final check's (``measure.timing.OtherLoad``)
     row["times"] = {k: round(v, 2) for k, v in rep.times.items()}  # seconds per stage
@@ -1310,7 +1310,7 @@ def _on_tensors_text(fw: dict) -> str:
 
 
 def _shipped_cell(b: dict) -> str:
-    """What the search shipped, and where a close call timed at load (``check.at_load``)
+    """What the search shipped, and where the alternates timed at load (``check.at_load``)
     ran the file on another library in the timing process, that one."""
     d = (b.get("frameworks", {}).get("collage") or {}).get("decided_at_load") or {}
     text = b.get("shipped", "")

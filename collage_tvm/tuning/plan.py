@@ -25,7 +25,8 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from ..build import example_arrays, import_model, open_db, rewrite_graph, start
+from ..stages import example_arrays, import_model, rewrite_graph, start
+from ..stores import open_db
 from ..frontend import ModelError
 from ..options import SearchOptions
 from ..graph.subgraph import extract_function, function_key, given_inputs
@@ -155,7 +156,7 @@ def tune(model, target="llvm", backends=None, db=None, tuning_db=None, budget: f
     target). ``backends``: as ``optimize`` (default ``tvm,dnnl``): the libraries whose
     costs decide what is worth tuning. ``rewrite``: tune the graph the verified rewrites
     give, as ``optimize(..., rewrite=True)`` places it. The model is imported (and
-    rewritten) by the search's own first stages (``build.STAGES``), with the user's
+    rewritten) by the search's own first stages (``stages.stages()``), with the user's
     ``example_inputs``. Returns a ``TuneReport``."""
     t_start = time.perf_counter()
     if budget <= 0:
