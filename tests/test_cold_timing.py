@@ -11,7 +11,8 @@ from collage_tvm.graph import DataflowGraph
 from collage_tvm.byoc import candidate_vm
 from collage_tvm.measure import measurer as measurer_mod
 from collage_tvm.measure.db import CostDB
-from collage_tvm.measure.measurer import COLD_KEY, Measurer
+from collage_tvm.measure.keys import COLD_KEY
+from collage_tvm.measure.measurer import Measurer
 from collage_tvm.measure.timing import time_main, time_side_by_side
 from collage_tvm.candidates import generate_candidates
 from collage_tvm.registry import get_backend

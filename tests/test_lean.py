@@ -1,5 +1,5 @@
 """Measuring only what can win (issue #35, ``placer.lean``): on a fake cost table whose
-costs keep to a roofline, the DP on floors measures a fraction of the candidates and finds
+costs keep to a roofline, the DP on lower bounds measures a fraction of the candidates and finds
 the placement the full-measure DP finds; a skipped candidate could not have won."""
 import math
 
@@ -10,7 +10,7 @@ from tvm import relax
 from collage_tvm.graph import DataflowGraph
 from collage_tvm.measure.estimate import Roofline, node_flops, work
 from collage_tvm.candidates import generate_candidates
-from collage_tvm.placer.lean import Floors, lean_costs
+from collage_tvm.placer.lean import LowerBounds, lean_costs
 from collage_tvm.placer.op_level import place
 from collage_tvm.registry import get_backend
 
@@ -78,7 +78,7 @@ def _table(graph, candidates):
     return table
 
 
-def test_the_dp_on_floors_finds_the_full_measure_placement_measuring_a_fraction():
+def test_the_dp_on_lower_bounds_finds_the_full_measure_placement_measuring_a_fraction():
     graph, backends, candidates, table = _problem()
     fake = FakeMeasurer(table)
     raw, rep = lean_costs(fake, graph, candidates, backends, EPS, switch={}, gap=None)
@@ -92,7 +92,7 @@ def test_the_dp_on_floors_finds_the_full_measure_placement_measuring_a_fraction(
     assert all(g in fake.asked for g in lean.groups)  # every chosen candidate measured
     skipped = [c for c in candidates if c not in fake.asked]
     assert skipped and all(raw[c] == math.inf for c in skipped)
-    assert rep.floors_broken == 0
+    assert rep.bounds_broken == 0
 
 
 def _forced_costs(graph, candidates, table, found_raw, gap):
@@ -114,7 +114,7 @@ def _forced_costs(graph, candidates, table, found_raw, gap):
 @pytest.mark.parametrize("gap", [None, 0.2])
 def test_a_skipped_candidate_could_not_have_won(gap):
     # Without a gap, forcing any one skipped candidate into the cover never beats the
-    # placement found: its floor had already lost to measured costs. With one, it beats it
+    # placement found: its lower bound had already lost to measured costs. With one, it beats it
     # by less than the gap.
     graph, backends, candidates, table = _problem(blocks=2)
     fake = FakeMeasurer(table)
@@ -145,10 +145,10 @@ def test_the_gap_measures_less_and_stays_within_it_of_the_full_measure_answer():
     assert asked[0.3] <= asked[None]
 
 
-def test_the_single_heavy_operators_are_measured_first_and_floor_their_groups():
+def test_the_single_heavy_operators_are_measured_first_and_bound_their_groups():
     graph, backends, candidates, table = _problem(blocks=2)
-    floors = Floors(graph, candidates, EPS)
-    seed = floors.singles_of_heavy(candidates)
+    bounds = LowerBounds(graph, candidates, EPS)
+    seed = bounds.singles_of_heavy(candidates)
     assert seed and all(len(c.nodes) == 1 for c in seed)
     assert {graph.nodes[next(iter(c.nodes))].op_name for c in seed} <= {
         "relax.nn.conv2d", "relax.matmul"}
@@ -156,13 +156,13 @@ def test_the_single_heavy_operators_are_measured_first_and_floor_their_groups():
                 and graph.nodes[next(iter(c.nodes))].op_name == "relax.nn.conv2d")
     fused = [c for c in candidates if c.backend == "dnnl" and conv.nodes < c.nodes]
     assert fused
-    before = floors.floor(fused[0])
-    floors.observe(conv, EPS["dnnl"] + 1.0)  # the convolution alone: 1 ms
-    assert floors.floor(fused[0]) >= max(before, 0.7 - 1e-12)  # PARTS_SLACK of its heavy part
+    before = bounds.bound(fused[0])
+    bounds.observe(conv, EPS["dnnl"] + 1.0)  # the convolution alone: 1 ms
+    assert bounds.bound(fused[0]) >= max(before, 0.7 - 1e-12)  # PARTS_SLACK of its heavy part
     fake = FakeMeasurer(table)
     _, rep = lean_costs(fake, graph, candidates, backends, EPS, switch={})
     external = [c for c in seed if backends[c.backend].is_external]
-    largest = floors.largest(candidates, backends)  # onnxruntime's whole-graph region
+    largest = bounds.largest(candidates, backends)  # onnxruntime's whole-graph region
     assert largest and {c.backend for c in largest} == {"onnxruntime"}
     assert len(largest[0].nodes) == max(len(c.nodes) for c in candidates
                                         if c.backend == "onnxruntime")
@@ -172,32 +172,32 @@ def test_the_single_heavy_operators_are_measured_first_and_floor_their_groups():
 
 def test_a_group_measured_below_its_parts_lowers_its_backend_s_share():
     # MobileNetV2 on OpenVINO: a region of depthwise convolutions ran in 0.16 of their times
-    # alone. The floors of that backend's groups follow what its groups were measured at.
+    # alone. The lower bounds of that backend's groups follow what its groups were measured at.
     graph, backends, candidates, _ = _problem(blocks=2)
-    floors = Floors(graph, candidates, EPS)
+    bounds = LowerBounds(graph, candidates, EPS)
     region = max((c for c in candidates if c.backend == "onnxruntime"), key=lambda c: len(c.nodes))
-    heavy = floors.heavy[region]
+    heavy = bounds.heavy[region]
     for i in heavy:
         single = next(c for c in candidates if c.backend == "onnxruntime" and c.nodes == {i})
-        floors.observe(single, EPS["onnxruntime"] + 1.0)  # 1 ms each alone
-    assert math.isclose(floors.floor(region), 0.7 * len(heavy))
-    floors.observe(region, EPS["onnxruntime"] + 0.2 * len(heavy))  # the region: 0.2 of them
-    assert math.isclose(floors.share["onnxruntime"], 0.8 * 0.2)
-    assert math.isclose(floors.floor(region), 0.16 * len(heavy))
-    assert "dnnl" not in floors.share  # another backend keeps its share
+        bounds.observe(single, EPS["onnxruntime"] + 1.0)  # 1 ms each alone
+    assert math.isclose(bounds.bound(region), 0.7 * len(heavy))
+    bounds.observe(region, EPS["onnxruntime"] + 0.2 * len(heavy))  # the region: 0.2 of them
+    assert math.isclose(bounds.share["onnxruntime"], 0.8 * 0.2)
+    assert math.isclose(bounds.bound(region), 0.16 * len(heavy))
+    assert "dnnl" not in bounds.share  # another backend keeps its share
 
 
-def test_the_work_of_a_convolution_and_the_floor_of_an_unseen_backend():
+def test_the_work_of_a_convolution_and_the_lower_bound_of_an_unseen_backend():
     graph = _graph(blocks=1)
     conv = next(n for n in graph.nodes if n.op_name == "relax.nn.conv2d")
     assert node_flops(conv) == 2 * (8 * 16 * 16) * (8 * 3 * 3)
     flops, moved = work(graph, [conv.index])
     assert flops == node_flops(conv) and moved == 4 * (8 * 16 * 16 * 2 + 8 * 8 * 3 * 3)
     roof = Roofline(slack=0.5)
-    assert roof.floor("dnnl", flops, moved) == 0.0  # never measured: the DP tries it
+    assert roof.bound("dnnl", flops, moved) == 0.0  # never measured: the DP tries it
     roof.observe("dnnl", flops, moved, 0.01)
-    assert roof.floor("dnnl", flops, moved) == 0.005  # half its own time: the slack
-    assert roof.floor("dnnl", 2 * flops, moved) == 0.01
+    assert roof.bound("dnnl", flops, moved) == 0.005  # half its own time: the slack
+    assert roof.bound("dnnl", 2 * flops, moved) == 0.01
 
 
 def test_a_candidate_measured_after_the_single_operators_gets_a_cutoff_from_them():
@@ -219,8 +219,13 @@ def test_a_lib_plus_tvm_build_doing_tvm_only_s_work_is_not_built_when_tvm_only_w
     # The final check: tvm-only timed once past the cutoff; "mkl+tvm" with MKL's matmul only
     # leaves the convolutions on TVM, so it cannot beat the cutoff: not built. One with the
     # convolutions on a library is built.
-    from collage_tvm.check.never_slower import _hopeless_like_tvm_only
+    from collage_tvm.check.contender import from_records
+    from collage_tvm.check.never_slower import _hopeless_like_tvm_only as like_tvm_only
+    from collage_tvm.options import FinalCheck
     from collage_tvm.placement import Candidate
+
+    def _hopeless_like_tvm_only(graph, groups, results, cutoff):
+        return like_tvm_only(graph, groups, from_records(results), cutoff, FinalCheck())
 
     graph = _graph(blocks=2)
     matmul = next(n.index for n in graph.nodes if n.op_name == "relax.matmul")
@@ -242,11 +247,19 @@ def test_a_lib_plus_tvm_build_doing_tvm_only_s_work_is_not_built_when_tvm_only_w
 
 def test_what_tvm_alone_takes_at_least_is_below_what_it_takes():
     # The DP over TVM's candidates alone (and over an op library's with TVM's), on measured
-    # costs and floors: a lower bound of the full-measure single-backend placement (the
-    # roofline keeps to its floors here); the final check skips building one only past
+    # costs and lower bounds: a lower bound of the full-measure single-backend placement
+    # (the roofline keeps to its lower bounds here); the final check skips building one only past
     # ALONE_FACTOR times the placement's first time.
-    from collage_tvm.check.never_slower import (ALONE_FACTOR, ALONE_MIN_MS, SLOW_BUILD_FACTOR,
-                                                _hopeless_by_estimate)
+    from collage_tvm.check.never_slower import _hopeless_by_estimate as hopeless
+    from collage_tvm.options import FinalCheck
+
+    s = FinalCheck()
+    ALONE_FACTOR, ALONE_MIN_MS, SLOW_BUILD_FACTOR = (s.alone_factor, s.alone_min_ms,
+                                                     s.slow_build_factor)
+
+    def _hopeless_by_estimate(estimate, cutoff):
+        return hopeless(estimate, cutoff, s)
+
 
     graph, backends, candidates, table = _problem(blocks=3)
     raw, rep = lean_costs(FakeMeasurer(table), graph, candidates, backends, EPS, switch={})
@@ -270,9 +283,9 @@ def test_what_tvm_alone_takes_at_least_is_below_what_it_takes():
 
 def test_tvm_far_slower_than_the_libraries_is_measured_a_few_times_not_everywhere(monkeypatch):
     # Untuned TVM: its convolutions at a fiftieth of its rates, its matrix product at four
-    # times them (as fast as a library's: the roofline's peak, halved, keeps the floors of
-    # its convolutions low). Two of its convolution groups are measured first; against the
-    # libraries' single operators they give the rest a floor from that ratio, and those are
+    # times them (as fast as a library's: the roofline's peak, halved, keeps the lower bounds
+    # of its convolutions low). Two of its convolution groups are measured first; against the
+    # libraries' single operators they give the rest a lower bound from that ratio, and those are
     # skipped; without it they are offered on.
     import collage_tvm.placer.lean as lean
 
@@ -295,19 +308,20 @@ def test_tvm_far_slower_than_the_libraries_is_measured_a_few_times_not_everywher
         return sum(1 for c in set(fake.asked) if c.backend == "tvm")
 
     with_ratio = tvm_measured()
-    monkeypatch.setattr(lean.Floors, "relative_floor", lambda self, c: 0.0)
+    monkeypatch.setattr(lean.LowerBounds, "relative_bound", lambda self, c: 0.0)
     assert with_ratio < tvm_measured()
 
 
 def test_a_rerun_over_the_same_cost_db_takes_the_kept_verdict_and_measures_nothing(tmp_path):
     # The real Measurer's verdict in a real cost DB; its costs from the table. The second
     # search's DB knows more than the first measured (as a carved region adds): asked again
-    # on the floors those costs lower, the DP could want more measured; the kept verdict
+    # on the lower bounds those costs lower, the DP could want more measured; the kept verdict
     # stands instead. With a measured candidate forgotten (a failure of the moment), the
     # verdict does not stand and the search measures again.
     from collage_tvm.byoc import candidate_vm
     from collage_tvm.measure.db import CostDB
-    from collage_tvm.measure.measurer import LEAN_KEY, Measurer
+    from collage_tvm.measure.keys import LEAN_KEY
+    from collage_tvm.measure.measurer import Measurer
     from collage_tvm.target import make_target
 
     graph, backends, candidates, table = _problem(blocks=6)

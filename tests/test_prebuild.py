@@ -10,7 +10,8 @@ from tvm import relax
 
 from collage_tvm.graph import DataflowGraph
 from collage_tvm.measure.db import CostDB
-from collage_tvm.measure.measurer import Measurer, default_build_jobs
+from collage_tvm.measure.builds import default_build_jobs
+from collage_tvm.measure.measurer import Measurer
 from collage_tvm.candidates import generate_candidates
 from collage_tvm.registry import get_backend
 from collage_tvm.target import make_target
@@ -79,12 +80,12 @@ def test_a_build_that_fails_in_a_build_process_is_built_again_where_it_is_timed(
 
 
 def test_build_jobs_default_to_the_cores_on_a_gpu_target_and_none_on_a_small_cpu(monkeypatch):
-    from collage_tvm.measure import measurer
+    from collage_tvm.measure import builds
 
-    monkeypatch.setattr(measurer, "host_cores", lambda: 2)
+    monkeypatch.setattr(builds, "host_cores", lambda: 2)
     assert default_build_jobs(make_target("llvm")) == 0
     assert default_build_jobs(make_target("cuda:sm_90")) == 2
-    monkeypatch.setattr(measurer, "host_cores", lambda: 64)
+    monkeypatch.setattr(builds, "host_cores", lambda: 64)
     assert default_build_jobs(make_target("llvm")) == 16
 
 

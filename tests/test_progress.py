@@ -1,5 +1,5 @@
 """Progress of long measurements when stderr is a log file or a pipe (CI, nohup)."""
-from collage_tvm.measure.measurer import _progress
+from collage_tvm.measure.progress import progress_bar as _progress
 
 
 def test_progress_off_a_terminal_writes_a_few_lines_not_one_per_candidate(capsys):

@@ -11,7 +11,8 @@ from collage_tvm.placement import Candidate, Placement
 from collage_tvm.graph import DataflowGraph
 from collage_tvm.graph.subgraph import function_key
 from collage_tvm.measure.db import CostDB
-from collage_tvm.measure.measurer import SIDE_KEY, Measurer
+from collage_tvm.measure.keys import SIDE_KEY
+from collage_tvm.measure.measurer import Measurer
 from collage_tvm.measure.timing import time_side_by_side
 from collage_tvm.candidates import generate_candidates
 from collage_tvm.byoc import candidate_vm
@@ -130,7 +131,7 @@ def test_refine_retimes_close_calls_once_and_the_db_keeps_them(tmp_path, isolate
 
 
 def test_fit_side_by_side_removes_each_sets_drift():
-    from collage_tvm.measure.measurer import fit_side_by_side
+    from collage_tvm.measure.side_by_side import fit_side_by_side
 
     # True times: a 1.0, b 1.05, c 0.1. Set 1 ran 30% slow, set 2 10% fast: taken as
     # measured, a (1.3) looks dearer than b (0.945); c, timed in both, gives the drift away.

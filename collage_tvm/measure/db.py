@@ -28,18 +28,18 @@ import sqlite3
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
 from .._files import aside_name, file_lock, write_json_atomic
-from .timing import cut_before_second_look
+# CostRecord, failure_kind, TRANSIENT: where the DB's users import them from
+from .records import (EXPORT_FORMAT, EXPORT_VERSION, FAILURE_KINDS, TRANSIENT,  # noqa: F401
+                      CostRecord, check_cost, cost_to_json, dump_extra, failure_kind,
+                      import_rows, load_extra)
 
 logger = logging.getLogger("collage_tvm")
 
 SCHEMA_VERSION = 1
-EXPORT_FORMAT = "collage_tvm.costdb"
-EXPORT_VERSION = 1
 BUSY_TIMEOUT_S = 30.0
 LOCKED_RETRIES, LOCKED_WAIT_S = 10, 1.0  # a write still locked out after the busy timeout
 _MEMORY = ":memory:"
@@ -82,54 +82,6 @@ _COLUMNS = ("backend", "version", "key", "device", "cost_ms", "reason", "measure
 _abandoned_after_fork: list = []
 
 
-@dataclass
-class CostRecord:
-    """One cached measurement."""
-
-    cost_ms: float  # math.inf for a failed candidate
-    reason: str | None  # why it failed / was cut short, else None
-    measured_at: float  # unix time
-    extra: dict = field(default_factory=dict)  # free-form JSON-able info
-
-    @property
-    def failed(self) -> bool:
-        return math.isinf(self.cost_ms)
-
-    @property
-    def failure_kind(self) -> str | None:
-        """None for a measurement; else "timeout", "memory", "crash" (the measuring process
-        died) or "cannot-run" (the library refused or failed on it: ``failure_kind``)."""
-        return failure_kind(self.reason) if self.failed else None
-
-    @property
-    def retry(self) -> bool:
-        """A failure of the moment (timeout, out of memory, a crashed measuring process) not
-        yet retried: measured again once by a later run; a real "cannot run" stays. So is a
-        cost cut short on a first run that ``timing.time_main`` now gives a second look
-        (``timing.cut_before_second_look``): a lazy start recorded as the candidate's cost."""
-        if not self.failed:
-            return cut_before_second_look(self.reason)
-        return self.failure_kind in TRANSIENT and not self.extra.get("retried")
-
-
-# Failures of the moment rather than of the candidate: retried once (``CostRecord.retry``).
-TRANSIENT = ("timeout", "memory", "crash")
-FAILURE_KINDS = (*TRANSIENT, "cannot-run")
-
-
-def failure_kind(reason: str | None) -> str:
-    """The kind of a failed measurement's ``reason`` (``CostRecord.failure_kind``): the
-    measuring worker writes "timed out after N s" and "measurement process died (...)"."""
-    text = (reason or "").lower()
-    if text.startswith("timed out") or "timeout" in text.split(":")[0]:
-        return "timeout"
-    if "memoryerror" in text or "out of memory" in text or "cannot allocate memory" in text:
-        return "memory"
-    if text.startswith("measurement process died") or "sigkill" in text or "sigsegv" in text:
-        return "crash"
-    return "cannot-run"
-
-
 class _DamagedDB(Exception):
     """Internal: the file at the DB path is not a usable cost database."""
 
@@ -140,59 +92,6 @@ def _is_corruption(err: sqlite3.DatabaseError) -> bool:
         return (code & 0xFF) in (_SQLITE_CORRUPT, _SQLITE_NOTADB)
     msg = str(err).lower()  # Python < 3.11: no error codes
     return "not a database" in msg or "malformed" in msg or "corrupt" in msg
-
-
-def _check_cost(cost_ms) -> float:
-    try:
-        cost = float(cost_ms)
-    except (TypeError, ValueError):
-        raise TypeError(f"cost_ms must be a number, got {cost_ms!r}") from None
-    if math.isnan(cost):
-        raise ValueError("cost_ms must not be NaN (use math.inf for a failed candidate)")
-    return cost
-
-
-def _dump_extra(extra) -> str:
-    if extra is None:
-        extra = {}
-    if not isinstance(extra, dict):
-        raise TypeError(f"extra must be a dict, got {type(extra).__name__}")
-    try:
-        return json.dumps(extra, sort_keys=True)
-    except (TypeError, ValueError) as e:
-        raise TypeError(f"extra is not JSON-able: {e}") from None
-
-
-def _load_extra(text: str | None) -> dict:
-    if not text:
-        return {}
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return {"_unparsed": text}
-    return value if isinstance(value, dict) else {"_value": value}
-
-
-def _cost_to_json(cost: float):
-    if math.isinf(cost):
-        return "inf" if cost > 0 else "-inf"
-    return cost
-
-
-def _cost_from_json(value, where: str) -> float:
-    if isinstance(value, bool):
-        raise ValueError(f"{where}: cost_ms must be a number or \"inf\", got {value!r}")
-    if isinstance(value, (int, float)):
-        cost = float(value)
-    elif isinstance(value, str) and value.strip().lower() in ("inf", "+inf", "infinity", "+infinity"):
-        cost = math.inf
-    elif isinstance(value, str) and value.strip().lower() in ("-inf", "-infinity"):
-        cost = -math.inf
-    else:
-        raise ValueError(f"{where}: cost_ms must be a number or \"inf\", got {value!r}")
-    if math.isnan(cost):
-        raise ValueError(f"{where}: cost_ms is NaN")
-    return cost
 
 
 class CostDB:
@@ -326,7 +225,7 @@ class CostDB:
     @staticmethod
     def _record(row) -> CostRecord:
         cost_ms, reason, measured_at, extra = row
-        return CostRecord(float(cost_ms), reason, float(measured_at), _load_extra(extra))
+        return CostRecord(float(cost_ms), reason, float(measured_at), load_extra(extra))
 
     # ------------------------------------------------------------------ API
     def get(self, backend: str, version: str, key: str, device: str) -> CostRecord | None:
@@ -370,7 +269,7 @@ class CostDB:
                 raise TypeError(f"{name} must be a str, got {type(value).__name__}")
         if reason is not None and not isinstance(reason, str):
             raise TypeError(f"reason must be a str or None, got {type(reason).__name__}")
-        row = (backend, version, key, device, _check_cost(cost_ms), reason, time.time(), _dump_extra(extra))
+        row = (backend, version, key, device, check_cost(cost_ms), reason, time.time(), dump_extra(extra))
         for attempt in range(LOCKED_RETRIES + 1):
             try:
                 with self._use() as conn:
@@ -449,7 +348,7 @@ class CostDB:
             d = dict(zip(_COLUMNS, r))
             d["cost_ms"] = float(d["cost_ms"])
             d["measured_at"] = float(d["measured_at"])
-            d["extra"] = _load_extra(d["extra"])
+            d["extra"] = load_extra(d["extra"])
             out.append(d)
         return out
 
@@ -457,7 +356,7 @@ class CostDB:
         """Write every record to ``path`` (atomically); infinite costs become "inf"."""
         records = self.rows()
         for r in records:
-            r["cost_ms"] = _cost_to_json(r["cost_ms"])
+            r["cost_ms"] = cost_to_json(r["cost_ms"])
         doc = {"format": EXPORT_FORMAT, "version": EXPORT_VERSION, "records": records}
         write_json_atomic(Path(os.fspath(path)).expanduser(), doc)
         return len(records)
@@ -479,7 +378,7 @@ class CostDB:
             doc = json.loads(text)
         except ValueError as e:
             raise ValueError(f"{src}: not valid JSON: {e}") from None
-        rows = self._validate_import(doc, str(src))
+        rows = import_rows(doc, str(src))
         with self._use() as conn:
             before = conn.total_changes
             conn.execute("BEGIN IMMEDIATE")
@@ -490,49 +389,6 @@ class CostDB:
                 conn.execute("ROLLBACK")
                 raise
             return conn.total_changes - before
-
-    @staticmethod
-    def _validate_import(doc, where: str) -> list[tuple]:
-        if not isinstance(doc, dict):
-            raise ValueError(f"{where}: expected a JSON object with \"records\", got {type(doc).__name__}")
-        fmt = doc.get("format", EXPORT_FORMAT)
-        if fmt != EXPORT_FORMAT:
-            raise ValueError(f"{where}: not a cost database export (format {fmt!r})")
-        version = doc.get("version")
-        if version != EXPORT_VERSION:
-            raise ValueError(f"{where}: unsupported export version {version!r} (expected {EXPORT_VERSION})")
-        records = doc.get("records")
-        if not isinstance(records, list):
-            raise ValueError(f"{where}: \"records\" must be a list")
-        rows = []
-        for i, r in enumerate(records):
-            at = f"{where}: record {i}"
-            if not isinstance(r, dict):
-                raise ValueError(f"{at}: expected an object, got {type(r).__name__}")
-            for name in ("backend", "version", "key", "device"):
-                if name not in r:
-                    raise ValueError(f"{at}: missing field {name!r}")
-                if not isinstance(r[name], str):
-                    raise ValueError(f"{at}: field {name!r} must be a string, got {r[name]!r}")
-            if "cost_ms" not in r:
-                raise ValueError(f"{at}: missing field 'cost_ms'")
-            cost = _cost_from_json(r["cost_ms"], at)
-            reason = r.get("reason")
-            if reason is not None and not isinstance(reason, str):
-                raise ValueError(f"{at}: field 'reason' must be a string or null, got {reason!r}")
-            measured_at = r.get("measured_at")
-            if isinstance(measured_at, bool) or not isinstance(measured_at, (int, float)) or math.isnan(measured_at):
-                raise ValueError(f"{at}: field 'measured_at' must be a number (unix time), got {measured_at!r}")
-            extra = r.get("extra", {})
-            if extra is None:
-                extra = {}
-            if not isinstance(extra, dict):
-                raise ValueError(f"{at}: field 'extra' must be an object, got {type(extra).__name__}")
-            rows.append(
-                (r["backend"], r["version"], r["key"], r["device"], cost, reason, float(measured_at),
-                 json.dumps(extra, sort_keys=True))
-            )
-        return rows
 
     def close(self) -> None:
         with self._lock:

@@ -5,11 +5,11 @@ or a matrix product's multiply-adds; one per output element elsewhere) and the b
 move (its inputs from outside the group, its weights, its outputs). A backend's *observed
 peaks* are the highest rates its measured candidates reached on this machine (FLOP/ms and
 bytes/ms, each over the candidates that searched measured or found in the cost DB). The
-candidate's *floor* is the roofline of those peaks, ``max(flops / peak_flops, bytes /
+candidate's *lower bound* is the roofline of those peaks, ``max(flops / peak_flops, bytes /
 peak_bytes)``, times ``SLACK``: a candidate cannot run faster than the fastest rate its
 backend has shown, with room for what the count misses.
 
-``placer.lean`` uses the floors as the unmeasured candidates' costs in the op-level DP and
+``placer.lean`` uses the lower bounds as the unmeasured candidates' costs in the op-level DP and
 measures only the candidates the DP then chooses, until it chooses measured ones only.
 """
 from __future__ import annotations
@@ -21,11 +21,11 @@ from tvm import relax
 
 from ..graph.subgraph import Constant
 
-# The share of the roofline a floor keeps: a candidate is assumed able to beat its backend's
+# The share of the roofline a lower bound keeps: a candidate is assumed able to beat its backend's
 # best observed rate by up to 1/SLACK (a count that misses work, a kernel better than any yet
 # measured).
 SLACK = 0.5
-# Operators that move no data on a backend that sees them fused (a view, a shape): no floor.
+# Operators that move no data on a backend that sees them fused (a view, a shape): no lower bound.
 FREE = {"relax.reshape", "relax.squeeze", "relax.expand_dims", "relax.flatten",
         "tuple", "tuple_get_item", "relax.shape_of"}
 # Operators whose work is multiply-adds: 2 FLOPs per output element per reduced element.
@@ -33,7 +33,7 @@ _REDUCING = {"relax.nn.conv1d", "relax.nn.conv2d", "relax.nn.conv3d"}
 _TRANSPOSED = {"relax.nn.conv1d_transpose", "relax.nn.conv2d_transpose",
                "relax.nn.conv3d_transpose"}
 # Operators whose own work a library cannot fuse away: a group's time is at least a share of
-# what they take alone on the same backend (``placer.lean``'s parts floor). Elementwise
+# what they take alone on the same backend (``placer.lean``'s parts bound). Elementwise
 # operators are not among them: fused into a convolution they cost next to nothing.
 HEAVY = _REDUCING | _TRANSPOSED | {
     "relax.matmul", "relax.nn.linear", "relax.nn.max_pool1d", "relax.nn.max_pool2d",
@@ -132,7 +132,7 @@ def work(graph, nodes) -> tuple:
 
 
 class Roofline:
-    """Each backend's observed peaks, and the floors they give (module docstring)."""
+    """Each backend's observed peaks, and the lower bounds they give (module docstring)."""
 
     def __init__(self, slack: float = SLACK):
         self.slack = slack
@@ -142,16 +142,16 @@ class Roofline:
 
     def observe(self, backend: str, flops: int, moved: int, ms: float) -> None:
         """A measured candidate of ``backend`` doing (``flops``, ``moved``) in ``ms`` (its
-        time without the per-call overhead)."""
+        time without its call overhead)."""
         if not (math.isfinite(ms) and ms > 1e-6):
             return
         self.seen[backend] += 1
         self.peak_flops[backend] = max(self.peak_flops[backend], flops / ms)
         self.peak_bytes[backend] = max(self.peak_bytes[backend], moved / ms)
 
-    def floor(self, backend: str, flops: int, moved: int) -> float:
-        """The least ``backend`` could take (ms, overhead excluded); 0 before any of its
-        candidates was measured (the DP then tries it, and it is measured)."""
+    def bound(self, backend: str, flops: int, moved: int) -> float:
+        """The least ``backend`` could take (ms, its call overhead excluded); 0 before any of
+        its candidates was measured (the DP then tries it, and it is measured)."""
         pf, pb = self.peak_flops.get(backend, 0.0), self.peak_bytes.get(backend, 0.0)
-        bound = max(flops / pf if pf > 0 else 0.0, moved / pb if pb > 0 else 0.0)
-        return self.slack * bound
+        at_peak = max(flops / pf if pf > 0 else 0.0, moved / pb if pb > 0 else 0.0)
+        return self.slack * at_peak

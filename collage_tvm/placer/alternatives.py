@@ -114,7 +114,7 @@ def refine(measurer, placement: Placement, candidates: list, raw: dict, epsilon:
     many overlapping graph-library candidates the close calls run to hundreds of sets of
     tiny kernels that can move the end-to-end time little.
     """
-    from ..measure.measurer import fit_side_by_side
+    from ..measure.side_by_side import fit_side_by_side
 
     dp_costs = {c: max(0.0, v - epsilon.get(c.backend, 0.0)) for c, v in raw.items()}
     decisions = close_decisions(placement, candidates, dp_costs, epsilon, threshold)
