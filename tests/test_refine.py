@@ -1,4 +1,4 @@
-"""Close calls of the op-level DP (placer.alternatives) and their side-by-side re-timing
+"""Alternative covers of the op-level DP (placer.alternatives) and their side-by-side re-timing
 (placer.alternatives.refine, Measurer.retime_side_by_side)."""
 import math
 
@@ -16,7 +16,7 @@ from collage_tvm.measure.measurer import Measurer
 from collage_tvm.measure.timing import time_side_by_side
 from collage_tvm.candidates import generate_candidates
 from collage_tvm.byoc import candidate_vm
-from collage_tvm.placer.alternatives import close_decisions, functions_of, refine
+from collage_tvm.placer.alternatives import alternative_covers, functions_of, refine
 from collage_tvm.placer.op_level import place
 from collage_tvm.registry import get_backend
 from collage_tvm.target import make_target
@@ -28,23 +28,24 @@ def _c(backend, *nodes):
 
 def test_merge_and_split_alternatives_within_the_threshold():
     # Chain 0 -> 1 -> 2: conv, bias, relu. The placement splits conv (dnnl) from bias+relu
-    # (tvm); dnnl's fused conv+bias+relu is 10% dearer as measured: a close call.
+    # (tvm); dnnl's fused conv+bias+relu is 10% dearer as measured: an alternative
+    # cover within the threshold.
     conv, fused, tail = _c("dnnl", 0), _c("dnnl", 0, 1, 2), _c("tvm", 1, 2)
     singles = [_c("tvm", 1), _c("tvm", 2)]
     far = _c("tvm", 0, 1, 2)  # 3x dearer: not close
     costs = {conv: 1.0, tail: 0.1, fused: 1.2, singles[0]: 0.06, singles[1]: 0.06, far: 3.3}
     eps = {"dnnl": 0.0, "tvm": 0.0}
     p = Placement(groups=[conv, tail], cost=1.1)
-    found = close_decisions(p, list(costs), costs, eps, threshold=0.25)
+    found = alternative_covers(p, list(costs), costs, eps, threshold=0.25)
     pairs = {(tuple(sorted(x.label for x in a)), tuple(sorted(x.label for x in b)))
              for a, b in found}
     assert (("dnnl[0]", "tvm[1, 2]"), ("dnnl[0, 1, 2]",)) in pairs          # merge
     assert (("tvm[1, 2]",), ("tvm[1]", "tvm[2]")) in pairs                 # split
     assert not any("tvm[0, 1, 2]" in b for _, b in pairs)                  # 3x: not close
     # A tighter threshold drops the 20% merge; epsilon counts per kernel.
-    tight = close_decisions(p, list(costs), costs, eps, threshold=0.05)
+    tight = alternative_covers(p, list(costs), costs, eps, threshold=0.05)
     assert not any(b == [fused] for _, b in tight)
-    with_eps = close_decisions(p, list(costs), costs, {"dnnl": 0.0, "tvm": 0.1}, threshold=0.05)
+    with_eps = alternative_covers(p, list(costs), costs, {"dnnl": 0.0, "tvm": 0.1}, threshold=0.05)
     assert any(b == [fused] for _, b in with_eps)  # 1.2 vs 1.0 + 0.1 + 0.1 + epsilon
     members = functions_of([(p.groups, [fused])])[0]
     assert {m.label for m in members} == {"dnnl[0]", "tvm[1, 2]", "dnnl[0, 1, 2]"}
@@ -56,7 +57,7 @@ def test_only_exact_covers_count_and_infinite_costs_are_ignored():
     dead = _c("dnnl", 0, 1)        # failed to build: inf
     costs = {a: 1.0, b: 1.0, partial: 2.0, dead: math.inf, _c("tvm", 2): 1.0}
     p = Placement(groups=[a, b, _c("tvm", 2)], cost=3.0)
-    found = close_decisions(p, list(costs), costs, {}, threshold=0.5)
+    found = alternative_covers(p, list(costs), costs, {}, threshold=0.5)
     assert all(len(alt) == 1 and alt[0].nodes == frozenset({0, 1, 2}) for _, alt in found)
     assert all(dead not in alt for _, alt in found)
 
@@ -89,13 +90,13 @@ def _conv_relu_graph():
 
 
 def _refine(measurer, *args, **kwargs) -> tuple:
-    """``refine`` as (costs, number of close calls)."""
+    """``refine`` as (costs, number of alternative covers)."""
     result = refine(measurer, *args, **kwargs)
-    return result.raw, result.close_calls
+    return result.raw, result.alternative_covers
 
 
 @pytest.mark.parametrize("isolate", [False, True])
-def test_refine_retimes_close_calls_once_and_the_db_keeps_them(tmp_path, isolate):
+def test_refine_retimes_alternative_covers_once_and_the_db_keeps_them(tmp_path, isolate):
     graph = _conv_relu_graph()
     tvm_b = get_backend("tvm")
     backends = {"tvm": tvm_b}
@@ -106,7 +107,7 @@ def test_refine_retimes_close_calls_once_and_the_db_keeps_them(tmp_path, isolate
     try:
         raw = m.costs(graph, cands, backends)
         # A cost table where the fused kernel looks a little dearer than the split: every
-        # alternative cover is a close call (threshold 75%).
+        # alternative cover is within the threshold (75%).
         fake = {c: 0.1 * len(c.nodes) * (1.1 if len(c.nodes) == len(graph) else 1.0)
                 for c in cands}
         p = place(graph.producers, cands, fake, {})

@@ -1,12 +1,12 @@
-"""The close calls of an op-level placement: where a different cover of the same nodes was
-within the measurement noise.
+"""The alternative covers of an op-level placement: where a different cover of the same
+nodes was within the measurement noise.
 
 The DP picks the cheapest cover under measured costs, and with hundreds of candidates each
 timed once on a noisy machine it picks, among near-equal alternatives, the one measured
 luckiest (the winner's curse): a fused conv+bias+relu timed during a burst of machine noise
 looks dearer than the same conv alone, though the fused ReLU costs nothing, and the DP
 splits ReLUs and residual adds off their convolutions onto extra kernels
-(docs/BENCHMARKS.md, "A measurement-noise finding"). ``close_decisions`` lists, for each
+(docs/BENCHMARKS.md, "A measurement-noise finding"). ``alternative_covers`` lists, for each
 group of a placement, the alternative covers of its nodes (one candidate merging several
 chosen groups, or a few candidates splitting one) whose cost is within ``threshold`` of
 the chosen cover's; ``refine`` has each such set re-timed side by side and the DP runs
@@ -20,11 +20,12 @@ from dataclasses import dataclass
 from ..placement import Placement
 
 
-def close_decisions(placement: Placement, candidates: list, costs: dict, epsilon: dict,
-                    threshold: float = 0.25, max_parts: int = 3) -> list:
-    """``[(chosen, alternative)]``, closest first: two covers (lists of candidates) of the same node set, the
-    chosen one from ``placement``, whose costs (``costs[c] + epsilon[backend]``) differ by at
-    most ``threshold`` of the smaller. Alternatives: a candidate not chosen whose nodes are
+def alternative_covers(placement: Placement, candidates: list, costs: dict, epsilon: dict,
+                       threshold: float = 0.25, max_parts: int = 3) -> list:
+    """``[(chosen, alternative)]``, closest first: two covers (lists of candidates) of the
+    same node set, the chosen one from ``placement``, whose costs (``costs[c]`` plus the
+    backend's call overhead, ``epsilon[backend]``) differ by at most ``threshold`` of the
+    smaller. Alternatives: a candidate not chosen whose nodes are
     exactly the union of two or more chosen groups; a cover of a chosen group's nodes by
     2..``max_parts`` other candidates."""
     def w(group) -> float:
@@ -91,33 +92,34 @@ def functions_of(decisions: list) -> list:
 
 @dataclass
 class Refined:
-    raw: dict           # candidate -> ms, with the side-by-side estimates
-    close_calls: int    # alternative covers within the threshold
-    stakes: list        # ms at stake per close call re-timed, largest first
+    raw: dict                # candidate -> ms, with the side-by-side estimates
+    alternative_covers: int  # alternative covers within the threshold
+    stakes: list             # ms at stake per alternative cover re-timed, largest first
 
 
 def refine(measurer, placement: Placement, candidates: list, raw: dict, epsilon: dict,
            backends: dict, threshold: float = 0.75, max_sets: int = 300,
            budget_s: float | None = None) -> Refined:
-    """Re-time the placement's close calls side by side (``Measurer.retime_side_by_side``).
+    """Re-time the placement's alternative covers side by side
+    (``Measurer.retime_side_by_side``).
 
-    ``close_decisions`` lists the alternative covers whose measured cost is within
+    ``alternative_covers`` lists the alternative covers whose measured cost is within
     ``threshold`` of the chosen one (wide: one burst of machine noise has made a fused
     kernel look far dearer than the same kernel without its epilogue, see the module doc);
     the candidates of each (both covers) run in alternating rounds in one process. One
     function often sits in several sets, each timed in its own machine state:
     ``fit_side_by_side`` estimates each function's time and each set's drift together, so
     the ratios inside a set are what the DP sees. Candidates the measurer did not measure,
-    or whose re-timing fails, keep their first time. The close calls are taken by what is
+    or whose re-timing fails, keep their first time. The alternative covers are taken by what is
     at stake (the smaller cover's time, weighted by how close the two are), at most
     ``max_sets`` of them, within ``budget_s`` seconds of re-timing: on a small model with
-    many overlapping graph-library candidates the close calls run to hundreds of sets of
+    many overlapping graph-library candidates the alternative covers run to hundreds of sets of
     tiny kernels that can move the end-to-end time little.
     """
     from ..measure.side_by_side import fit_side_by_side
 
     dp_costs = {c: max(0.0, v - epsilon.get(c.backend, 0.0)) for c, v in raw.items()}
-    decisions = close_decisions(placement, candidates, dp_costs, epsilon, threshold)
+    decisions = alternative_covers(placement, candidates, dp_costs, epsilon, threshold)
 
     def stake(decision) -> float:
         wa, wb = (sum(dp_costs[c] + epsilon.get(c.backend, 0.0) for c in cover)

@@ -5,13 +5,13 @@ its weights and its runtime's threads warm. In a whole run a kernel follows kern
 other runtimes (and other sessions of its own library), and some pay far more than their
 isolated time: a GEMM right after a graph library whose thread pool is still spinning, a
 library session per group each with its own pool (docs/BENCHMARKS.md, "Op-level placement
-in context", has the measurements). Pairwise switching costs (``Measurer.switch_costs``)
+in context", has the measurements). Pairwise switch costs (``Measurer.switch_costs``)
 catch part of this; the rest depends on what ran before, which a probe cannot know.
 
 So: build the placement, run it, and time every external call in place. What a backend's
-calls cost beyond their isolated time (less the switching cost the DP already charges) is
-its in-context per-call overhead: the median over its calls of all rounds so far becomes
-an addition to its epsilon (TVM's calls run inside the VM and are not timed one by one:
+calls cost beyond their isolated time (less the switch cost the DP already charges) is
+its in-context call overhead: the median over its calls of all rounds so far becomes
+an addition to its call overhead (epsilon) (TVM's calls run inside the VM and are not timed one by one:
 TVM gets the part of the whole run no external call accounts for, spread over its
 kernels). Run the DP again on the calibrated epsilons, and repeat until the placement
 stops changing or ``rounds`` runs out. A per-backend term, not a per-group cost: a group

@@ -14,7 +14,7 @@ from ..placement import Candidate
 
 
 def kernel_cost(c, costs: dict, epsilon: dict) -> float:
-    """What the DP charges for candidate ``c``: its cost plus its backend's per-call
+    """What the DP charges for candidate ``c``: its cost plus its backend's call overhead
     ``epsilon`` (infinite when unmeasured)."""
     return costs.get(c, math.inf) + epsilon.get(c.backend, 0.0)
 

@@ -26,7 +26,7 @@ search goes on. The search stops when the time budget is spent or the best laten
 not improved for ``patience`` generations (saturation).
 
 A placement is not built when it cannot win (``call_ms``): each of its graph-library calls
-takes at least that library's measured per-call overhead (the op level's epsilon), and
+takes at least that library's measured call overhead (the op level's epsilon), and
 when their sum alone is ``BOUND_MARGIN`` times the best latency measured so far, the
 placement is counted as bounded out, not built and timed. A model of a few tiny operators
 (an onnx node test's microseconds, under one library call) measures only its seed.
@@ -45,7 +45,7 @@ from ..placement import Candidate, Placement, merge_offloaded, order_groups, val
 
 logger = logging.getLogger("collage_tvm")
 
-# How far a placement's graph-library calls, at their per-call overheads alone, must be
+# How far a placement's graph-library calls, at their call overheads alone, must be
 # past the best latency measured for the placement to be left unbuilt: the overheads and
 # the placements are timed apart (a busy moment can inflate one), so only a clear loss.
 BOUND_MARGIN = 1.2
@@ -71,7 +71,7 @@ class GraphLevelSearch:
         """``graph_libs``: name -> Backend (kind ``graph``), each with pattern rules.
         ``evaluate(groups) -> (ms, reason)``: build and time a placement (inf + reason if invalid).
         ``order(graph, groups)``: an executable order of groups (default: ``order_groups``).
-        ``call_ms``: library -> the least one call into it takes (ms; its measured per-call
+        ``call_ms``: library -> the least one call into it takes (ms; its measured call
         overhead): placements whose calls alone lose are not built (``lower_bound``).
         """
         order = order or order_groups
@@ -139,7 +139,7 @@ class GraphLevelSearch:
         return self.fitness_of(groups)
 
     def lower_bound(self, groups) -> float:
-        """The least a placement can take: its graph-library calls at their per-call
+        """The least a placement can take: its graph-library calls at their call
         overheads (``call_ms``; 0 for a library without one), the rest at nothing."""
         return sum(self.call_ms.get(g.backend, 0.0) for g in groups)
 

@@ -1,9 +1,9 @@
 """Op-level placer: exact DP over frontiers (Collage paper, Algorithm 1, Eq. 2-4).
 
 Given a DAG of ``n`` nodes in topological order, a list of candidates (a backend
-plus a set of nodes), a compute cost per candidate and a per-backend switching
-cost ``epsilon`` (ms per kernel), choose candidates that cover every node exactly
-once, can be executed in some order, and minimise
+plus a set of nodes), a compute cost per candidate and a per-backend call overhead
+``epsilon`` (ms per kernel), choose candidates that cover every node exactly once,
+can be executed in some order, and minimise
 
     sum(cost[c] + epsilon[c.backend])                               (Eq. 2-4)
 
@@ -23,7 +23,7 @@ at least ``h`` (split each group's weight evenly over its nodes) and
 ``h(S) - h(S | c) <= w(c)`` for every edge, so ``h`` is consistent: the first time a
 state is popped its cost is optimal and the search is exact.
 
-Context-aware switching (``switch``): a kernel of backend ``b`` that runs right after
+Switch costs (``switch``): a kernel of backend ``b`` that runs right after
 one of backend ``a`` pays ``switch[a, b]`` more (thread pools of two runtimes waking,
 spinning against each other; ``switch[a, a]``: two sessions of one graph library, each
 with its own state; measured by ``Measurer.switch_costs``). The cost
@@ -111,8 +111,8 @@ def _dag(producers: list[list[int]]) -> _Dag:
 
 
 @dataclass
-class _Switching:
-    """Backends as small ints and the cost of a kernel right after another (row: the
+class _SwitchCosts:
+    """Backends as small ints and the switch cost of a kernel right after another (row: the
     previous kernel's backend; the extra last row is "no kernel yet", free)."""
 
     names: list[str]
@@ -121,18 +121,19 @@ class _Switching:
     on: bool                      # any positive entry: the cost depends on the order
 
 
-def _switching(candidates: list[Candidate], switch: dict | None) -> _Switching:
+def _switch_costs(candidates: list[Candidate], switch: dict | None) -> _SwitchCosts:
     names = sorted({c.backend for c in candidates})
     index = {b: i for i, b in enumerate(names)}
     matrix = [[0.0] * len(names) for _ in range(len(names) + 1)]
     for a in names:
         for b in names:
             matrix[index[a]][index[b]] = pair_cost(switch, a, b)
-    return _Switching(names, index, matrix, any(v > 0 for row in matrix for v in row))
+    return _SwitchCosts(names, index, matrix, any(v > 0 for row in matrix for v in row))
 
 
-def _weights(candidates: list[Candidate], costs, epsilon: dict[str, float]) -> list[float]:
-    """Eq. 2-4's weight of each candidate: its cost plus its backend's epsilon."""
+def _weights(candidates: list[Candidate], costs, overhead: dict[str, float]) -> list[float]:
+    """Eq. 2-4's weight of each candidate: its cost plus its backend's call overhead
+    (``epsilon``)."""
     if isinstance(costs, dict):
         cost_list = [costs.get(c, math.inf) for c in candidates]
     else:
@@ -140,7 +141,7 @@ def _weights(candidates: list[Candidate], costs, epsilon: dict[str, float]) -> l
         if len(cost_list) != len(candidates):
             raise ValueError(
                 f"costs has {len(cost_list)} entries for {len(candidates)} candidates")
-    return [float(cost) + float(epsilon.get(c.backend, 0.0))
+    return [float(cost) + float(overhead.get(c.backend, 0.0))
             for c, cost in zip(candidates, cost_list)]
 
 
@@ -175,13 +176,13 @@ class _Kernels:
     weight: list[float] = field(default_factory=list)
     size: list[int] = field(default_factory=list)
     original: list[int] = field(default_factory=list)   # index into the caller's candidates
-    backend: list[int] = field(default_factory=list)    # _Switching.index of its backend
+    backend: list[int] = field(default_factory=list)    # _SwitchCosts.index of its backend
     by_node: list[list[int]] = field(default_factory=list)  # kernels holding node v
     by_min: list[list[int]] = field(default_factory=list)   # kernels whose smallest node is v
     reduced: list[float] = field(default_factory=list)  # weight less the heuristic's drop
 
 
-def _kernels(dag: _Dag, candidates: list[Candidate], best: dict, sw: _Switching) -> _Kernels:
+def _kernels(dag: _Dag, candidates: list[Candidate], best: dict, sw: _SwitchCosts) -> _Kernels:
     t = _Kernels(by_node=[[] for _ in range(dag.n)], by_min=[[] for _ in range(dag.n)])
     for w, k in best.values():
         nodes = sorted(candidates[k].nodes)
@@ -233,14 +234,14 @@ class _AStar:
     A state is one int: the placed-node mask shifted left by ``kb`` bits that hold the
     backend of the last kernel (``kb == 0`` when the order costs nothing)."""
 
-    def __init__(self, dag: _Dag, t: _Kernels, sw: _Switching, h0: float, progress):
+    def __init__(self, dag: _Dag, t: _Kernels, sw: _SwitchCosts, h0: float, progress):
         self.dag, self.t, self.sw, self.h0, self.progress = dag, t, sw, h0, progress
         self.kb = len(sw.names).bit_length() if sw.on else 0
         self.start = len(sw.names) if sw.on else 0
         self.full = (1 << dag.n) - 1
 
     def run(self, mode: str, limit: int | None) -> _Outcome:
-        """``mode``: "ready" (every ready kernel: exact for switching costs), "pruned"
+        """``mode``: "ready" (every ready kernel: exact with switch costs), "pruned"
         (kernels holding u or ready ancestors of its group: exact for the additive cost),
         "restricted" (kernels holding u only). Gives up after ``limit`` expansions."""
         kb, seq, progress, successors = self.kb, self.sw.on, self.progress, self._successors
@@ -362,7 +363,7 @@ class _AStar:
 
 
 def _modes(sequence: bool, max_states: int, exact: bool) -> list[tuple[str, int | None]]:
-    """The searches to try in turn, each with its state budget. With switching costs the
+    """The searches to try in turn, each with its state budget. With switch costs the
     exact search tries every ready kernel, which on wide graphs (NASNet-A cells: 814 nodes,
     6650 candidates) passes millions of states: then the additive pruning (still charging
     switches) on a quarter of that budget, then the restricted search (NASNet-A: 12k
@@ -399,17 +400,17 @@ def place(
     ``producers[i]``: indices of the nodes node ``i`` reads (all ``< i``).
     ``costs``: dict keyed by candidate (a missing key counts as ``inf``) or a list
     parallel to ``candidates``. Candidates of infinite or NaN cost are ignored.
-    ``epsilon``: per-backend switching cost added once per chosen candidate
-    (a backend missing from the dict costs 0).
+    ``epsilon``: per-backend call overhead (the paper's epsilon), added once per chosen
+    candidate (a backend missing from the dict costs 0).
     ``progress``: called with the number of expanded states every ~10000 states
     and once at the end.
-    ``max_states``: if the exact search expands more states than this (with switching
+    ``max_states``: if the exact search expands more states than this (with switch
     costs: a tenth of it, then the additive pruning on a fortieth), it is abandoned for a
     restricted search that only tries candidates containing the smallest unplaced node
     (not exact; a warning is logged; ``Placement.exact`` is False).
     ``exact``: False runs the restricted search only (for re-runs on a graph known to be
     too wide for the exact search).
-    ``switch``: ``(a, b) -> ms`` extra cost of a ``b`` kernel right after an ``a`` kernel,
+    ``switch``: ``(a, b) -> ms``, the switch cost of a ``b`` kernel right after an ``a`` kernel,
     ``a == b`` allowed (``(b, a)`` is used when ``(a, b)`` is missing; 0 for absent pairs).
 
     Returns the groups in execution order. Raises ``ValueError`` if some node has no
@@ -419,7 +420,7 @@ def place(
     if dag.n == 0:
         return Placement(groups=[], cost=0.0, chosen_by={})
     weights = _weights(candidates, costs, epsilon)
-    sw = _switching(candidates, switch)
+    sw = _switch_costs(candidates, switch)
     t = _kernels(dag, candidates, _cheapest(candidates, weights, dag.n, sw.on), sw)
     astar = _AStar(dag, t, sw, _heuristic(t, candidates, dag.n), progress)
     modes = _modes(sw.on, max_states, exact)
@@ -441,6 +442,6 @@ def place(
     groups = [candidates[t.original[c]] for c in _path(out)]
     total = out.g[out.found]
     log.debug("op-level placer: %d nodes, %d candidates, %d states expanded, cost %.6g ms%s",
-              dag.n, len(t.mask), expanded, total, " (with switching costs)" if sw.on else "")
+              dag.n, len(t.mask), expanded, total, " (with switch costs)" if sw.on else "")
     return Placement(groups=groups, cost=total, chosen_by={c: "op-level" for c in groups},
                      exact=exact and i == 0)

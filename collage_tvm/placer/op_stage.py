@@ -1,8 +1,8 @@
 """The op-level stage of a new placement: the candidates over the graph, their costs
 (measured, the cost DB's, or left unmeasured by the lean search where they cannot win), the
 DP (``op_level.place``, the paper's Algorithm 1), regions carved around the TVM kernels that
-beat a library inside its region (``carve``), rounds of re-timing the close calls side by
-side (``alternatives.refine``), and the in-context calibration (``calibrate``).
+beat a library inside its region (``carve``), rounds of re-timing the alternative covers
+side by side (``alternatives.refine``), and the in-context calibration (``calibrate``).
 
 ``p`` is the search's ``build.Placing`` (graph, backends, target, options, report): each
 function writes its record into ``p.report``. The ``Measurer`` comes from the caller, which
@@ -32,8 +32,8 @@ class OpLevel:
     placement: Placement | None
     candidates: list
     raw: dict      # candidate -> measured ms, one call's overhead included
-    eps: dict      # backend -> one call's overhead (the paper's epsilon, Eq. 2)
-    switch: dict   # (backend, backend) -> ms per change of runtime
+    eps: dict      # backend -> its call overhead (the paper's epsilon, Eq. 2)
+    switch: dict   # (backend, backend) -> switch cost: ms per change of runtime
 
     @property
     def costs(self) -> dict:
@@ -47,7 +47,7 @@ def dp_costs(raw: dict, eps: dict) -> dict:
 
 
 # The share of the search's budget (``SearchOptions.budget``) the side-by-side re-timing of
-# close calls may take, its rounds together.
+# alternative covers may take, its rounds together.
 REFINE_SHARE = 0.25
 
 
@@ -57,7 +57,7 @@ def op_level(p, measurer) -> tuple[OpLevel, float]:
     candidates = generate_candidates(p.graph, p.backends.values())
     p.report.candidates = len(candidates)
     work, measuring_s = _measured(p, measurer, candidates)
-    # Re-timing close calls may take half as long again as measuring did, and at most
+    # Re-timing alternative covers may take half as long again as measuring did, and at most
     # REFINE_SHARE of the search's budget, all rounds together; when the DB answered
     # every candidate it times nothing new either.
     refine_s = (min(max(30.0, 0.5 * measuring_s), REFINE_SHARE * p.options.budget)
@@ -67,7 +67,8 @@ def op_level(p, measurer) -> tuple[OpLevel, float]:
 
 def record(report, measurer, work: OpLevel, dp_s: float, t0: float) -> None:
     """The stage's figures into ``report``: seconds measuring (since ``t0``, less the DP's
-    and the measurer's own stages), counts, overheads, the placement's estimate."""
+    and the measurer's own stages), counts, call overheads and switch costs, the
+    placement's estimate."""
     report.times["measure"] = time.perf_counter() - t0 - dp_s - sum(measurer.seconds.values())
     report.times.update({k: v for k, v in measurer.seconds.items() if v})
     report.times["search"] = dp_s
@@ -92,7 +93,7 @@ def _measured(p, measurer, candidates) -> tuple[OpLevel, float]:
     switch = measurer.switch_costs(p.backends.values()) if p.options.switching else {}
     t0 = time.perf_counter()
     if p.options.lean:
-        # No second pass in reverse order: the close calls the DP leaves are re-timed
+        # No second pass in reverse order: the alternative covers the DP leaves are re-timed
         # side by side (refine), the rest cannot win.
         measurer.second_pass = False
         measured, lean = lean_costs(measurer, p.graph, candidates, p.backends, eps, switch)
@@ -112,7 +113,7 @@ def _measured(p, measurer, candidates) -> tuple[OpLevel, float]:
 def _place_refined(p, measurer, work: OpLevel, refine_s: float) -> float:
     """The DP (``place``, the paper's Algorithm 1) over ``work``'s costs; after the first,
     regions carved around winning TVM kernels (``_carve``); then rounds of re-timing the
-    close calls side by side (``refine``, within ``refine_s`` seconds in all) and placing
+    alternative covers side by side (``refine``, within ``refine_s`` seconds in all) and placing
     again, until no cost changes or ``options.refine_rounds`` ran. Sets ``work.placement``;
     returns the seconds the DP took."""
     dp_s = 0.0
@@ -130,7 +131,7 @@ def _place_refined(p, measurer, work: OpLevel, refine_s: float) -> float:
         refined = refine(measurer, work.placement, work.candidates, work.raw, work.eps,
                          p.backends, budget_s=refine_s)
         refine_s = max(0.0, refine_s - (time.perf_counter() - t0))
-        p.report.close_calls = refined.close_calls
+        p.report.close_calls = refined.alternative_covers  # (report.py names it so)
         if refined.raw == work.raw:
             break  # no cost changed: the DP would answer the same
         work.raw = refined.raw
