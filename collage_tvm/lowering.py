@@ -1,6 +1,6 @@
 """The lowering interface: how a chosen subgraph becomes something runnable on a backend.
 
-A backend's lowering (DESIGN.md, Backends) is one small class, declared here the way TVM's
+A backend's lowering (docs/DESIGN.md, "Backends") is one small class, declared here the way TVM's
 dlight declares a ``ScheduleRule``: subclass :class:`Lowering`, implement :meth:`version`
 and :meth:`lower`, and override :meth:`available` and :meth:`probe` where the defaults do
 not fit. The registry checks a lowering when it first resolves it; an object that does not
@@ -55,8 +55,8 @@ class Lowering(abc.ABC):
         """
 
     def probe(self) -> relax.Function | None:
-        """The smallest kernel the backend runs, timed for its per-call overhead (the
-        switching cost). ``None`` (the default): the measurer's 1-element ``add``."""
+        """The smallest kernel the backend runs, timed for its call overhead (the DP's
+        epsilon). ``None`` (the default): the measurer's 1-element ``add``."""
         return None
 
 

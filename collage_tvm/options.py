@@ -131,6 +131,35 @@ class FinalCheck:
     at_load_share: float = 0.10
 
 
+@dataclass(frozen=True)
+class Evolution:
+    """The graph level's evolutionary search (``placer.graph_level.GraphLevelSearch.run``):
+    ``population`` individuals a generation, crossover and mutation probabilities
+    (``cxpb``, ``mutpb``: DEAP's ``varAnd``), ``immigrants`` fresh random individuals a
+    generation, and ``patience``: generations without a 0.1% gain before it stops."""
+
+    population: int = 12
+    patience: int = 5
+    cxpb: float = 0.6
+    mutpb: float = 0.4
+    immigrants: int = 2
+
+    def __post_init__(self):
+        if int(self.population) < 2 or int(self.patience) < 1 or int(self.immigrants) < 0:
+            raise ValueError(f"evolution: population must be >= 2, patience >= 1 and "
+                             f"immigrants >= 0, got {self}")
+        if not (0.0 <= self.cxpb <= 1.0 and 0.0 <= self.mutpb <= 1.0):
+            raise ValueError(f"evolution: cxpb and mutpb are probabilities (0..1), got {self}")
+
+    def key(self) -> str:
+        """Its part of the placement-log key: "" at the defaults (the keys of logs written
+        before it was an option stay as they were)."""
+        if self == Evolution():
+            return ""
+        return "|evolution=" + ",".join(f"{f.name}={getattr(self, f.name)}"
+                                       for f in dataclasses.fields(self))
+
+
 # The settings a check takes when none are passed (``SearchOptions.final_check``).
 DEFAULT_FINAL_CHECK = FinalCheck()
 
@@ -142,7 +171,7 @@ def final_check(settings: FinalCheck | None = None) -> FinalCheck:
 
 @dataclass(frozen=True)
 class SearchOptions:
-    """How Collage searches a placement (DESIGN.md's data flow, one build)."""
+    """How Collage searches a placement (docs/DESIGN.md's data flow, one build)."""
 
     # Backends to place on; ``tvm`` is always added. Unavailable ones are skipped with a
     # reason. Empty (the default): every registered backend for the target's device that
@@ -177,6 +206,9 @@ class SearchOptions:
     refine_rounds: int = _rounds("|refined", 2)
     # Rounds of in-context calibration of the op-level placement (``placer.calibrate``).
     calibrate_rounds: int = _rounds("|calibrated", 4)
+    # The graph level's evolutionary search: population, patience, crossover and mutation
+    # probabilities (``Evolution``); in the key when not the defaults.
+    evolution: Evolution = field(default_factory=Evolution, metadata={"key": lambda v: v.key()})
     # Seconds the graph-level search may take; the rewrite search (rewrite=True) too.
     budget: float = _not_key(DEFAULT_BUDGET, "a bound on the search's time; the placement found "
                              "within it stands for later builds")
@@ -216,6 +248,8 @@ class SearchOptions:
         object.__setattr__(self, "backends", tuple(backends))
         object.__setattr__(self, "accuracy", parse_accuracy(self.accuracy))
         object.__setattr__(self, "shapes", _shape_specs(self.shapes))
+        if isinstance(self.evolution, dict):  # evolution={"population": 20}
+            object.__setattr__(self, "evolution", Evolution(**self.evolution))
         for name in ("refine_rounds", "calibrate_rounds"):
             if int(getattr(self, name)) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

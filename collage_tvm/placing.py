@@ -227,14 +227,15 @@ def _graph_level(p: Placing, placement, evaluate=None):
         return placement
     t0 = time.perf_counter()
     gl = GraphLevelSearch(p.graph, placement, libs, evaluate or latency_evaluator(
-        p.graph, p.backends, p.target, p.options.accuracy), call_ms=report.epsilon)
+        p.graph, p.backends, p.target, p.options.accuracy), call_ms=report.call_overhead)
     timed = _timed_anyway(p, gl, placement)
     if timed:
         logger.info("graph-level: skipped: %s", timed)
         report.graph_level = {"libraries": sorted(libs), "genes": gl.n_genes,
                               "eligible_groups": len(gl.eligible), "skipped": timed}
         return placement
-    res = gl.run(budget_s=p.options.budget, on_generation=p.options.on_generation)
+    res = gl.run(budget_s=p.options.budget, on_generation=p.options.on_generation,
+                 **dataclasses.asdict(p.options.evolution))
     report.times["graph-level"] = time.perf_counter() - t0
     report.graph_level = {"libraries": sorted(libs), "genes": gl.n_genes,
                           "eligible_groups": len(gl.eligible), "seed_ms": res.seed_ms,

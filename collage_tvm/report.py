@@ -24,9 +24,9 @@ class BuildReport:
     failures: list = field(default_factory=list)
     kept_on_tvm: list = field(default_factory=list)  # ops no candidate could be measured for
     unrunnable: list = field(default_factory=list)  # those nodes: "op -> dtype" each
-    epsilon: dict = field(default_factory=dict)
-    switch: dict = field(default_factory=dict)  # (a, b) -> ms per change of runtime
-    close_calls: int = 0   # alternative covers within 75% of the chosen one (refine)
+    call_overhead: dict = field(default_factory=dict)  # backend -> ms per call (epsilon)
+    switch_cost: dict = field(default_factory=dict)  # (a, b) -> ms per change of runtime
+    alternative_covers: int = 0  # covers within 75% of the chosen one, re-timed (refine)
     carved: dict = field(default_factory=dict)  # regions cut around TVM kernels (_carve)
     # measuring only what can win (placer.lean.LeanReport): measured, known, skipped, rounds
     lean: dict = field(default_factory=dict)
@@ -72,7 +72,7 @@ class BuildReport:
             return "placement found in the placement log: measured nothing"
         if self.distinct_measured == 0 and self.side_by_side == 0:
             return f"all {self.db_hits} costs found in the cost DB: measured nothing"
-        side = (f"; re-timed {self.side_by_side} close calls side by side"
+        side = (f"; re-timed {self.side_by_side} sets of alternative covers side by side"
                 if self.side_by_side else "")
         return (f"measured {self.distinct_measured} candidates ({self.db_hits} from the cost "
                 f"DB){side}")

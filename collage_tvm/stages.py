@@ -23,7 +23,8 @@ from .frontend.model_file import ModelFile, model_file
 from .graph import DataflowGraph, NotDataflow
 from .graph.subgraph import given_inputs
 from .measure.db import CostDB
-from .measure.measurer import Measurer, target_json
+from .measure.measurer import Measurer
+from .measure.timers import target_json
 from .measure.remote import RemoteDevices
 from .measure.timing import BUSY_SHARE
 from .options import SearchOptions

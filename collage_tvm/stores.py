@@ -10,7 +10,7 @@ from tvm import relax
 
 from .graph.subgraph import function_key
 from .measure.db import CostDB
-from .measure.measurer import COST_MODEL
+from .measure.keys import COST_MODEL
 from .options import SearchOptions
 from .placement_log import PlacementLog
 from .tuning import TuningDB, default_dir, open_tuning_db
@@ -23,7 +23,7 @@ DEFAULT_DB = os.path.join(os.path.expanduser("~"), ".cache", "collage-tvm", "cos
 def placement_key(main: relax.Function, target, backends: dict,
                   options: SearchOptions | None = None, tuning: str = "") -> str:
     """The placement-log key: the model, the target, each backend's library version, the
-    cost model's revision (``measure.measurer.COST_MODEL``), every option that changes the
+    cost model's revision (``measure.keys.COST_MODEL``), every option that changes the
     search (``SearchOptions.key_variant``) and the tuning records TVM's kernels use
     (``TuningDB.digest``; "" when untuned)."""
     parts = [function_key(main), str(target)] + sorted(f"{n}={b.version()}" for n, b in backends.items())

@@ -71,7 +71,7 @@ def cuda_arch() -> tuple[str | None, str]:
     """(``"sm_90"``, "") for this machine's first CUDA device, else (None, why not).
 
     TVM's CUDA runtime loads only where ``libcudart`` of its CUDA is found: importing a
-    CUDA build of torch first loads it (DESIGN.md, platform facts)."""
+    CUDA build of torch first loads it (docs/DESIGN.md, platform facts)."""
     try:
         import torch  # noqa: F401 - loads libcudart for TVM's CUDA runtime, where it has one
     except Exception:  # noqa: BLE001 - no torch: TVM may still find CUDA on its own

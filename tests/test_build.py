@@ -166,7 +166,7 @@ def test_never_slower_compares_every_build_and_times_hopeless_ones_once(small_on
         assert "dnnl+tvm" in comp
     # The switching costs between runtimes were measured and reported.
     if len(backends) > 1:
-        assert ("dnnl", "tvm") in res.report.switch
+        assert ("dnnl", "tvm") in res.report.switch_cost
 
 
 def test_cli_optimize_prints_the_search_and_writes_a_drawable_placement(small_onnx, tmp_path,
@@ -183,7 +183,7 @@ def test_cli_optimize_prints_the_search_and_writes_a_drawable_placement(small_on
     assert rc == 0, text
     assert "operators per backend" in text and "tvm-only" in text
     if backends == "tvm,dnnl":
-        assert "switching cost between runtimes" in text and "dnnl<->tvm" in text
+        assert "switch cost between runtimes" in text and "dnnl<->tvm" in text
         assert "calibration round 0" in text
     record = json.loads(out.read_text())
     assert len(record["graph"]["nodes"]) == sum(len(g["nodes"]) for g in record["groups"])

@@ -1,4 +1,4 @@
-"""The package's imports follow DESIGN.md's data flow: no circles, no stage importing a later
+"""The package's imports follow docs/DESIGN.md's data flow: no circles, no stage importing a later
 one, the engine never importing the tools or the CLI.
 
 Every ``import`` and ``from ... import`` counts, at module level or deferred inside a
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Where each module's source lives: the engine, the built-in backends included.
 SOURCES = {"collage_tvm": ROOT / "collage_tvm"}
 
-# DESIGN.md's data flow, earliest first. A module may import its own stage or earlier ones.
+# docs/DESIGN.md's data flow, earliest first. A module may import its own stage or earlier ones.
 STAGES = [
     # foundation: file and memory helpers, targets, precisions, the backend registry and its lowering interface,
     # the search options, the Relax -> ONNX writer (graph libraries' patterns and lowerings),

@@ -3,7 +3,7 @@ import dataclasses
 
 import pytest
 
-from collage_tvm.options import SearchOptions
+from collage_tvm.options import Evolution, FinalCheck, SearchOptions
 
 
 def test_every_option_declares_whether_it_is_part_of_the_placement_log_key():
@@ -48,10 +48,12 @@ def test_key_changes_with_search_options_and_not_with_display_ones():
     assert SearchOptions(switching=False, refine_rounds=0, calibrate_rounds=0,
                          graph_level=False).key_variant() == ""
     for same in (dict(progress=False), dict(isolate=False), dict(budget=10.0),
-                 dict(on_generation=print), dict(build_jobs=4), dict(compare=False)):
+                 dict(on_generation=print), dict(build_jobs=4), dict(compare=False),
+                 dict(evolution=Evolution()), dict(final_check=FinalCheck(runoff_rounds=3))):
         assert SearchOptions(graph_level=False, **same).key_variant() == base.key_variant(), same
     for other in (dict(switching=False), dict(refine_rounds=1), dict(calibrate_rounds=0),
-                  dict(graph_level=True), dict(lean=False)):
+                  dict(graph_level=True), dict(lean=False),
+                  dict(evolution=Evolution(population=20)), dict(evolution={"cxpb": 0.5})):
         assert SearchOptions(**{"graph_level": False, **other}).key_variant() != \
             base.key_variant(), other
 
@@ -69,6 +71,43 @@ def test_options_from_keywords_name_an_unknown_one_and_check_values():
         SearchOptions(budget=0)
     with pytest.raises(ValueError, match="build_jobs must be >= 0"):
         SearchOptions(build_jobs=-1)
+    with pytest.raises(ValueError, match="population must be >= 2"):
+        SearchOptions(evolution={"population": 1})
+    with pytest.raises(ValueError, match="probabilities"):
+        SearchOptions(evolution=Evolution(mutpb=1.5))
+    assert SearchOptions(evolution={"patience": 9}).evolution == Evolution(patience=9)
+
+
+def test_the_graph_levels_evolution_settings_reach_its_search(monkeypatch):
+    """``SearchOptions.evolution`` is what ``GraphLevelSearch.run`` is given (population,
+    patience, crossover and mutation probabilities, immigrants), not run's own defaults."""
+    import importlib
+
+    from collage_tvm.report import BuildReport
+
+    placing = importlib.import_module("collage_tvm.placing")
+    seen = {}
+
+    class Search:
+        n_genes = 0  # (nothing the final check times anyway: ``_timed_anyway``)
+
+        def __init__(self, *a, **kw):
+            self.eligible = [1]
+
+        def run(self, **kw):
+            seen.update(kw)
+            raise StopIteration  # what it was given is all this test reads
+
+    monkeypatch.setattr(placing, "GraphLevelSearch", Search)
+    evolution = Evolution(population=7, patience=2, cxpb=0.3, mutpb=0.9, immigrants=0)
+    p = placing.Placing(None, {"onnxruntime": type("B", (), {"kind": "graph", "rules": [1]})()},
+                        None, None, SearchOptions(evolution=evolution, budget=3.0),
+                        BuildReport(backends=[]))
+    with pytest.raises(StopIteration):
+        placing._graph_level(p, None, evaluate=lambda groups: (1.0, None))
+    assert {k: seen[k] for k in ("population", "patience", "cxpb", "mutpb", "immigrants")} \
+        == dataclasses.asdict(evolution)
+    assert seen["budget_s"] == 3.0
 
 
 def test_the_cli_reads_build_jobs_and_refuses_a_negative_count(capsys):

@@ -1,4 +1,4 @@
-"""The single-backend builds a placement is judged against (DESIGN.md, "never slower").
+"""The single-backend builds a placement is judged against (docs/DESIGN.md, "The final check").
 
 "tvm-only": TVM alone (its own fusion). "<lib>+tvm" for an op library: the BYOC habit,
 every group the library's patterns match (largest first) goes to it, TVM runs the rest.

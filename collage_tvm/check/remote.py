@@ -28,7 +28,7 @@ import math
 
 import tvm
 
-from ..measure.measurer import target_json
+from ..measure.timers import target_json
 from ..measure.remote import RemoteDevices, RemoteError
 from ..measure.worker import CALLBACK_TIMEOUT_S, _message
 from ..options import FinalCheck

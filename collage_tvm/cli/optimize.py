@@ -154,13 +154,13 @@ def _report(args, res, t0) -> int:
 
 
 def _print_search(rep) -> None:
-    """The op level's close calls and switching costs, the rewrites, the graph level."""
-    if rep.close_calls:
-        print(f"close calls of the op-level DP: {rep.close_calls} alternative covers within 75% "
+    """The op level's alternative covers and switch costs, the rewrites, the graph level."""
+    if rep.alternative_covers:
+        print(f"alternative covers of the op-level DP: {rep.alternative_covers} within 75% "
               f"({rep.side_by_side} sets re-timed side by side in this run)")
-    if rep.switch:
-        print("switching cost between runtimes (ms per change): " + ", ".join(
-            f"{a}<->{b} {v:.3f}" for (a, b), v in sorted(rep.switch.items())))
+    if rep.switch_cost:
+        print("switch cost between runtimes (ms per change): " + ", ".join(
+            f"{a}<->{b} {v:.3f}" for (a, b), v in sorted(rep.switch_cost.items())))
     rw = rep.rewrite
     if rw:
         folded = "affine tails folded into convolutions; " if rw["folded_affine_tails"] else ""

@@ -6,10 +6,10 @@ import argparse
 
 
 LEAN_HELP = ("measure only the candidates the op-level DP can still choose (default): the "
-             "single heavy operators on each library first, then what the DP picks on floors "
-             "from those and from each backend's best measured rates, until the measured "
-             "cover is within 30%% of the floors' bound (placer.lean); --no-lean: measure "
-             "every candidate, as the paper does")
+             "single heavy operators on each library first, then what the DP picks on lower "
+             "bounds from those and from each backend's best measured rates, until the "
+             "measured cover is within 30%% of the DP's answer on lower bounds (placer.lean); "
+             "--no-lean: measure every candidate, as the paper does")
 ACCURACY_HELP = ("accuracy budget: f32 (default: strict, every candidate f32), bf16 (bf16 "
                  "variants of the named libraries too, e.g. openvino_bf16, where the CPU has "
                  "bf16 instructions; the build's error within 2e-2 of the output scale, checked "
@@ -88,8 +88,8 @@ def _optimize_parser(sub) -> None:
                         "re-cost each external group as timed in place, re-run the DP "
                         "(default 4; 0 turns it off)")
     o.add_argument("--refine", type=int, default=2, metavar="ROUNDS",
-                   help="rounds of side-by-side re-timing of the op-level placement's close "
-                        "calls (alternative covers within 75%% of the chosen one's measured "
+                   help="rounds of side-by-side re-timing of the op-level placement's "
+                        "alternative covers (within 75%% of the chosen one's measured "
                         "cost), each followed by a DP re-run (default 2; 0 turns it off)")
     o.add_argument("--no-switching", action="store_true",
                    help="op-level DP with the paper's additive cost (no measured cost of "

@@ -1,6 +1,6 @@
 """The model as the user gave it, as an ONNX file: what they would run without Collage.
 
-The final check times it whole on each graph library (DESIGN.md, "never slower"): the
+The final check times it whole on each graph library (docs/DESIGN.md, "The final check"): the
 user's own ONNX file, or a torch module's own ONNX export (``torch.onnx.export``, opset 17,
 as a PyTorch user exports for ONNX Runtime or OpenVINO). Collage's own placements start from
 TVM's import of the model, which can differ from the file (operators decomposed, written as
@@ -14,7 +14,8 @@ import warnings
 from dataclasses import dataclass
 
 
-# onnxruntime 1.31 reads IR versions up to 13; onnx 1.23 writes 14 (DESIGN.md)
+# onnxruntime 1.31 reads IR versions up to 13; onnx 1.23 writes 14 (docs/DESIGN.md,
+# platform facts)
 MAX_IR_VERSION = 10
 
 

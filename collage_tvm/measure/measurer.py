@@ -24,7 +24,6 @@ from ..graph.subgraph import (PART_ATTR, constant_bytes, extract_function, funct
 from ..target import cache_bytes
 from . import builds, side_by_side, switch, verdicts
 from .db import CostDB
-# COST_MODEL, target_json: where build.py and check.remote import them from
 from .keys import CALL_OVERHEAD_KEY, COLD_KEY, COST_MODEL, WHOLE_KEY  # noqa: F401
 from .progress import progress_bar
 from .timers import choose, has_call, target_json  # noqa: F401

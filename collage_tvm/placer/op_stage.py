@@ -74,7 +74,8 @@ def record(report, measurer, work: OpLevel, dp_s: float, t0: float) -> None:
     report.times["search"] = dp_s
     report.distinct_measured, report.db_hits = measurer.measured, measurer.hits
     report.side_by_side = measurer.side_by_side
-    report.failures, report.epsilon, report.switch = measurer.failures, work.eps, work.switch
+    report.failures, report.call_overhead, report.switch_cost = (measurer.failures, work.eps,
+                                                                 work.switch)
     report.estimated_ms = work.placement.cost
 
 
@@ -131,7 +132,7 @@ def _place_refined(p, measurer, work: OpLevel, refine_s: float) -> float:
         refined = refine(measurer, work.placement, work.candidates, work.raw, work.eps,
                          p.backends, budget_s=refine_s)
         refine_s = max(0.0, refine_s - (time.perf_counter() - t0))
-        p.report.close_calls = refined.alternative_covers  # (report.py names it so)
+        p.report.alternative_covers = refined.alternative_covers
         if refined.raw == work.raw:
             break  # no cost changed: the DP would answer the same
         work.raw = refined.raw

@@ -729,9 +729,9 @@ def _searched(name: str, path: str, label: str, options: SearchOptions, db, targ
              "from_log": rep.placement_from_log,
              "ops_per_backend": rep.ops_per_backend,
              "calibration": rep.calibration,
-             "close_calls": rep.close_calls, "side_by_side": rep.side_by_side,
+             "alternative_covers": rep.alternative_covers, "side_by_side": rep.side_by_side,
              "lean": rep.lean, "candidates": rep.candidates,
-             "switch": {f"{a}|{b}": v for (a, b), v in rep.switch.items()},
+             "switch_cost": {f"{a}|{b}": v for (a, b), v in rep.switch_cost.items()},
              "graph_level": {k: v for k, v in rep.graph_level.items() if k != "history"}}
     _print_comparison(entry["comparison"], rep.shipped)
     f32 = None

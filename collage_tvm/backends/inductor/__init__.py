@@ -67,7 +67,7 @@ class InductorLowering(GraphLibraryLowering):
     build_cache = True  # inductor's FX graph and Triton caches, on disk
     #: ``torch.compile`` mode of a subgraph among other groups: the default (no CUDA graphs:
     #: torch's caching allocator would hand out memory a replayed graph still writes while
-    #: TVM's kernels run in between, DESIGN.md / backends/_cuda.py).
+    #: TVM's kernels run in between, backends/_cuda.py).
     mode = "default"
     #: ... of the whole model on the GPU (the sole group: nothing else runs in the build):
     #: CUDA graphs, as ``torch.compile(mode="reduce-overhead")`` runs a model, one replay a

@@ -2,7 +2,7 @@
 
 The same rule as onnxruntime (see backends/onnxruntime/patterns.py): what the Relax -> ONNX
 exporter writes is valid, and an op-level group holds at most one heavy operator.
-OpenVINO's per-call overhead is high (DESIGN.md), so it mostly wins through the
+OpenVINO's call overhead is high (docs/DESIGN.md), so it mostly wins through the
 graph-level placer, on large merged subgraphs.
 """
 from collage_tvm.patterns.graph_rule import one_anchor_group, exportable
