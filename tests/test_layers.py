@@ -34,6 +34,7 @@ STAGES = [
     ["collage_tvm.backends"],  # the built-in lowerings and pattern files (one folder each)
     ["collage_tvm.measure", "collage_tvm.placement_log"],
     ["collage_tvm.placer"],
+    ["collage_tvm.schedule"],  # IOS's stages over a placement (issue #80)
     ["collage_tvm.byoc.partition"],  # chosen groups become functions (BYOC partitioning)
     ["collage_tvm.byoc"],  # external groups lowered to callables, the placement compiled
     ["collage_tvm.dynamic.dispatch"],  # a dynamic model's build: a call to each shape's build
