@@ -3,9 +3,9 @@ import os as _os
 
 # A placement mixes runtimes that each keep a thread pool: TVM's, torch's OpenMP (dnnl,
 # mkl), one per ONNX Runtime session, OpenVINO's TBB arena. On a few cores a pool that
-# spins after its kernel starves the next runtime's threads (docs/BENCHMARKS.md, "Thread
-# pools", has the measurements). TVM's workers therefore sleep at once (read when TVM's
-# pool starts, so set it here, before any kernel runs); onnxruntime sessions disable
+# spins after its kernel starves the next runtime's threads (the measurements: `git show
+# 31eb8cd:docs/BENCHMARKS.md`, "Thread pools"). TVM's workers therefore sleep at once (read
+# when TVM's pool starts, so set it here, before any kernel runs); onnxruntime sessions disable
 # spinning in collage_tvm/backends/onnxruntime. A user's own setting wins.
 _os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
 

@@ -8,8 +8,7 @@ The final check runs in the process that searched: hundreds of builds made and d
 libraries' pools and caches in the state the search left them. A build is served elsewhere,
 on a machine that may not be the one it was searched on. Between two libraries a few percent
 apart, that is enough to rank them the other way round (the transformers suite's vit on the
-AMX Xeon: 0.840 ms on OpenVINO against 0.843 on ONNX Runtime in the final check, 0.872
-against 0.834 in the timing process; docs/COVERAGE.md).
+AMX Xeon; ``options.FinalCheck.at_load_share`` has the evidence).
 """
 from __future__ import annotations
 

@@ -6,11 +6,11 @@ timed once on a noisy machine it picks, among near-equal alternatives, the one m
 luckiest (the winner's curse): a fused conv+bias+relu timed during a burst of machine noise
 looks dearer than the same conv alone, though the fused ReLU costs nothing, and the DP
 splits ReLUs and residual adds off their convolutions onto extra kernels
-(docs/BENCHMARKS.md, "A measurement-noise finding"). ``alternative_covers`` lists, for each
-group of a placement, the alternative covers of its nodes (one candidate merging several
-chosen groups, or a few candidates splitting one) whose cost is within ``threshold`` of
-the chosen cover's; ``refine`` has each such set re-timed side by side and the DP runs
-again.
+(``git show 31eb8cd:docs/BENCHMARKS.md``, "A measurement-noise finding").
+``alternative_covers`` lists, for each group of a placement, the alternative covers of its
+nodes (one candidate merging several chosen groups, or a few candidates splitting one)
+whose cost is within ``threshold`` of the chosen cover's; ``refine`` has each such set
+re-timed side by side and the DP runs again.
 """
 from __future__ import annotations
 

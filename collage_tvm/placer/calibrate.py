@@ -4,9 +4,9 @@ The op-level DP adds costs measured one kernel at a time, each repeated in isola
 its weights and its runtime's threads warm. In a whole run a kernel follows kernels of
 other runtimes (and other sessions of its own library), and some pay far more than their
 isolated time: a GEMM right after a graph library whose thread pool is still spinning, a
-library session per group each with its own pool (docs/BENCHMARKS.md, "Op-level placement
-in context", has the measurements). Pairwise switch costs (``Measurer.switch_costs``)
-catch part of this; the rest depends on what ran before, which a probe cannot know.
+library session per group each with its own pool (the measurements: ``git show
+31eb8cd:docs/BENCHMARKS.md``, "Op-level placement in context"). Pairwise switch costs
+(``Measurer.switch_costs``) catch part of this; the rest depends on what ran before, which a probe cannot know.
 
 So: build the placement, run it, and time every external call in place. What a backend's
 calls cost beyond their isolated time (less the switch cost the DP already charges) is
