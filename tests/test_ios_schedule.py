@@ -245,3 +245,71 @@ def test_bad_graphs_and_parameters_raise():
         schedule([set()], lambda st: -1.0)
     assert schedule([], cost).stages == [] and schedule([], cost).cost == 0.0
 
+
+
+def _inception_block():
+    """x -> three convolutions side by side (two 1x1, one 3x3) -> concat -> relu: an
+    Inception block's shape, as a ``DataflowGraph``."""
+    import numpy as np
+    import tvm
+    from tvm import relax
+
+    from collage_tvm.graph import DataflowGraph
+
+    rng = np.random.default_rng(0)
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 8, 16, 16), "float32"))
+
+    def weight(o, k):
+        return relax.const(rng.standard_normal((o, 8, k, k)).astype("float32"))
+
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            a = bb.emit(relax.op.nn.conv2d(x, weight(4, 1)))
+            b = bb.emit(relax.op.nn.conv2d(x, weight(6, 1)))
+            c = bb.emit(relax.op.nn.conv2d(x, weight(4, 3), padding=(1, 1)))
+            cat = bb.emit(relax.op.concat([a, b, c], axis=1))
+            out = bb.emit_output(relax.op.nn.relu(cat))
+        bb.emit_func_output(out)
+    return DataflowGraph.from_module(bb.get())
+
+
+def test_a_placements_groups_are_the_dag_and_its_branches_can_share_a_stage():
+    """A placement's groups (``schedule.group_dag``): the three convolutions of an Inception
+    block read only the input and feed the concat, so a cost that rewards running them side
+    by side schedules them in one stage; the two 1x1 convolutions share a merge key, the
+    3x3 (other padding) does not."""
+    from collage_tvm.placement import single_ops
+    from collage_tvm.schedule import group_dag, merge_keys
+
+    graph = _inception_block()
+    groups, succ = group_dag(graph, single_ops(graph))
+    ops = [graph.nodes[min(g.nodes)].op_name for g in groups]
+    convs = {k for k, op in enumerate(ops) if op == "relax.nn.conv2d"}
+    (cat,) = [k for k, op in enumerate(ops) if op == "relax.concat"]
+    assert len(convs) == 3 and all(succ[k] == {cat} for k in convs)
+    assert topological_order(succ).index(cat) > max(topological_order(succ).index(k)
+                                                    for k in convs)
+    keys = merge_keys(graph, groups)
+    assert len({keys[k] for k in convs}) == 2  # the two 1x1s alike, the 3x3 apart
+
+    def cost(stage: Stage) -> float:  # side by side: the longest group, 20% contention
+        longest = max(len(g) for g in stage.groups)
+        return 0.01 + longest * (1 + 0.2 * (len(stage.groups) - 1))
+
+    best = schedule(succ, cost, max_groups=3)
+    assert best.cost < sequential(succ, cost).cost
+    assert any({n for n in s.nodes} == convs for s in best.stages), best.stages
+    # a group that is not convex (a convolution with the relu after the concat, the concat
+    # apart) leaves no order to run them in
+    from collage_tvm.placement import Candidate
+
+    by_op = {}
+    for node in graph.nodes:
+        by_op.setdefault(node.op_name, []).append(node.index)
+    first, rest = by_op["relax.nn.conv2d"][0], by_op["relax.nn.conv2d"][1:]
+    bad = [Candidate("tvm", frozenset([first, *by_op["relax.nn.relu"]])),
+           Candidate("tvm", frozenset(by_op["relax.concat"]))] + \
+        [Candidate("tvm", frozenset([i])) for i in rest]
+    with pytest.raises(ValueError, match="cycle"):
+        group_dag(graph, bad)
