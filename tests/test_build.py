@@ -49,7 +49,7 @@ def test_collage_build_matches_tvm_only_and_reuses_db(small_onnx, tmp_path):
                                  isolate=False, placement_log=str(tmp_path / "other.json"),
                                  graph_level=False, compare=False)
     assert third.report.distinct_measured == 0 and third.report.db_hits > 0
-    assert third.report.side_by_side == 0  # close calls re-timed once, then from the DB
+    assert third.report.side_by_side == 0  # alternative covers re-timed once, then from the DB
 
 
 def res_target():

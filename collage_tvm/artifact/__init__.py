@@ -11,7 +11,7 @@
                            inside; past protobuf's 2 GiB beside it, rK.onnx.weights)
     DIR/regions/rK.json    any other library's region: its Relax function with its
                            weights (``tvm.ir.save_json``), lowered again by the library
-    DIR/regions/model_file.onnx  the user's model file, where a close call at load may run
+    DIR/regions/model_file.onnx  the user's model file, where the alternates at load may run
                            it or a dynamic model's dispatch runs it per shape (if any)
     DIR/static/            a dynamic model's static build at the optimum, an artifact of
                            its own (if any)
@@ -22,7 +22,7 @@ and library versions, CPU features, every file whole) and refuses with one
 ``ArtifactError`` naming the cause and what to install or rebuild; then each region is
 handed to its library (an ONNX Runtime session, an OpenVINO compiled model, a oneDNN
 kernel), registered under the symbol the executable calls, and the Relax VM is made over
-``kernels.so``. Nothing is searched or compiled by TVM. The one thing timed: a close call
+``kernels.so``. Nothing is searched or compiled by TVM. The one thing timed: the alternates
 the final check left between two graph libraries running one file whole, or the model
 exported as one region and the user's own file (the region's "alternates"), decided in the
 loading process (``check.at_load``; ``load(...,
@@ -34,7 +34,7 @@ second load, keeps its own.
 
 One layer a file: ``artifact.format`` (the manifest's name and version, the files' names,
 ``ArtifactError``, the CPU features recorded and checked), ``artifact.save`` (writing the
-directory), ``artifact.load`` (reading it back: the checks, the regions, the close call,
+directory), ``artifact.load`` (reading it back: the checks, the regions, the alternates,
 the VM) and ``artifact.loaded`` (``LoadedModule``, the loaded build's call). This
 package's ``save`` and ``load`` are the functions, which hide the submodules of those
 names: reach one with ``importlib.import_module("collage_tvm.artifact.load")``.

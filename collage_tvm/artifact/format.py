@@ -12,7 +12,7 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 KERNELS = "kernels.so"
 REGIONS = "regions"
-# The user's model file, where a close call at load may run it (``_save_regions``)
+# The user's model file, where an alternate at load runs it (``_save_regions``)
 ALTERNATE_FILE = "model_file.onnx"
 # A dynamic model's static build at the optimum, an artifact of its own inside this one
 STATIC = "static"

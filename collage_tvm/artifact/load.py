@@ -1,5 +1,5 @@
 """``load``: a saved directory read back and checked against this machine, each region
-handed to its library, the close call at load decided, and the Relax VM made over the
+handed to its library, the alternates decided at load, and the Relax VM made over the
 kernels: a ``LoadedModule`` (``artifact.loaded``) to call."""
 from __future__ import annotations
 
@@ -228,7 +228,7 @@ def alternate_label(alt: dict) -> str:
     return file_label(alt["backend"], alt.get("source") or "")
 
 
-def _decide_close_call(manifest: dict, path: Path, fns: dict, device) -> dict | None:
+def _decide_alternates(manifest: dict, path: Path, fns: dict, device) -> dict | None:
     """The region that lists alternates (the model's one file, and the other libraries that
     ran it within a few percent in the final check, or the user's file beside an exported
     region, on any library): each one that loads here, timed beside the shipped one in this
@@ -272,7 +272,7 @@ def _decide_close_call(manifest: dict, path: Path, fns: dict, device) -> dict | 
     record["left_out"] = {**left_out, **record.get("left_out", {})}
     if record["chose"] != entry["backend"]:
         logger.info("%s: the model runs whole on %s (%s), not %s as the final check had "
-                    "it: a close call, decided here", path, record["chose"],
+                    "it: its alternates, decided here", path, record["chose"],
                     ", ".join(f"{n} {ms:.3f} ms" for n, ms in record["ms"].items()),
                     entry["backend"])
     return record
@@ -350,7 +350,7 @@ def load(path, decide: bool = True) -> "LoadedModule":
     _check_machine(manifest, path, dev)
     backends = _check_backends(manifest, path)
     fns = _lower_regions(manifest, path, backends)
-    decided = _decide_close_call(manifest, path, fns, dev) if decide else None
+    decided = _decide_alternates(manifest, path, fns, dev) if decide else None
     try:
         lib = _load_library(str(path / manifest.get("kernels", KERNELS)))
     except Exception as err:  # noqa: BLE001 - a damaged library: say which file

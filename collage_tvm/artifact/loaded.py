@@ -13,7 +13,7 @@ class LoadedModule:
     model's input order (or by input name); it returns the same kind, one output or a
     tuple. ``vm``: the Relax VM (``vm["main"](*tvm_tensors)``); ``manifest``: what the
     artifact says about itself; ``load_seconds``: how long ``load`` took; ``decided``: the
-    close call timed at load (``{"shipped", "chose", "ms", "rounds", "seconds",
+    alternates timed at load (``{"shipped", "chose", "ms", "rounds", "seconds",
     "left_out"}``), None where there was none."""
 
     def __init__(self, path, manifest, vm, executable, device, callables, load_seconds,
@@ -139,7 +139,7 @@ def _direct_call(manifest: dict, callables: dict):
     ``main`` does nothing but call it with the model's inputs in order (the user's model
     file: ``byoc.whole``; TVM's import exported as one region: "passes_through", checked at
     save by ``_passes_through``; either one with the user's file put in its place by the
-    close call at load), the library's own call of it on numpy arrays, returning fresh
+    alternates at load), the library's own call of it on numpy arrays, returning fresh
     numpy outputs (the region callable's ``numpy_call``), which ``LoadedModule`` calls
     itself. None otherwise (artifacts saved before "model_file" was written included)."""
     regions = manifest.get("regions") or []

@@ -232,7 +232,7 @@ def _alternates(alternates, folder: Path, model_file) -> list:
         alt = dict(alt)
         if alt.get("source") == MODEL_FILE:
             if model_file is None:
-                logger.info("the close call with %s on the user's model file is not saved: "
+                logger.info("the alternate %s on the user's model file is not saved: "
                             "the result does not hold the file", alt["backend"])
                 continue
             if not (folder / ALTERNATE_FILE).exists():
@@ -378,7 +378,7 @@ def _manifest(result, target, regions: list, count: dict) -> dict:
     backends = {name: {**info(name), "regions": count[name]}
                 for name in sorted({n for e in regions
                                     for n in e.get("libraries", [e["backend"]])})}
-    # what the close call at load may choose instead (``load``): not needed to load it
+    # what the decision at load may choose instead (``load``): not needed to load it
     alternate = {name: info(name) for name in sorted({a["backend"] for e in regions
                                                      for a in e.get("alternates", ())})}
     report = result.report
