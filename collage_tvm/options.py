@@ -164,7 +164,7 @@ class Evolution:
 DEFAULT_FINAL_CHECK = FinalCheck()
 
 
-def final_check(settings: FinalCheck | None = None) -> FinalCheck:
+def final_check_settings(settings: FinalCheck | None = None) -> FinalCheck:
     """``settings``, or the default ones."""
     return settings if settings is not None else DEFAULT_FINAL_CHECK
 

@@ -57,7 +57,7 @@ class BuildReport:
     # ``check.floors.alternates``).
     alternates: list = field(default_factory=list)
     # The share of the machine's CPU other processes took during the final check: above
-    # ``measure.timing.BUSY_SHARE`` its verdict is logged as unsure and checked again.
+    # ``measure.other_load.BUSY_SHARE`` its verdict is logged as unsure and checked again.
     other_load: float = math.nan
     rechecked: bool = False  # the placement log's unsure verdict was checked again
     # The RPC servers' device, where it is not this machine's (a search for a device of

@@ -26,7 +26,7 @@ from .measure.db import CostDB
 from .measure.measurer import Measurer
 from .measure.timers import target_json
 from .measure.remote import RemoteDevices
-from .measure.timing import BUSY_SHARE
+from .measure.other_load import BUSY_SHARE
 from .options import SearchOptions
 from .placement import Placement, placement_from_record, placement_record, single_ops
 from .placement_log import PlacementLog

@@ -114,7 +114,8 @@ def test_the_model_as_one_exported_region_carries_its_close_libraries_too(tmp_pa
     path = _block_onnx(tmp_path / "block.onnx")
     _clock(monkeypatch, {"onnxruntime": 0.100, "openvino": 0.102})
     res = _optimize(path, tmp_path)
-    assert res.report.shipped == "onnxruntime" and not res.report.shipped_floor
+    assert res.report.shipped == "onnxruntime"
+    assert not res.report.shipped_floor and not res.report.whole_model
     assert res.report.alternates == [{"backend": "openvino", "ms": 0.102}]
     ref, saved, entry = _saved(res, tmp_path, monkeypatch)
     assert entry["sole"] and entry["label"] != "the model file, whole"
@@ -222,7 +223,8 @@ def test_beside_an_exported_region_the_user_s_own_file_is_an_alternate_too(tmp_p
     path = _block_onnx(tmp_path / "block.onnx")
     _clock(monkeypatch, {"openvino": 0.100, "onnxruntime (model file)": 0.102})
     res = _optimize(path, tmp_path)
-    assert res.report.shipped == "openvino" and not res.report.shipped_floor
+    assert res.report.shipped == "openvino"
+    assert not res.report.shipped_floor and not res.report.whole_model
     assert res.report.alternates == [{"backend": "onnxruntime", "ms": 0.102,
                                       "source": "model file"}]
     assert res.model_file is not None
@@ -272,7 +274,8 @@ def test_the_user_s_file_on_the_shipped_region_s_own_library_is_decided_at_load(
     path = _block_onnx(tmp_path / "block.onnx")
     _clock(monkeypatch, {"onnxruntime": 0.100, "onnxruntime (model file)": 0.102})
     res = _optimize(path, tmp_path)
-    assert res.report.shipped == "onnxruntime" and not res.report.shipped_floor
+    assert res.report.shipped == "onnxruntime"
+    assert not res.report.shipped_floor and not res.report.whole_model
     assert {"backend": "onnxruntime", "ms": 0.102, "source": "model file"} \
         in res.report.alternates
     ref, saved, entry = _saved(res, tmp_path, monkeypatch)

@@ -148,7 +148,8 @@ def test_a_hopeless_tvm_alone_is_not_built_and_a_library_build_is_the_reference(
     # a TVM alone that can come near: built, and the reference
     monkeypatch.setattr(lean, "_alone", lambda *a, **kw: 0.0)
     again = _search(model_path, tmp_path / "again")
-    assert records(again.report.comparison)["tvm-only"].get("reference"), records(again.report.comparison)
+    comp = records(again.report.comparison)
+    assert comp["tvm-only"].get("reference"), comp
 
 
 def test_the_model_file_ships_when_it_is_the_fastest_and_the_log_remembers(model_path, tmp_path,
@@ -220,7 +221,8 @@ def test_a_final_check_short_of_memory_keeps_the_fastest_build_so_far_and_frees_
 def test_a_model_file_that_is_slower_does_not_ship(model_path, tmp_path, monkeypatch):
     _fixed_clock(monkeypatch, "collage")
     res = _search(model_path, tmp_path)
-    assert res.report.shipped == "collage" and not res.report.shipped_floor
+    assert res.report.shipped == "collage"
+    assert not res.report.shipped_floor and not res.report.whole_model
     assert res.graph is not None and "onnxruntime (model file)" in records(res.report.comparison)
 
 
@@ -293,7 +295,8 @@ def test_close_builds_meet_again_in_more_rounds_and_the_runoff_decides(monkeypat
     results = {"a": {"ms": 1.04, "match": True}, "b": {"ms": 1.0, "match": True},
                "far": {"ms": 1.5, "match": True}, "wrong": {"ms": 0.5, "match": False},
                "bf16": {"ms": 0.6, "match": True}}
-    _on_records(runoff.runoff, results, {n: None for n in results}, {"bf16"}, tvm.target.Target("llvm"), s)
+    _on_records(runoff.runoff, results, {n: None for n in results}, {"bf16"},
+                tvm.target.Target("llvm"), s)
     assert calls == [({"a", "b"}, s.runoff_rounds)]
     assert results["a"] == {"ms": 1.0, "first_ms": 1.04, "match": True, "runoff": True}
     assert results["b"]["ms"] == 1.05 and results["b"]["first_ms"] == 1.0
@@ -407,7 +410,8 @@ def test_an_open_close_call_is_timed_on_up_to_the_cap(monkeypatch, noise, b_fact
     monkeypatch.setattr(runoff, "interleaved", clock)
     results = {"a": {"ms": 100.0, "match": True}, "b": {"ms": 100.0 * b_factor, "match": True}}
     samples = {"a": [], "b": []}
-    _on_records(runoff.runoff, results, {"a": None, "b": None}, set(), tvm.target.Target("llvm"), s, samples)
+    _on_records(runoff.runoff, results, {"a": None, "b": None}, set(),
+                tvm.target.Target("llvm"), s, samples)
     assert results["a"]["rounds"] == results["b"]["rounds"] == rounds
     if b_factor > 1:
         assert results["a"]["ms"] < results["b"]["ms"]
@@ -439,7 +443,8 @@ def test_a_build_settled_as_slower_stays_behind_the_leader_timed_on(monkeypatch)
     monkeypatch.setattr(runoff, "interleaved", clock)
     results = {n: {"ms": ms, "match": True} for n, ms in base.items()}
     samples = {n: [] for n in base}
-    _on_records(runoff.runoff, results, {n: None for n in base}, set(), tvm.target.Target("llvm"), s, samples)
+    _on_records(runoff.runoff, results, {n: None for n in base}, set(),
+                tvm.target.Target("llvm"), s, samples)
     assert calls[0] == {"a", "b", "c"} and calls[1:] and all(c == {"a", "b"} for c in calls[1:])
     assert results["c"]["rounds"] == 15 and results["a"]["rounds"] > 15
     assert results["c"]["settled_against"] == "a" and "settled_against" not in results["a"]

@@ -89,8 +89,8 @@ def test_optimize_on_a_qdq_file_ships_a_build_within_its_int8_budget_and_saves_i
     rep = res.report
     assert rep.precision["accuracy"] == INT8_MODEL and "quantized" in rep.precision["why"]
     assert not any(b.endswith("_bf16") for b in rep.backends)
-    assert records(rep.comparison) and all(r.get("match") for n, r in records(rep.comparison).items()
-                                  if n in ("collage", rep.shipped))
+    comp = records(rep.comparison)
+    assert comp and all(r.get("match") for n, r in comp.items() if n in ("collage", rep.shipped))
     m = collage_tvm.load(collage_tvm.save(res, tmp_path / "q.collage"))
     assert m.manifest["accuracy"] == INT8_MODEL
     x = np.random.default_rng(3).standard_normal((1, 3, 16, 16)).astype("float32")

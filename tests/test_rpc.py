@@ -176,7 +176,7 @@ def test_the_graph_level_evaluates_placements_on_a_server(tracker, tmp_path, mon
     from collage_tvm.check import graph_lib_groups
     from collage_tvm.frontend import load_model, normalize_for_collage
     from collage_tvm.graph import DataflowGraph
-    from collage_tvm.measure.measurer import target_json
+    from collage_tvm.measure.timers import target_json
     from collage_tvm.placement import Candidate, single_ops
     from collage_tvm.registry import get_backend
     from collage_tvm.target import make_target

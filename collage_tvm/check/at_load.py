@@ -1,6 +1,6 @@
 """The at-load alternates of a shipped build decided between where the saved build is
-loaded (``check.floors.alternates``): when one file (the user's model file, or the model exported as one region)
-ran whole on two graph libraries within ``FinalCheck.at_load_share`` of each other, the
+loaded (``check.floors.alternates``): when one file (the user's model file, or the model
+exported as one region) ran whole on two graph libraries within ``FinalCheck.at_load_share`` of each other, the
 saved build holds both, and ``artifact.load`` times them side by side in the process that
 will serve the model, then keeps the faster.
 

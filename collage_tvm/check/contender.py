@@ -127,11 +127,9 @@ class Contender:
 
 def records(comparison: dict) -> dict:
     """name -> record of a final check's contenders (``Contender.record``)."""
-    return {n: c.record() if isinstance(c, Contender) else dict(c)
-            for n, c in comparison.items()}
+    return {n: c.record() for n, c in comparison.items()}
 
 
 def from_records(records_: dict | None) -> dict:
     """name -> ``Contender`` of records read back (a placement log's, a server's reply)."""
-    return {n: c if isinstance(c, Contender) else Contender.from_record(c)
-            for n, c in (records_ or {}).items()}
+    return {n: Contender.from_record(r) for n, r in (records_ or {}).items()}

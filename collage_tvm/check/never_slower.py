@@ -26,13 +26,13 @@ from dataclasses import dataclass, field
 from .._memory import release_memory
 from ..byoc import compile_placement
 from ..measure.estimate import node_flops
-from ..measure.timing import BUSY_SHARE, OtherLoad
-from ..options import final_check
+from ..measure.other_load import BUSY_SHARE, OtherLoad
+from ..options import final_check_settings
 from ..placement import Placement
 from ..precision import CHECK_SEEDS, parse_accuracy
 from . import memory, runoff
 from .baselines import single_backend_builds
-from .contender import Contender, Fate, from_records, records
+from .contender import Contender, Fate, from_records
 from .evaluate import evaluate, first_line, outputs_on
 from .floors import alternates, same_file_runs
 from .reference import build_order, reference
@@ -49,7 +49,7 @@ class Verdict:
     graph: object = None   # the dataflow graph the shipped placement's groups refer to
     floor: str | None = None  # a floor won: its backend runs the user's model file whole
     # The share of the machine's CPU other processes took while the builds were timed
-    # (``measure.timing.OtherLoad``); above ``BUSY_SHARE`` the verdict is unsure.
+    # (``measure.other_load.OtherLoad``); above ``BUSY_SHARE`` the verdict is unsure.
     other_load: float = math.nan
     # The shipped build runs one file whole on a graph library (the user's model file, or
     # the model as one exported region): its at-load alternates (``floors.alternates``),
@@ -85,7 +85,7 @@ def never_slower(graph, placement: Placement, backends: dict, target,
     elsewhere (``remote_judge``: on the RPC servers of a search for another device), else
     ``judge_builds`` here. ``settings``: the thresholds (``options.FinalCheck``).
     """
-    s = final_check(settings)
+    s = final_check_settings(settings)
     accuracy = parse_accuracy(accuracy)
     t0 = time.perf_counter()
     floors, others = floors or {}, others or {}
@@ -133,7 +133,7 @@ def judge_builds(builds: dict, graph_of: dict, floors: dict, backends: dict, tar
     CPU other processes took meanwhile). The final check's measuring half
     (``never_slower``); an RPC server runs it for a search on another kind of device
     (``check.remote``). ``accuracy``: the search's budget, a ``precision.Accuracy``."""
-    s = final_check(settings)
+    s = final_check_settings(settings)
     weights = max(memory.weight_bytes(g) for g in {id(g): g for g in graph_of.values()}.values())
     outside = {n for n, f in floors.items() if f.budget is not None}
     with OtherLoad() as load:
@@ -315,4 +315,4 @@ def _advise(results: dict, outside: set, shipped_ms: float) -> None:
                         f"{r.outside_budget} (accuracy={r.outside_budget!r} in Python)")
 
 
-__all__ = ["Verdict", "never_slower", "judge_builds", "ops_per_backend", "records"]
+__all__ = ["Verdict", "never_slower", "judge_builds", "ops_per_backend"]

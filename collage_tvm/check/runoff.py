@@ -12,7 +12,8 @@ import math
 import statistics
 import time
 
-from ..measure.timing import OtherLoad, by_round, interleaved, round_log_ratios
+from ..measure.other_load import OtherLoad
+from ..measure.timing import by_round, interleaved, round_log_ratios
 from ..target import device_sync
 from .contender import Fate
 

@@ -206,7 +206,7 @@ def _print_conditions(rep) -> None:
 def _print_comparison(rep) -> int:
     """The final check's table and verdict; the exit code (1 when the shipped build's
     outputs do not match the reference)."""
-    from ..measure.timing import BUSY_SHARE
+    from ..measure.other_load import BUSY_SHARE
 
     print(f"\n{'build':<26}{'latency ms':>12}{'vs collage':>12}  matches the reference")
     base = getattr(rep.comparison.get("collage"), "ms", math.nan)

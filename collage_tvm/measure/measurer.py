@@ -24,9 +24,9 @@ from ..graph.subgraph import (PART_ATTR, constant_bytes, extract_function, funct
 from ..target import cache_bytes
 from . import builds, side_by_side, switch, verdicts
 from .db import CostDB
-from .keys import CALL_OVERHEAD_KEY, COLD_KEY, COST_MODEL, WHOLE_KEY  # noqa: F401
+from .keys import CALL_OVERHEAD_KEY, COLD_KEY, WHOLE_KEY
 from .progress import progress_bar
-from .timers import choose, has_call, target_json  # noqa: F401
+from .timers import choose, has_call
 
 logger = logging.getLogger("collage_tvm")
 

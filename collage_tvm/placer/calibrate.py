@@ -6,14 +6,15 @@ other runtimes (and other sessions of its own library), and some pay far more th
 isolated time: a GEMM right after a graph library whose thread pool is still spinning, a
 library session per group each with its own pool (the measurements: ``git show
 31eb8cd:docs/BENCHMARKS.md``, "Op-level placement in context"). Pairwise switch costs
-(``Measurer.switch_costs``) catch part of this; the rest depends on what ran before, which a probe cannot know.
+(``Measurer.switch_costs``) catch part of this; the rest depends on what ran before, which a
+probe cannot know.
 
 So: build the placement, run it, and time every external call in place. What a backend's
 calls cost beyond their isolated time (less the switch cost the DP already charges) is
-its in-context call overhead: the median over its calls of all rounds so far becomes
-an addition to its call overhead (epsilon) (TVM's calls run inside the VM and are not timed one by one:
+its in-context call overhead: the median over its calls of all rounds so far is added to
+its call overhead (epsilon). TVM's calls run inside the VM and are not timed one by one:
 TVM gets the part of the whole run no external call accounts for, spread over its
-kernels). Run the DP again on the calibrated epsilons, and repeat until the placement
+kernels. Run the DP again on the calibrated epsilons, and repeat until the placement
 stops changing or ``rounds`` runs out. A per-backend term, not a per-group cost: a group
 measured in place says little about the next group of that library, and re-costing only
 the measured groups left the DP chasing the optimistic isolated costs of the others (the
