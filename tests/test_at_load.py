@@ -1,8 +1,8 @@
-"""The alternates decided where the build runs (issue #33): when the user's model file ran whole
-on two graph libraries within a few percent of each other in the final check, the saved
-build holds both and ``collage_tvm.load`` times them side by side in the loading process,
-keeping the faster. Which library wins is the machine's call, so the tests that need a
-winner fix the clock; the builds, sessions and outputs are real."""
+"""The alternates decided where the build runs (issues #33, #77): when the user's model file
+ran whole on two graph libraries within a few percent of each other in the final check, the
+saved build holds both and the loaded build's first calls race them in the serving process
+(``check.race``), keeping the faster. Which library wins is the machine's call, so the tests
+that need a winner fix the clock; the builds, sessions and outputs are real."""
 import importlib
 import json
 
@@ -21,6 +21,7 @@ from test_artifact import X, _block_onnx
 ns = importlib.import_module("collage_tvm.check.never_slower")
 runoff = importlib.import_module("collage_tvm.check.runoff")
 at_load = importlib.import_module("collage_tvm.check.at_load")
+race_module = importlib.import_module("collage_tvm.check.race")
 
 pytestmark = pytest.mark.skipif(
     not (get_backend("onnxruntime").available()[0] and get_backend("openvino").available()[0]),
@@ -65,10 +66,17 @@ def _saved(res, tmp_path, monkeypatch):
 
 
 def _load_choosing(saved, monkeypatch, winner: str):
-    """``saved`` loaded with ``winner`` the fastest in the timing at load."""
-    monkeypatch.setattr(at_load, "interleaved", lambda fns, **kw: {
-        n: (0.5 if n == winner else 1.0) for n in fns})
-    return collage_tvm.load(saved)
+    """``saved`` loaded, its race settled by calls on X with ``winner`` the fastest (each
+    call runs; the clock says 0.5 ms for the winner's, 1 ms for the others')."""
+    real = race_module.Race._timed
+
+    def timed(self, name, args, numpy):
+        return real(self, name, args, numpy)[0], (0.5 if name == winner else 1.0)
+
+    monkeypatch.setattr(race_module.Race, "_timed", timed)
+    module = collage_tvm.load(saved)
+    module.settle(X)
+    return module
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +129,7 @@ def test_the_model_as_one_exported_region_carries_its_close_libraries_too(tmp_pa
     assert entry["sole"] and entry["label"] != "the model file, whole"
     assert [a["backend"] for a in entry["alternates"]] == ["openvino"]
     module = _load_choosing(saved, monkeypatch, "openvino")
-    assert module.decided["chose"] == "openvino", module.decided
+    assert module.decided["chose"] == "openvino", str(module.decided)
     np.testing.assert_allclose(module(X), ref, rtol=1e-4, atol=1e-5)
     # the placement log keeps the alternates: the next build ships them again
     again = _optimize(path, tmp_path)
@@ -139,24 +147,27 @@ def test_load_times_the_close_libraries_here_and_keeps_the_faster(close_call, mo
     assert module.decided["ms"] == {"onnxruntime": 1.0, "openvino": 0.5}
     assert "ops: openvino" in repr(module)
     np.testing.assert_allclose(module(X), ref, rtol=1e-4, atol=1e-5)
-    call = next(iter(module._callables.values()))
+    call = module.race.fns[module.race.chose]
     assert hasattr(call, "compiled") and not hasattr(call, "session")  # OpenVINO's, not ORT's
-    # decide=False: the final check's verdict, nothing timed
-    monkeypatch.setattr(at_load, "interleaved", lambda *a, **k: pytest.fail("timed"))
+    # decide=False: the final check's verdict, nothing raced
     plain = collage_tvm.load(path, decide=False)
-    assert plain.decided is None
+    assert plain.decided is None and plain.race is None and plain.races == []
     assert hasattr(next(iter(plain._callables.values())), "session")  # ONNX Runtime's
     np.testing.assert_allclose(plain(X), ref, rtol=1e-5, atol=1e-6)
 
 
-def test_the_decision_at_load_really_times_both(close_call):
-    _, path = close_call
+def test_the_first_calls_really_race_both(close_call):
+    res, path = close_call
+    ref = relax.VirtualMachine(res.executable, tvm.cpu())["main"](tvm.runtime.tensor(X)).numpy()
     module = collage_tvm.load(path)
-    d = module.decided
-    assert set(d["ms"]) <= {"onnxruntime", "openvino"} and d["chose"] in d["ms"]
-    assert len(d["ms"]) == 2 and all(ms > 0 for ms in d["ms"].values())
-    assert d["rounds"] >= 4 and d["seconds"] > 0 and d["left_out"] == {}
-    assert module.load_seconds >= d["seconds"]
+    assert module.decided["chose"] is None  # nothing decided at load: the calls decide
+    for _ in range(3):  # racing or not, every call gives the model's outputs
+        np.testing.assert_allclose(module(X), ref, rtol=1e-4, atol=1e-5)
+    d = module.settle(X)[0]
+    assert d == module.decided and d["chose"] in d["ms"]
+    assert set(d["ms"]) == {"onnxruntime", "openvino"} and all(ms > 0 for ms in d["ms"].values())
+    assert d["rounds"] >= 4 and d["calls"] > 8 and d["seconds"] > 0 and d["left_out"] == {}
+    np.testing.assert_allclose(module(X), ref, rtol=1e-4, atol=1e-5)
 
 
 def test_an_alternate_that_cannot_load_here_is_left_out_with_the_reason(close_call, tmp_path):
@@ -170,7 +181,7 @@ def test_an_alternate_that_cannot_load_here_is_left_out_with_the_reason(close_ca
     manifest["alternate_backends"]["openvino"]["version"] = "openvino-0.0"
     (copy / "manifest.json").write_text(json.dumps(manifest))
     module = collage_tvm.load(copy)  # loads all the same, on the shipped library
-    d = module.decided
+    d = module.decided  # (no contender left to race: decided at once)
     assert d["chose"] == "onnxruntime" and d["ms"] == {}
     assert "no_such_library" in d["left_out"] and "openvino-0.0" in d["left_out"]["openvino"]
     assert module(X).shape == (1, 8, 16, 16)
@@ -208,11 +219,11 @@ def test_run_prints_the_close_call_and_no_decide_keeps_the_search_choice(close_c
     from collage_tvm import cli
 
     _, path = close_call
-    assert cli.main(["run", str(path)]) == 0
+    assert cli.main(["run", str(path), "--bench", "5"]) == 0  # (settled before the timing)
     out = capsys.readouterr().out
-    assert "decided at load (onnxruntime" in out and "runs on " in out
-    assert cli.main(["run", str(path), "--no-decide"]) == 0
-    assert "decided at load" not in capsys.readouterr().out
+    assert "decided by the first " in out and "runs on " in out and "latency over 5" in out
+    assert cli.main(["run", str(path), "--no-decide", "--bench", "5"]) == 0
+    assert "decided by" not in capsys.readouterr().out
 
 
 def test_beside_an_exported_region_the_user_s_own_file_is_an_alternate_too(tmp_path,
@@ -236,7 +247,7 @@ def test_beside_an_exported_region_the_user_s_own_file_is_an_alternate_too(tmp_p
     module = _load_choosing(saved, monkeypatch, "onnxruntime (model file)")
     assert module.decided["chose"] == "onnxruntime (model file)"
     assert module.decided["left_out"] == {}
-    call = next(iter(module._callables.values()))
+    call = module.race.fns[module.race.chose]
     assert hasattr(call, "session")  # ONNX Runtime's, on the user's file
     np.testing.assert_allclose(module(X), ref, rtol=1e-4, atol=1e-5)
     _direct_as_the_vm(module, entry)

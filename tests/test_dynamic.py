@@ -1,4 +1,6 @@
 """Models with dynamic dimensions (issue #77): one build serves every shape of a range."""
+import json
+
 import numpy as np
 import onnx
 import pytest
@@ -172,6 +174,19 @@ def test_a_dynamic_batch_model_is_searched_and_serves_every_batch_in_its_range(t
         loaded(np.zeros((5, 3, 8, 8), "float32"))
     with pytest.raises(ValueError, match="outside the range"):
         loaded(torch.zeros(5, 3, 8, 8))
+    # where the libraries ran a point close, the first calls of each shape race them (here
+    # every point said close, the manifest edited): both libraries run, the outputs stay right
+    manifest = json.loads((saved / "manifest.json").read_text())
+    entry = manifest["regions"][0]
+    entry["close"] = {key: ["onnxruntime", "openvino"] for key in entry["table"]}
+    (saved / "manifest.json").write_text(json.dumps(manifest))
+    raced = collage_tvm.load(saved)
+    assert raced.races == []  # nothing raced before a call
+    record, = raced.settle(x.numpy())
+    assert set(record["ms"]) == {"onnxruntime", "openvino"} and record["chose"] in record["ms"]
+    assert raced.dispatch.label_for([x.shape]) == record["chose"]
+    assert matches([raced(x.numpy())], [want], 1e-3, 1e-4)
+    assert collage_tvm.load(saved, decide=False).dispatch.race_at([x.shape]) is None
     again = collage_tvm.optimize(path, "llvm", LIBS, **kw)  # a warm rebuild
     assert again.report.placement_from_log
     if not again.report.rechecked:  # (a verdict timed beside other work is checked again)

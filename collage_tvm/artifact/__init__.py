@@ -22,11 +22,12 @@ and library versions, CPU features, every file whole) and refuses with one
 ``ArtifactError`` naming the cause and what to install or rebuild; then each region is
 handed to its library (an ONNX Runtime session, an OpenVINO compiled model, a oneDNN
 kernel), registered under the symbol the executable calls, and the Relax VM is made over
-``kernels.so``. Nothing is searched or compiled by TVM. The one thing timed: the alternates
-the final check left between two graph libraries running one file whole, or the model
-exported as one region and the user's own file (the region's "alternates"), decided in the
-loading process (``check.at_load``; ``load(...,
-decide=False)`` skips it).
+``kernels.so``. Nothing is searched, compiled by TVM or timed at load. What the search
+left close (the alternates between two graph libraries running one file whole, or the model
+exported as one region and the user's own file; a dynamic model's libraries close at a
+shape) is decided by the first calls in the serving process (``check.race``; the
+alternates' libraries load in a thread; ``load(..., decide=False)`` keeps the search's
+choices).
 
 The VM binds the packed functions it calls when it is created, so the regions' callables
 are registered only for that moment: a build of the same model in this process, or a

@@ -1,6 +1,6 @@
 """``load``: a saved directory read back and checked against this machine, each region
-handed to its library, the alternates decided at load, and the Relax VM made over the
-kernels: a ``LoadedModule`` (``artifact.loaded``) to call."""
+handed to its library (the alternates raced by the first calls: ``check.race``), and the
+Relax VM made over the kernels: a ``LoadedModule`` (``artifact.loaded``) to call."""
 from __future__ import annotations
 
 import json
@@ -147,32 +147,39 @@ def _check_backends(manifest: dict, path: Path) -> dict:
     return out
 
 
-def _lower_regions(manifest: dict, path: Path, backends: dict) -> dict:
+def _lower_regions(manifest: dict, path: Path, backends: dict, decide: bool) -> dict:
     """symbol -> the callable of each region, made by its library from the saved file."""
-    return {entry["symbol"]: _lower_dynamic(entry, path, backends)
+    return {entry["symbol"]: _lower_dynamic(manifest, entry, path, backends, decide)
             if entry.get("format") == "dynamic" else
             _lower_region(entry, path, backends[entry["backend"]])
             for entry in manifest.get("regions", [])}
 
 
-def _lower_dynamic(entry: dict, path: Path, backends: dict):
+def _lower_dynamic(manifest: dict, entry: dict, path: Path, backends: dict, decide: bool):
     """A dynamic model's dispatch (``dynamic.Dispatch``): the user's file on each library
-    of its table, and the static build at the optimum loaded from ``STATIC``."""
+    of its table, and the static build at the optimum loaded from ``STATIC``; with
+    ``decide``, the libraries that ran a point close to the chosen one race it at the
+    shapes it is called with (those that only race made in a thread)."""
     from .._errors import first_line
-    from ..dynamic.dispatch import Dispatch, StaticBuild, library_call
+    from ..check.race import Making
+    from ..dynamic.dispatch import STATIC, Dispatch, StaticBuild, library_call
     from ..dynamic.shapes import ShapeRanges
 
     file = path / entry["file"]
     outs = [tuple(t) for t in entry["outputs"]]
+
+    def call(backend):
+        proto = None
+        if not getattr(backend.get_lowering(), "reads_files", False):
+            import onnx
+
+            proto = onnx.load(str(file))
+        return library_call(backend, proto, str(file), entry["inputs"], outs)
+
     fns = {}
     for name in entry["libraries"]:
         try:
-            proto = None
-            if not getattr(backends[name].get_lowering(), "reads_files", False):
-                import onnx
-
-                proto = onnx.load(str(file))
-            fns[name] = library_call(backends[name], proto, str(file), entry["inputs"], outs)
+            fns[name] = call(backends[name])
         except Exception as err:  # noqa: BLE001 - the library's refusal names the cause
             raise ArtifactError(f"{path}: {name} could not load the model file "
                                 f"{entry['file']} ({first_line(err, 300)}); export the "
@@ -185,7 +192,36 @@ def _lower_dynamic(entry: dict, path: Path, backends: dict):
         build = StaticBuild(loaded.vm["main"], tvm.cpu(0))
         build.loaded = loaded  # kept alive with the dispatch
         special = ({s: int(v) for s, v in entry["special"].items()}, build)
-    return Dispatch(ShapeRanges.from_json(entry["ranges"]), entry["table"], fns, special)
+    close = entry.get("close") if decide else None
+    making = {}
+    for name in sorted({n for labels in (close or {}).values() for n in labels}
+                       - set(fns) - {STATIC}):
+        try:
+            backend = _alternate_backend(manifest, name)
+        except RuntimeError as err:  # the search's choice still serves
+            logger.info("%s does not race here: %s", name, err)
+            continue
+        making[name] = Making(lambda b=backend: call(b))
+    return Dispatch(ShapeRanges.from_json(entry["ranges"]), entry["table"], fns, special,
+                    close, manifest.get("accuracy", "f32"), making)
+
+
+def _alternate_backend(manifest: dict, name: str):
+    """The backend ``name`` that only races (``alternate_backends``), where it runs here at
+    the version the build was made with; ``RuntimeError`` saying why not."""
+    from ..registry import get_backend
+
+    try:
+        backend = get_backend(name)
+    except KeyError:
+        raise RuntimeError(f"no backend {name!r} is registered here") from None
+    ok, why = backend.available()
+    if not ok:
+        raise RuntimeError(why)
+    version = (manifest.get("alternate_backends") or {}).get(name, {}).get("version")
+    if version is not None and backend.version() != version:
+        raise RuntimeError(f"it is {backend.version()} here, {version} when built")
+    return backend
 
 
 def _lower_region(entry: dict, path: Path, backend):
@@ -228,54 +264,35 @@ def alternate_label(alt: dict) -> str:
     return file_label(alt["backend"], alt.get("source") or "")
 
 
-def _decide_alternates(manifest: dict, path: Path, fns: dict, device) -> dict | None:
+def _race_alternates(manifest: dict, path: Path, fns: dict) -> "Race | None":
     """The region that lists alternates (the model's one file, and the other libraries that
     ran it within a few percent in the final check, or the user's file beside an exported
-    region, on any library): each one that loads here, timed beside the shipped one in this
-    process (``check.at_load.decide``, by ``alternate_label``); the faster's callable takes
-    the symbol in ``fns``. Returns the decision's record (None: nothing to decide). An
-    alternate that cannot run here is left out with the reason; nothing fails the load."""
+    region, on any library): a ``check.race.Race`` in its symbol's place in ``fns``, the
+    shipped callable first, each alternate made by its library in a thread (``Making``), so
+    that loading does not wait for it. The first calls decide which serves (labels:
+    ``alternate_label``). None where there is nothing to decide. An alternate that cannot
+    run here is left out with the reason; nothing fails the load."""
     from .._errors import first_line
-    from ..check.at_load import decide, example_inputs
-    from ..registry import get_backend
+    from ..check.race import Making, Race
 
     entry = next((e for e in manifest.get("regions", []) if e.get("alternates")), None)
     if entry is None or manifest.get("device") == "cuda":  # (the floors run on the CPU)
         return None
-    built = manifest.get("alternate_backends") or {}
-    contenders, left_out = {entry["backend"]: fns[entry["symbol"]]}, {}
+    making, left_out = {}, {}
     for alt in entry["alternates"]:
-        name = alt["backend"]
         label = alternate_label(alt)
         try:
-            backend = get_backend(name)
-            ok, why = backend.available()
-            if not ok:
-                raise RuntimeError(why)
-            version = built.get(name, {}).get("version")
-            if version is not None and backend.version() != version:
-                raise RuntimeError(f"it is {backend.version()} here, {version} when built")
+            backend = _alternate_backend(manifest, alt["backend"])
             own = {k: alt[k] for k in ("file", "inputs") if k in alt}  # the user's file
-            contenders[label] = _lower_region({**entry, "backend": name, **own}, path, backend)
+            region = {**entry, "backend": alt["backend"], **own}
+            making[label] = Making(lambda r=region, b=backend: _lower_region(r, path, b))
         except Exception as err:  # noqa: BLE001 - the shipped one still runs
             left_out[label] = first_line(err, 200)
-    record = {"chose": entry["backend"], "ms": {}, "rounds": 0, "seconds": 0.0}
-    if len(contenders) > 1:
-        try:
-            args = example_inputs(manifest["inputs"], device)
-            chose, record = decide(contenders, args, manifest.get("accuracy", "f32"))
-        except Exception as err:  # noqa: BLE001 - the final check's verdict stands
-            left_out["(timing)"] = first_line(err, 200)
-            chose = entry["backend"]
-        fns[entry["symbol"]] = contenders[chose]
-    record["shipped"] = entry["backend"]
-    record["left_out"] = {**left_out, **record.get("left_out", {})}
-    if record["chose"] != entry["backend"]:
-        logger.info("%s: the model runs whole on %s (%s), not %s as the final check had "
-                    "it: its alternates, decided here", path, record["chose"],
-                    ", ".join(f"{n} {ms:.3f} ms" for n, ms in record["ms"].items()),
-                    entry["backend"])
-    return record
+    race = Race({entry["backend"]: fns[entry["symbol"]]}, manifest.get("accuracy", "f32"),
+                making)
+    race.left_out.update(left_out)
+    fns[entry["symbol"]] = race
+    return race
 
 
 def _load_library(file: str):
@@ -331,9 +348,11 @@ def load(path, decide: bool = True) -> "LoadedModule":
 
     ``decide``: where the final check found one file run whole by two graph libraries
     within a few percent of each other (the model file, or the model as one region), the
-    build holds both; they are timed side by side
-    here, in the process that will run the model, and the faster is kept (about 2-4 s;
-    ``LoadedModule.decided`` says how it went). ``decide=False`` keeps the final check's.
+    build holds both, and where a dynamic model's libraries ran a shape within a few
+    percent, the same: the first calls of the model decide between them in the process
+    that runs it (``check.race``; the alternate's library loads it in a thread, so loading
+    does not wait; ``LoadedModule.decided`` and ``races`` say how it went, ``settle`` calls
+    until decided). ``decide=False`` keeps the search's choices.
 
     Refuses with an ``ArtifactError`` naming the cause and the fix: not an artifact, an
     unknown format version, a missing or truncated file, another TVM, another machine
@@ -349,8 +368,8 @@ def load(path, decide: bool = True) -> "LoadedModule":
     dev = tvm.cuda(0) if manifest.get("device") == "cuda" else tvm.cpu(0)
     _check_machine(manifest, path, dev)
     backends = _check_backends(manifest, path)
-    fns = _lower_regions(manifest, path, backends)
-    decided = _decide_alternates(manifest, path, fns, dev) if decide else None
+    fns = _lower_regions(manifest, path, backends, decide)
+    race = _race_alternates(manifest, path, fns) if decide else None
     try:
         lib = _load_library(str(path / manifest.get("kernels", KERNELS)))
     except Exception as err:  # noqa: BLE001 - a damaged library: say which file
@@ -362,4 +381,4 @@ def load(path, decide: bool = True) -> "LoadedModule":
         raise ArtifactError(f"{path}: the Relax VM could not be made over {KERNELS} "
                             f"({type(err).__name__}: {str(err).strip()[:300]}); export the "
                             "model again") from err
-    return LoadedModule(path, manifest, vm, lib, dev, fns, time.perf_counter() - t0, decided)
+    return LoadedModule(path, manifest, vm, lib, dev, fns, time.perf_counter() - t0, race)

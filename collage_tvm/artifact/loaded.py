@@ -4,6 +4,7 @@ file run whole by a graph library, that library's own call (``_direct_call``).""
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -12,14 +13,14 @@ class LoadedModule:
     """A saved build, loaded: call it with numpy arrays or DLPack tensors (torch) in the
     model's input order (or by input name); it returns the same kind, one output or a
     tuple. ``vm``: the Relax VM (``vm["main"](*tvm_tensors)``); ``manifest``: what the
-    artifact says about itself; ``load_seconds``: how long ``load`` took; ``decided``: the
-    alternates timed at load (``{"shipped", "chose", "ms", "rounds", "seconds",
-    "left_out"}``), None where there was none."""
+    artifact says about itself; ``load_seconds``: how long ``load`` took; ``race``: the
+    ``check.race.Race`` between the shipped build and its alternates that the first calls
+    decide (None where there is none); ``decided``: its record (``Race.record``)."""
 
     def __init__(self, path, manifest, vm, executable, device, callables, load_seconds,
-                 decided=None):
+                 race=None):
         self.path = Path(path)
-        self.decided = decided
+        self.race = race
         self.manifest = manifest
         self.vm = vm
         self.executable = executable  # the runtime module of kernels.so
@@ -41,6 +42,37 @@ class LoadedModule:
             for i in self.inputs]
 
     @property
+    def decided(self) -> dict | None:
+        """The race between the shipped build and its alternates (``Race.record``: "chose"
+        is None while the first calls still race), None where there is none."""
+        return self.race.record if self.race is not None else None
+
+    @property
+    def races(self) -> list:
+        """Every race of this build: the alternates' (``race``) and a dynamic model's, one
+        per call shape seen where libraries ran close (``Dispatch.races``)."""
+        out = [self.race] if self.race is not None else []
+        if self.dispatch is not None:
+            out += list(self.dispatch.races.values())
+        return out
+
+    def settle(self, *args, max_s: float = 120.0, **kwargs) -> list:
+        """Calls the model on ``args`` until each race serving them is decided (at most
+        ``max_s`` seconds, the libraries still loading included), as a server's first calls
+        do: a benchmark's warm-up. Returns those races' records."""
+        args = self._arguments(args, kwargs)
+        races = [self.race] if self.race is not None else []
+        if self.dispatch is not None:
+            race = self.dispatch.race_at([tuple(a.shape) for a in args])
+            races += [race] if race is not None else []
+        deadline = time.perf_counter() + max_s
+        while any(not r.settled for r in races) and time.perf_counter() < deadline:
+            if any(r.making and not all(m.done() for m in r.making.values()) for r in races):
+                time.sleep(0.01)  # (a library still loading: the first one serves alone)
+            self(*args)
+        return [r.record for r in races]
+
+    @property
     def calls_library_directly(self) -> bool:
         """True where a call with numpy arrays goes to the one graph library's own call of
         the whole model (``_direct_call``), False where it goes through the Relax VM (each
@@ -57,8 +89,9 @@ class LoadedModule:
 
     def __repr__(self) -> str:
         per = dict(self.manifest.get("placement", {}).get("ops_per_backend", {}))
-        if self.decided and self.decided["chose"] != self.decided["shipped"]:
-            per[self.decided["chose"]] = per.pop(self.decided["shipped"], 0)
+        decided = self.decided
+        if decided and decided["chose"] and decided["chose"] != decided["shipped"]:
+            per[decided["chose"]] = per.pop(decided["shipped"], 0)
         ops = ", ".join(f"{b} {n}" for b, n in sorted(per.items()))
         return (f"LoadedModule({str(self.path)!r}, inputs={self.input_names}, "
                 f"outputs={self.output_names}, ops: {ops or 'tvm'})")

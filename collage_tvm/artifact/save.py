@@ -150,7 +150,7 @@ def _save_dynamic(symbol: str, made: tuple, folder: Path) -> dict:
     """The region entry of a dynamic model's dispatch: the user's file (written as
     ``ALTERNATE_FILE``), the ranges, the library chosen at each point, and the static build
     that serves the optimum (saved as an artifact of its own in ``STATIC``), if any."""
-    from ..dynamic.dispatch import output_types
+    from ..dynamic.dispatch import close_labels, output_types
 
     _, ranges, proto, chosen, static = made
     _write_onnx(proto, folder / ALTERNATE_FILE)
@@ -161,6 +161,7 @@ def _save_dynamic(symbol: str, made: tuple, folder: Path) -> dict:
              "inputs": [n for n, _, _ in ranges.inputs],
              "outputs": [list(t) for t in output_types(proto)],
              "ranges": ranges.to_json(), "table": chosen["table"],
+             "close": close_labels(chosen["points"]),
              "special": chosen["special"] if static is not None else None}
     if static is not None:
         save(static, folder.parent / STATIC, input_names=entry["inputs"],
@@ -378,9 +379,11 @@ def _manifest(result, target, regions: list, count: dict) -> dict:
     backends = {name: {**info(name), "regions": count[name]}
                 for name in sorted({n for e in regions
                                     for n in e.get("libraries", [e["backend"]])})}
-    # what the decision at load may choose instead (``load``): not needed to load it
-    alternate = {name: info(name) for name in sorted({a["backend"] for e in regions
-                                                     for a in e.get("alternates", ())})}
+    # what the calls may choose instead (``load``: ``check.race``): not needed to load it
+    alternate = {name: info(name) for name in sorted(
+        {a["backend"] for e in regions for a in e.get("alternates", ())}
+        | {n for e in regions for close in (e.get("close") or {}).values() for n in close
+           if n not in e.get("libraries", ()) and n != "collage"})}
     report = result.report
     return {
         "format": FORMAT, "format_version": FORMAT_VERSION,

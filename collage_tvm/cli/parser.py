@@ -266,9 +266,9 @@ def _run_parser(sub) -> None:
     r.add_argument("--warmup", type=int, default=None, metavar="N",
                    help="warm-up runs before --bench (default max(3, N/10))")
     r.add_argument("--no-decide", dest="decide", action="store_false",
-                   help="where the build holds two graph libraries that ran the model whole "
-                        "within a few percent of each other, keep the search's choice rather "
-                        "than timing both here at load (2-4 s)")
+                   help="where the build holds graph libraries that ran the model (or a "
+                        "shape of a dynamic one) within a few percent of each other, keep the "
+                        "search's choice rather than letting the first calls race them here")
 
 
 def _db_parser(sub) -> None:

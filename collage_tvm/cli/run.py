@@ -18,11 +18,11 @@ def _run(args) -> int:
         print(f"collage-tvm: error: {err}", file=sys.stderr)
         return 2
     print(f"loaded {args.artifact} in {module.load_seconds * 1e3:.0f} ms: {module!r}")
-    if module.decided:
-        print("  " + decided_text(module.decided))
     try:
         arrays = _run_inputs(args.inputs, module)
         outputs = module(*arrays)
+        if args.bench and module.race is not None:  # (its first calls decide: before timing)
+            module.settle(*arrays)
     except (ValueError, TypeError, OSError) as err:
         print(f"collage-tvm: error: {err}", file=sys.stderr)
         return 2
@@ -32,9 +32,12 @@ def _run(args) -> int:
     if args.output:
         np.savez(args.output, **dict(zip(module.output_names, outputs)))
         print(f"outputs written to {args.output}")
+    if module.decided and module.decided["chose"]:
+        print("  " + decided_text(module.decided))
     if args.bench and module.dispatch is not None and args.inputs is None:
         for point in module.dispatch.ranges.points():
             arrays = _point_inputs(module, point)
+            module.settle(*arrays)
             served = module.dispatch.label_for([a.shape for a in arrays])
             print(f"shape {','.join(f'{s}={v}' for s, v in sorted(point.items()))} "
                   f"(served by {served}): ", end="")
@@ -77,9 +80,10 @@ def _time_loaded(module, arrays, args) -> None:
 
 
 def decided_text(d: dict) -> str:
-    """One line on the alternates ``load`` timed (``LoadedModule.decided``)."""
+    """One line on the race the first calls decided (``LoadedModule.decided``)."""
     figures = ", ".join(f"{n} {ms:.3f} ms" for n, ms in d["ms"].items()) or "nothing timed"
-    text = (f"decided at load ({figures}; {d['rounds']} rounds, {d['seconds']:.1f} s):"
+    text = (f"decided by the first {d['calls']} calls ({figures}; {d['rounds']} rounds, "
+            f"{d['seconds']:.1f} s):"
             f" runs on {d['chose']}" + (" (the search's choice)" if d["chose"] == d["shipped"]
                                         else f", not {d['shipped']} as the search had it"))
     if d.get("left_out"):

@@ -16,29 +16,67 @@ import numpy as np
 
 from .shapes import ShapeRanges
 
+STATIC = "collage"  # the label of Collage's static build at the optimum
+
 
 def point_key(point: dict) -> str:
     """A point as text: "batch=1,sequence=128" (symbols sorted): the table's key."""
     return ",".join(f"{s}={point[s]}" for s in sorted(point))
 
 
+# Where another library ran a point within this share of the chosen one's time in the
+# search, the serving process races them at the shapes it is called with (``check.race``):
+# gpt2 at 1x8 on the AMX Xeon, OpenVINO 25% ahead of ONNX Runtime in the search's process,
+# 15% behind it in the bench's (docs/BENCHMARKS.md, dynamic shapes).
+RACE_SHARE = 0.35
+# The most call shapes raced in one process; later new shapes go to the table's choice.
+MAX_RACES = 256
+
+
+def close_labels(points: list, share: float = RACE_SHARE) -> dict:
+    """point key -> the labels timed at that point within ``share`` of the fastest there,
+    fastest first (``choose``'s records: {"point", "chose", "ms"}); only points where more
+    than one is close."""
+    out = {}
+    for record in points:
+        ms = {n: v for n, v in (record.get("ms") or {}).items() if v and v == v}
+        if len(ms) < 2:
+            continue
+        best = min(ms.values())
+        close = sorted((n for n, v in ms.items() if v <= best * (1 + share)), key=ms.get)
+        if len(close) > 1:
+            out[point_key(record["point"])] = close
+    return out
+
+
 class Dispatch:
-    """``Dispatch(ranges, table, fns, special=None)``: a callable on TVM tensors (and
-    ``numpy_call`` on numpy arrays) that runs ``fns[table[bucket]]`` for the call's shapes.
+    """``Dispatch(ranges, table, fns, special=None, close=None, accuracy="f32",
+    making=None)``: a callable on TVM tensors (and ``numpy_call`` on numpy arrays) that runs
+    ``fns[table[bucket]]`` for the call's shapes.
 
     ``table``: point key (``point_key``) -> label of ``fns``; ``fns``: label -> callable
     (TVM tensors in and out; with ``numpy_call``); ``special``: (point, callable) where a
-    static build serves one point exactly (it also has ``numpy_call``)."""
+    static build serves one point exactly (it also has ``numpy_call``). ``close``: point
+    key -> labels that ran it within ``RACE_SHARE`` of each other (``close_labels``): at
+    each call shape of such a point, the first calls race them (``check.race.Race``, the
+    table's choice first; "collage", the static build, only at its exact point), within
+    the ``accuracy`` budget; ``making``: label -> ``check.race.Making`` of libraries that
+    only race (made in a thread)."""
 
-    def __init__(self, ranges: ShapeRanges, table: dict, fns: dict, special=None):
+    def __init__(self, ranges: ShapeRanges, table: dict, fns: dict, special=None,
+                 close: dict | None = None, accuracy="f32", making: dict | None = None):
         self.ranges = ranges
         self.table = dict(table)
         self.fns = dict(fns)
         self.special = special
+        self.close = dict(close or {})
+        self.accuracy = accuracy
+        self.making = dict(making or {})
         points = [dict(kv.split("=") for kv in key.split(",")) if key else {}
                   for key in self.table]
         self.values = {s: sorted({int(p[s]) for p in points if s in p}) for s in ranges.axes}
         self._by_shapes: dict = {}  # input shapes -> callable (bounded: ``_pick``)
+        self.races: dict = {}       # input shapes -> its ``Race``
 
     def _pick(self, shapes: tuple):
         """The callable for a call with input ``shapes`` (a tuple of tuples); raises
@@ -47,21 +85,58 @@ class Dispatch:
         if fn is not None:
             return fn
         point = self.ranges.point_of(shapes)
-        if self.special is not None and point == self.special[0]:
-            fn = self.special[1]
-        else:
-            fn = self.fns[self.table[point_key(self.ranges.bucket(point, self.values))]]
+        exact = self.special is not None and point == self.special[0]
+        key = point_key(self.ranges.bucket(point, self.values))
+        fn = self.special[1] if exact else self.fns[self.table[key]]
+        close = [n for n in self.close.get(key, ()) if exact or n != STATIC]
+        if len(close) > 1 and len(self.races) < MAX_RACES:
+            fn = self._race(shapes, "collage" if exact else self.table[key], fn, close)
         if len(self._by_shapes) < 4096:
             self._by_shapes[shapes] = fn
         return fn
 
+    def _race(self, shapes: tuple, chosen: str, fn, close: list):
+        """A ``Race`` at call ``shapes`` between the choice ``chosen`` (``fn``) and the
+        other ``close`` labels."""
+        from ..check.race import Race
+
+        fns, making = {chosen: fn}, {}
+        for label in close:
+            if label == chosen:
+                continue
+            if label == STATIC:
+                fns[label] = self.special[1]
+            elif label in self.fns:
+                fns[label] = self.fns[label]
+            elif label in self.making:
+                making[label] = self.making[label]
+        if len(fns) + len(making) < 2:
+            return fn
+        race = Race(fns, self.accuracy, making)
+        self.races[shapes] = race
+        return race
+
     def label_for(self, shapes) -> str:
         """Which build serves a call with input ``shapes``: a label of ``fns``, or
-        "collage" for the specialization."""
+        "collage" for the specialization (where a race at these shapes is not decided
+        yet: "racing: " and its contenders)."""
+        from ..check.race import Race
+
         fn = self._pick(tuple(tuple(int(d) for d in s) for s in shapes))
+        if isinstance(fn, Race):
+            if not fn.settled:
+                return "racing: " + ", ".join(list(fn.fns) + list(fn.making))
+            return fn.chose
         if self.special is not None and fn is self.special[1]:
-            return "collage"
+            return STATIC
         return next(label for label, f in self.fns.items() if f is fn)
+
+    def race_at(self, shapes):
+        """The ``Race`` serving calls of input ``shapes`` (None where nothing races)."""
+        from ..check.race import Race
+
+        fn = self._pick(tuple(tuple(int(d) for d in s) for s in shapes))
+        return fn if isinstance(fn, Race) else None
 
     def __call__(self, *args):
         return self._pick(tuple(tuple(a.shape) for a in args))(*args)
@@ -130,5 +205,5 @@ def library_call(backend, proto, path: str | None, names: list, out_types: list)
     return lowering.compile(source, [(None, dtype) for _, dtype in out_types], True)
 
 
-__all__ = ["Dispatch", "StaticBuild", "dynamic_module", "library_call", "output_types",
+__all__ = ["Dispatch", "RACE_SHARE", "StaticBuild", "close_labels", "dynamic_module", "library_call", "output_types",
            "point_key"]

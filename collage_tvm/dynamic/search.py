@@ -25,8 +25,8 @@ import math
 import time
 
 from .._errors import first_line
-from .dispatch import (Dispatch, StaticBuild, dynamic_module, library_call, output_types,
-                       point_key)
+from .dispatch import (STATIC, Dispatch, StaticBuild, dynamic_module, library_call,
+                       output_types, point_key)
 from .shapes import ShapeRanges
 
 logger = logging.getLogger("collage_tvm")
@@ -41,7 +41,6 @@ POINT_BATCH_MS = 40.0
 POINT_CLOSE = 0.05
 POINT_RUNOFF_ROUNDS = 25
 REFERENCE = "onnxruntime"  # whose f32 outputs the others' are checked against
-STATIC = "collage"         # the label of Collage's static build at the optimum
 
 
 def graph_libraries(backends: dict, accuracy) -> dict:

@@ -186,12 +186,15 @@ def run_model(suite: str, name: str, out_dir: str, options, db, log=print) -> li
         row = {**info, "shape": ", ".join("x".join(map(str, s)) for s in shapes[:2])
                + (", ..." if len(shapes) > 2 else "")}
         try:
-            if loaded.dispatch is not None:
-                row["served_by"] = loaded.dispatch.label_for(shapes)
             share, fws, tries = quietest(
                 lambda: torch_frameworks(case["model"], xs, path, loaded, check,
                                          controls=controls, label=f"{name} {row['shape']}"),
                 f"{name} {row['shape']}")
+            if loaded.dispatch is not None:  # (its race at these shapes decided: ``settle``)
+                row["served_by"] = loaded.dispatch.label_for(shapes)
+                race = loaded.dispatch.race_at(shapes)
+                if race is not None:
+                    row["race"] = race.record
             row.update(frameworks=fws, frameworks_other_load=share, **versus(fws))
             if len(tries) > 1:
                 row["frameworks_loads"] = [t[0] for t in tries]

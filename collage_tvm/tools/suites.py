@@ -1310,14 +1310,16 @@ def _on_tensors_text(fw: dict) -> str:
 
 
 def _shipped_cell(b: dict) -> str:
-    """What the search shipped, and where the alternates timed at load (``check.at_load``)
-    ran the file on another library in the timing process, that one."""
-    d = (b.get("frameworks", {}).get("collage") or {}).get("decided_at_load") or {}
+    """What the search shipped, and where the race of its alternates (``check.race``; in
+    older results files, the timing at load) ran the file on another library in the
+    timing process, that one."""
+    collage = b.get("frameworks", {}).get("collage") or {}
+    d = collage.get("decided") or collage.get("decided_at_load") or {}
     text = b.get("shipped", "")
     if d.get("chose") and d["chose"] != d.get("shipped"):
-        text += f"; at load: {d['chose']} (timed beside {d['shipped']})"
+        text += f"; served by {d['chose']} (raced beside {d['shipped']})"
     elif d.get("ms"):
-        text += f"; at load: kept (timed beside {', '.join(n for n in d['ms'] if n != d['chose'])})"
+        text += f"; kept (raced beside {', '.join(n for n in d['ms'] if n != d['chose'])})"
     return text
 
 
