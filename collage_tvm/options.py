@@ -124,8 +124,8 @@ class FinalCheck:
     # ViT-L/32's check under bf16 peaked at 19.9 GB of 24 (``check.memory``).
     build_holds: float = 5.0
     # The builds that run the shipped build's file whole on another graph library within
-    # this share of it are decided between again where the saved build is loaded
-    # (``check.at_load``): the check runs in the process that searched, a build is served
+    # this share of it are raced again by the saved build's first calls where it is
+    # served (``check.race``): the check runs in the process that searched, a build is served
     # elsewhere, and two libraries 2-10% apart here were ranked the other way round in a
     # suite row's timing process (docs/COVERAGE.md): the runoff's margin.
     at_load_share: float = 0.10

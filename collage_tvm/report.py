@@ -53,8 +53,8 @@ class BuildReport:
     no_floor: str = ""
     # The shipped build runs one file whole on a graph library, and others ran it (or the
     # user's model file, "source": "model file") within a few percent in the final check:
-    # {"backend", "ms"[, "source"]} each, timed again at load (``check.at_load``;
-    # ``check.floors.alternates``).
+    # {"backend", "ms"[, "source"]} each, raced by the saved build's first calls where it
+    # is served (``check.race``; ``check.floors.alternates``).
     alternates: list = field(default_factory=list)
     # The share of the machine's CPU other processes took during the final check: above
     # ``measure.other_load.BUSY_SHARE`` its verdict is logged as unsure and checked again.

@@ -200,7 +200,7 @@ def test_the_table_says_where_a_close_call_raced_in_serving_ran_another_library(
     line = {r.split(" | ")[0][2:]: r for r in text.splitlines() if r.startswith("| ")}
     assert "| onnxruntime (model file); served by openvino (raced beside onnxruntime) |" \
         in line["switched"]
-    assert "| onnxruntime (model file); kept (raced beside openvino) |" in line["kept"]
+    assert "| onnxruntime (model file); at load: kept (timed beside openvino) |" in line["kept"]
     assert line["plain"].endswith("| collage |")
 
 

@@ -87,7 +87,7 @@ def _save_regions(module, folder: Path, alternates=(), model_file=None) -> tuple
     loads it. ``alternates``: the graph libraries (``{"backend", "ms"}`` each) that ran
     the shipped build's one file whole (the user's model file, or the model exported as
     one region) within a few percent of it in the final check; that file's entry lists
-    them, and ``load`` decides between them (``check.at_load``). One with "source": "model
+    them, and the loaded build's first calls race them (``check.race``). One with "source": "model
     file" ran the user's model file beside an exported region (on another library or the
     region's own): ``model_file`` (its ONNX
     ModelProto) is written as ``ALTERNATE_FILE`` and the alternate names it (left out

@@ -1,14 +1,14 @@
 """The model run whole by one library: the user's model file on a graph library (a
 *floor* of the final check: what the user would run without Collage), a model TVM cannot
 import run whole on the fastest library that can, and the *alternates* of a shipped
-whole-file build decided between again where the saved build is loaded.
+whole-file build raced again where the saved build is served.
 
 Entry points: ``floors_for`` (the final check's floors of a search), ``floor_module``
 (a floor that won, as the module to ship), ``whole_on_a_library`` (a model TVM cannot
 import), ``alternates`` (the close whole-file runs of a verdict) and
-``model_file_for_alternates`` (the user's file saved for the decision at load). The
-lowering of one file to one external function is ``byoc.whole``; the user's file itself
-``frontend.model_file``; the decision at load ``check.at_load``.
+``model_file_for_alternates`` (the user's file saved for the race). The lowering of one
+file to one external function is ``byoc.whole``; the user's file itself
+``frontend.model_file``; the race where the build is served ``check.race``.
 """
 from __future__ import annotations
 
@@ -124,7 +124,7 @@ def whole_on_a_library(err, backends: dict, input_shapes, report, target,
     """The module running the ONNX model TVM's importer refused (``err``) wholly on the
     graph library among ``backends`` that runs it fastest here: each one that loads it,
     timed side by side on random inputs, its outputs checked against the first's within
-    ``accuracy`` (``check.at_load.decide``); ``err`` again, with each library's reason
+    ``accuracy`` (``check.fastest.decide``); ``err`` again, with each library's reason
     added, when none loads it. ``report.whole_model`` says which and why."""
     from ..byoc.whole import NotWhole, whole_model_module
 
@@ -156,7 +156,7 @@ def _fastest_whole(mods: dict, target, accuracy) -> tuple:
     from ..byoc import compile_module
     from ..byoc.external import release_with
     from ..graph.subgraph import random_inputs
-    from .at_load import decide
+    from .fastest import decide
 
     if len(mods) == 1:
         return next(iter(mods)), {}

@@ -53,8 +53,8 @@ class Verdict:
     other_load: float = math.nan
     # The shipped build runs one file whole on a graph library (the user's model file, or
     # the model as one exported region): its at-load alternates (``floors.alternates``),
-    # (backend, ms, source) each, fastest first. The saved build decides between them
-    # where it is loaded (``check.at_load``).
+    # (backend, ms, source) each, fastest first. The saved build's first calls race them
+    # where it is served (``check.race``).
     alternates: list = field(default_factory=list)
 
     @property

@@ -35,6 +35,7 @@ import time
 
 from ..measure.timing import DROP_AFTER, PAIRED_MIN_ROUNDS, by_round
 from ..precision import parse_accuracy
+from .fastest import MARGIN, numpy_outputs
 
 logger = logging.getLogger("collage_tvm")
 
@@ -46,17 +47,8 @@ TURN_MS = 25.0
 # ``DROP_AFTER`` rounds, is raced no further.
 RACE_DROP = 0.05
 # Another contender replaces the first only when it leads it by more than this share: a
-# smaller lead is within the timing's noise (efficientnet_v2_l at 480x480 on the Zen 4,
-# 2026-11-30: the file on ONNX Runtime chosen over OpenVINO on a 0.2% lead, then 3.4%
-# behind it in the row's 45 rounds; docs/COVERAGE.md).
-RACE_MARGIN = 0.01
-
-
-def _numpy(out) -> list:
-    """A callable's result (a TVM tensor or numpy array, or a tuple or list of them) as numpy
-    arrays."""
-    outs = out if isinstance(out, (tuple, list)) else [out]
-    return [o if hasattr(o, "dtype") and not hasattr(o, "numpy") else o.numpy() for o in outs]
+# smaller lead is within the timing's noise (``fastest.MARGIN`` has the evidence).
+RACE_MARGIN = MARGIN
 
 
 class Making:
@@ -206,7 +198,7 @@ class Race:
         outputs (this call starts ``name``'s turn untimed)."""
         reference = self._call(self.first, args, numpy)
         try:
-            judged = self.budget.check(_numpy(self._call(name, args, numpy)), _numpy(reference))
+            judged = self.budget.check(numpy_outputs(self._call(name, args, numpy)), numpy_outputs(reference))
         except Exception as err:  # noqa: BLE001 - it cannot run here
             self._leave(name, f"it failed to run: {type(err).__name__}: {err}")
             return reference

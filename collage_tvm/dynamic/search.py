@@ -7,7 +7,7 @@
 3. At each representative point of the ranges (``ShapeRanges.points``), the user's own
    file run whole by each graph library (one session each: it serves every shape), timed
    side by side on random inputs of the point's shapes, each library's outputs checked
-   against ONNX Runtime's f32 ones within the accuracy budget (``check.at_load.decide``);
+   against ONNX Runtime's f32 ones within the accuracy budget (``check.fastest.decide``);
    at the optimum, Collage's static build is a contender too.
 4. The build: ``dispatch.Dispatch`` sends a call to the chosen library of its point (the
    least point at or above each size), or to the static build at exactly its shapes.
@@ -31,7 +31,7 @@ from .shapes import ShapeRanges
 
 logger = logging.getLogger("collage_tvm")
 
-# Rounds and least batch of the side-by-side timing at each point (``check.at_load.decide``)
+# Rounds and least batch of the side-by-side timing at each point (``check.fastest.decide``)
 POINT_ROUNDS = 9
 POINT_BATCH_MS = 40.0
 # Where the two fastest at a point are within this share of each other, they are timed
@@ -122,9 +122,9 @@ def choose(ranges: ShapeRanges, fns: dict, accuracy, static=None, progress=None,
 
 def _choose_at(point: dict, contenders: dict, args: list, accuracy) -> dict:
     """The record of one point: the contenders that run there timed side by side
-    (``check.at_load.decide``; the two fastest again, alone, when within
+    (``check.fastest.decide``; the two fastest again, alone, when within
     ``POINT_CLOSE``)."""
-    from ..check.at_load import decide
+    from ..check.fastest import decide
 
     failed = {}
     for name, fn in list(contenders.items()):

@@ -1311,15 +1311,18 @@ def _on_tensors_text(fw: dict) -> str:
 
 def _shipped_cell(b: dict) -> str:
     """What the search shipped, and where the race of its alternates (``check.race``; in
-    older results files, the timing at load) ran the file on another library in the
-    timing process, that one."""
+    older results files, "decided_at_load": the timing at load) ran the file on another
+    library in the timing process, that one."""
     collage = b.get("frameworks", {}).get("collage") or {}
-    d = collage.get("decided") or collage.get("decided_at_load") or {}
     text = b.get("shipped", "")
-    if d.get("chose") and d["chose"] != d.get("shipped"):
-        text += f"; served by {d['chose']} (raced beside {d['shipped']})"
-    elif d.get("ms"):
-        text += f"; kept (raced beside {', '.join(n for n in d['ms'] if n != d['chose'])})"
+    for key, how, beside in (("decided", "served by ", "raced"),
+                             ("decided_at_load", "at load: ", "timed")):
+        d = collage.get(key) or {}
+        if d.get("chose") and d["chose"] != d.get("shipped"):
+            text += f"; {how}{d['chose']} ({beside} beside {d['shipped']})"
+        elif d.get("ms"):
+            others = ", ".join(n for n in d["ms"] if n != d["chose"])
+            text += f"; {how.replace('served by ', '')}kept ({beside} beside {others})"
     return text
 
 

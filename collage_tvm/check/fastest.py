@@ -1,15 +1,8 @@
-"""The at-load alternates of a shipped build decided between where the saved build is
-loaded (``check.floors.alternates``): when one file (the user's model file, or the model
-exported as one region) ran whole on two graph libraries within ``FinalCheck.at_load_share`` of each other, the
-saved build holds both, and ``artifact.load`` times them side by side in the process that
-will serve the model, then keeps the faster.
-
-The final check runs in the process that searched: hundreds of builds made and dropped, the
-libraries' pools and caches in the state the search left them. A build is served elsewhere,
-on a machine that may not be the one it was searched on. Between two libraries a few percent
-apart, that is enough to rank them the other way round (the transformers suite's vit on the
-AMX Xeon; ``options.FinalCheck.at_load_share`` has the evidence).
-"""
+"""The fastest of a few callables on the same inputs, timed side by side here: ``decide``.
+The floors' pick of the library that runs a model TVM cannot import
+(``floors.whole_on_a_library``) and the dynamic search's choice at each point of its ranges
+(``dynamic.search``) use it. Where a saved build is served, the first calls decide between
+what the search left close instead (``check.race``): no timing at load."""
 from __future__ import annotations
 
 import logging
@@ -22,66 +15,45 @@ from ..precision import parse_accuracy
 
 logger = logging.getLogger("collage_tvm")
 
-# Rounds of the side-by-side timing at load, and the least time of one batch: a 1 ms model
-# is decided in about 2 s, a 100 ms one in about 4 s (a call a batch).
-AT_LOAD_ROUNDS = 15
-AT_LOAD_BATCH_MS = 50.0
+# Rounds of the side-by-side timing, and the least time of one batch: a 1 ms model is
+# decided in about 2 s, a 100 ms one in about 4 s (a call a batch).
+ROUNDS = 15
+BATCH_MS = 50.0
 # A contender whose fastest batch is this share slower than the leader's median (after
 # ``timing.DROP_AFTER`` rounds, slower in each) is timed no further.
-AT_LOAD_DROP = 0.05
+DROP = 0.05
 # Another contender replaces the shipped one only when it leads it by more than this share:
 # a smaller lead is within the timing's noise (efficientnet_v2_l at 480x480 on the Zen 4,
 # 2026-11-30: the file on ONNX Runtime chosen over OpenVINO on a 0.2% lead, then 3.4%
 # behind it in the row's 45 rounds; docs/COVERAGE.md).
-AT_LOAD_MARGIN = 0.01
+MARGIN = 0.01
 
 
-def example_inputs(specs: list, device, seed: int = 0) -> list:
-    """TVM tensors for the input ``specs`` (``{"name", "shape", "dtype"}`` each, static
-    shapes): floats standard normal (seeded), integers and booleans zero (a valid token id,
-    index or mask for any model). Raises ``ValueError`` for a dynamic dimension."""
-    import tvm
-
-    rng = np.random.default_rng(seed)
-    out = []
-    for spec in specs:
-        shape = spec.get("shape")
-        if shape is None or not all(isinstance(d, int) for d in shape):
-            raise ValueError(f"input {spec.get('name')} has no static shape ({shape})")
-        dtype = spec["dtype"]
-        if dtype.startswith(("float", "bfloat")):
-            array = rng.standard_normal(shape).astype(dtype)
-        else:
-            array = np.zeros(shape, dtype=dtype)
-        out.append(tvm.runtime.tensor(array, device))
-    return out
-
-
-def _numpy(out) -> list:
+def numpy_outputs(out) -> list:
     """A callable's result (a TVM tensor or numpy array, or a tuple or list of them) as numpy
     arrays."""
     outs = out if isinstance(out, (tuple, list)) else [out]
     return [o if isinstance(o, np.ndarray) else o.numpy() for o in outs]
 
 
-def decide(fns: dict, args: list, accuracy="f32", rounds: int = AT_LOAD_ROUNDS,
-           batch_ms: float = AT_LOAD_BATCH_MS) -> tuple[str, dict]:
+def decide(fns: dict, args: list, accuracy="f32", rounds: int = ROUNDS,
+           batch_ms: float = BATCH_MS) -> tuple[str, dict]:
     """The fastest of ``fns`` (name -> a callable on ``args``, TVM tensors; the first is the
     one the final check shipped, the reference) timed side by side here: (its name, a
     record). Each other one must give the reference's outputs within ``accuracy`` (the
     build's budget) or it is left out ("left_out": name -> why). Timed in ``rounds``
     alternating rounds (``timing.interleaved``; one that lost even at its best is timed no
     further), the figures taken round by round (``timing.by_round``); another replaces the
-    first only when it leads it by more than ``AT_LOAD_MARGIN``. Record: {"chose",
+    first only when it leads it by more than ``MARGIN``. Record: {"chose",
     "ms": name -> ms, "rounds", "seconds", "left_out"}."""
     t0 = time.perf_counter()
     budget = parse_accuracy(accuracy)
     names = list(fns)
-    reference = _numpy(fns[names[0]](*args))
+    reference = numpy_outputs(fns[names[0]](*args))
     runs, left_out = {names[0]: fns[names[0]]}, {}
     for name in names[1:]:
         try:
-            judged = budget.check(_numpy(fns[name](*args)), reference)
+            judged = budget.check(numpy_outputs(fns[name](*args)), reference)
         except Exception as err:  # noqa: BLE001 - it cannot run here: the reference stays
             left_out[name] = f"it failed to run: {type(err).__name__}: {err}"
             continue
@@ -96,11 +68,11 @@ def decide(fns: dict, args: list, accuracy="f32", rounds: int = AT_LOAD_ROUNDS,
         dropped: set = set()
         medians = interleaved({n: (lambda f=f: f(*args)) for n, f in runs.items()},
                               rounds=rounds, min_ms=batch_ms, samples=samples,
-                              drop=AT_LOAD_DROP, dropped=dropped)
+                              drop=DROP, dropped=dropped)
         # (the ones timed in every round, round by round; one dropped lost by its median)
         ms = {**medians, **by_round({n: s for n, s in samples.items() if n not in dropped})}
         chose = min(ms, key=ms.get)
-        if names[0] in ms and ms[chose] > ms[names[0]] * (1 - AT_LOAD_MARGIN):
+        if names[0] in ms and ms[chose] > ms[names[0]] * (1 - MARGIN):
             chose = names[0]  # a lead within the noise: the final check's verdict stands
         record.update(chose=chose, ms={n: round(v, 4) for n, v in ms.items()},
                       rounds=max((len(s) for s in samples.values()), default=0))
@@ -108,4 +80,4 @@ def decide(fns: dict, args: list, accuracy="f32", rounds: int = AT_LOAD_ROUNDS,
     return record["chose"], record
 
 
-__all__ = ["AT_LOAD_MARGIN", "AT_LOAD_ROUNDS", "decide", "example_inputs"]
+__all__ = ["MARGIN", "ROUNDS", "decide", "numpy_outputs"]

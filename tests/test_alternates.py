@@ -12,7 +12,7 @@ import tvm
 from tvm import relax
 
 import collage_tvm
-from collage_tvm.check.at_load import decide, example_inputs
+from collage_tvm.check.fastest import decide
 from collage_tvm.check.floors import alternates
 from collage_tvm.registry import get_backend
 
@@ -20,7 +20,7 @@ from test_artifact import X, _block_onnx
 
 ns = importlib.import_module("collage_tvm.check.never_slower")
 runoff = importlib.import_module("collage_tvm.check.runoff")
-at_load = importlib.import_module("collage_tvm.check.at_load")
+fastest = importlib.import_module("collage_tvm.check.fastest")
 race_module = importlib.import_module("collage_tvm.check.race")
 
 pytestmark = pytest.mark.skipif(
@@ -188,7 +188,7 @@ def test_an_alternate_that_cannot_load_here_is_left_out_with_the_reason(close_ca
 
 
 def test_an_alternate_whose_outputs_differ_is_left_out():
-    args = example_inputs([{"name": "x", "shape": [2, 3], "dtype": "float32"}], tvm.cpu())
+    args = [tvm.runtime.tensor(np.arange(6, dtype="float32").reshape(2, 3))]
     right = lambda x: tvm.runtime.tensor(x.numpy() * 2)  # noqa: E731
     wrong = lambda x: tvm.runtime.tensor(x.numpy() * 2 + 0.5)  # noqa: E731
     broken = lambda x: 1 / 0  # noqa: E731
@@ -199,20 +199,11 @@ def test_an_alternate_whose_outputs_differ_is_left_out():
 
 @pytest.mark.parametrize("other_ms, chose", [(0.998, "a"), (0.995, "a"), (0.97, "b")])
 def test_another_replaces_the_shipped_one_only_past_the_margin(monkeypatch, other_ms, chose):
-    args = example_inputs([{"name": "x", "shape": [2, 3], "dtype": "float32"}], tvm.cpu())
+    args = [tvm.runtime.tensor(np.arange(6, dtype="float32").reshape(2, 3))]
     same = lambda x: tvm.runtime.tensor(x.numpy() * 2)  # noqa: E731
-    monkeypatch.setattr(at_load, "interleaved", lambda fns, **kw: {"a": 1.0, "b": other_ms})
+    monkeypatch.setattr(fastest, "interleaved", lambda fns, **kw: {"a": 1.0, "b": other_ms})
     got, record = decide({"a": same, "b": same}, args)
     assert got == chose == record["chose"] and record["ms"] == {"a": 1.0, "b": other_ms}
-
-
-def test_example_inputs_follow_the_specs_and_refuse_a_dynamic_dimension():
-    a, b = example_inputs([{"name": "x", "shape": [2, 3], "dtype": "float32"},
-                           {"name": "ids", "shape": [1, 4], "dtype": "int64"}], tvm.cpu())
-    assert a.shape == (2, 3) and str(a.dtype) == "float32" and np.abs(a.numpy()).sum() > 0
-    assert str(b.dtype) == "int64" and not b.numpy().any()
-    with pytest.raises(ValueError, match="ids has no static shape"):
-        example_inputs([{"name": "ids", "shape": [1, "n"], "dtype": "int64"}], tvm.cpu())
 
 
 def test_run_prints_the_close_call_and_no_decide_keeps_the_search_choice(close_call, capsys):
