@@ -91,7 +91,7 @@ def _dynamic(model, target, options, db, placement_log, tuning_db, input_shapes,
     from .dynamic import dynamic_model
     from .dynamic.search import optimize_dynamic
 
-    found = dynamic_model(model, options.shapes, input_shapes)
+    found = dynamic_model(model, options.shapes, input_shapes, options.shape_weights)
     if found is None:
         return None
     proto, path, ranges = found

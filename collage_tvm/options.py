@@ -233,6 +233,11 @@ class SearchOptions:
     # read from the model (``collage_tvm.dynamic.shapes``).
     shapes: tuple = _not_key((), "the search runs at the optimum's static shapes, keyed by "
                              "them; the choice per shape is keyed by the ranges")
+    # The shapes a server saw, with counts (a file, a dict or a list:
+    # ``collage_tvm.dynamic.weights``): default ranges widened to them, the optimum at the
+    # heaviest, and the report's expected cost per call weighted by them.
+    shape_weights: object = _not_key(None, "it moves the ranges and the optimum, which key "
+                                     "the search and the choice per shape")
     # The final check's thresholds (``FinalCheck``).
     final_check: FinalCheck = field(default_factory=lambda: DEFAULT_FINAL_CHECK,
                                     metadata={"key": None, "why": "judges a placement after "
@@ -248,6 +253,9 @@ class SearchOptions:
         object.__setattr__(self, "backends", tuple(backends))
         object.__setattr__(self, "accuracy", parse_accuracy(self.accuracy))
         object.__setattr__(self, "shapes", _shape_specs(self.shapes))
+        from .dynamic.weights import read_shape_weights
+
+        object.__setattr__(self, "shape_weights", read_shape_weights(self.shape_weights))
         if isinstance(self.evolution, dict):  # evolution={"population": 20}
             object.__setattr__(self, "evolution", Evolution(**self.evolution))
         for name in ("refine_rounds", "calibrate_rounds"):

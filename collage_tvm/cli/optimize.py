@@ -92,6 +92,13 @@ def _print_dynamic(rep) -> None:
             print(f"      {n} left out: {why}")
     if d.get("special"):
         print(f"  Collage's placement ({d['static_shipped']}) serves exactly the optimum")
+    expected = d.get("expected") or {}
+    ms = expected.get("ms") or {}
+    if "collage" in ms:
+        others = ", ".join(f"{n} {v:.3f} ms ({v / ms['collage']:.2f}x)" for n, v in sorted(
+            ms.items(), key=lambda kv: kv[1]) if n != "collage")
+        print(f"  expected per call over {expected['over']}: {ms['collage']:.3f} ms"
+              + (f"; each library alone: {others}" if others else ""))
     print(f"shipped: {rep.shipped}")
 
 
@@ -271,7 +278,8 @@ def _options(args, backends):
                          lean=getattr(args, "lean", True),
                          rpc_tracker=getattr(args, "rpc_tracker", "") or "",
                          rpc_key=getattr(args, "rpc_key", "") or "",
-                         shapes=tuple(getattr(args, "shapes", None) or ()))
+                         shapes=tuple(getattr(args, "shapes", None) or ()),
+                         shape_weights=getattr(args, "shape_weights", None))
 
 
 def _print_ops(res) -> None:

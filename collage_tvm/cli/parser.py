@@ -57,6 +57,11 @@ def _optimize_parser(sub) -> None:
                         "as TensorRT's profiles: e.g. input_ids=1x1:1x128:8x512 (searched at "
                         "OPT, served from MIN to MAX; repeatable). Default: read from the "
                         "model (batch 1..8 around 1; a sequence 1..its positions around 128)")
+    o.add_argument("--shape-weights", metavar="FILE",
+                   help="the shapes a server saw, one a line with a count (input_ids=4x37 "
+                        "120), or JSON {\"input_ids=4x37\": 120}: default ranges widened to "
+                        "them, the optimum at the heaviest, the expected cost per call "
+                        "weighted by them")
     o.add_argument("--inputs", metavar="FILE.npz",
                    help="example inputs (an .npz keyed by input name, or one .npy): every "
                         "build is checked and timed on them first; for a model whose inputs "

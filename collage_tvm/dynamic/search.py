@@ -28,6 +28,7 @@ from .._errors import first_line
 from .dispatch import (STATIC, Dispatch, StaticBuild, dynamic_module, library_call,
                        output_types, point_key)
 from .shapes import ShapeRanges
+from .weights import expected_ms
 
 logger = logging.getLogger("collage_tvm")
 
@@ -251,6 +252,7 @@ def optimize_dynamic(proto, path, ranges: ShapeRanges, target, options, static_b
                       "libraries": list(fns), "skipped": skipped, "from_log": from_log,
                       "static_shipped": static.report.shipped if static is not None else "",
                       "static_s": round(static_s, 1),
+                      "expected": expected_ms(ranges, chosen, options.shape_weights),
                       "points_s": round(time.perf_counter() - t_points, 1),
                       "seconds": round(time.perf_counter() - t0, 1)}
     report.shipped = _shipped(chosen, special is not None)

@@ -296,11 +296,12 @@ def shape_ranges(proto, given: dict | None = None) -> ShapeRanges:
     return ShapeRanges(inputs, axes, chosen)
 
 
-def dynamic_model(model, shapes=(), input_shapes: dict | None = None):
+def dynamic_model(model, shapes=(), input_shapes: dict | None = None, weights=None):
     """(proto, path or None, ``ShapeRanges``) of an ONNX ``model`` (a path or a
     ``ModelProto``) with a dimension that neither ``input_shapes`` (static shapes, as
     ``--input-shape`` gives) fixes; None for any other model. ``shapes``:
-    ``SearchOptions.shapes`` ((name, (min, opt, max)), ...)."""
+    ``SearchOptions.shapes`` ((name, (min, opt, max)), ...); ``weights``: the observed
+    shapes (``weights.ShapeWeights``) the default ranges take in."""
     path = None
     if isinstance(model, (str, os.PathLike)):
         path = os.fspath(model)
@@ -327,6 +328,10 @@ def dynamic_model(model, shapes=(), input_shapes: dict | None = None):
     ranges = shape_ranges(header, given)
     if all(a.min == a.opt == a.max for a in ranges.axes.values()) and input_shapes:
         return None  # the static shapes the user gave: the static build, as before
+    if weights is not None:
+        from .weights import weighted_ranges
+
+        ranges = weighted_ranges(ranges, weights)
     proto = header if path is None else _full(path, header)
     return proto, path, ranges
 
