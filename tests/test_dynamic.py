@@ -301,6 +301,16 @@ def test_the_dynamic_suites_summary_counts_wins_and_each_frameworks_mean_over_sh
     text = dynamic_suite.markdown("transformers", rows)
     assert "| bert | 1x512 | openvino | 10.000 | 20.000 | 10.000 |" in text
     assert "error: export: x" in text and "1 rows beat every f32 framework by 3%" in text
+    assert "OpenVINO at its default precision" not in text  # (f32 rows)
+    # under a reduced budget: the rows against OpenVINO at its default precision too
+    for r, default in zip(rows[:3], (0.9, 1.2, 1.0)):
+        r["frameworks"]["collage"]["precision"] = "bf16"
+        r["vs_openvino_default"] = default
+    d = dynamic_suite.summary(rows)["vs_openvino_default"]
+    assert d["rows"] == 3 and d["median"] == 1.0 and d["below_goal"] == 1
+    assert d["worst"] == ("bert", "1x8", 0.9)
+    assert ("Collage / OpenVINO at its default precision over 3 rows: median 1.000x, worst "
+            "0.900x (bert 1x8), 1 below 0.97x.") in dynamic_suite.markdown("transformers", rows)
 
 
 def test_the_decode_step_takes_eight_caches_of_one_past_length_and_batch():

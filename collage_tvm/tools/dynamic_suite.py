@@ -153,7 +153,8 @@ def run_model(suite: str, name: str, out_dir: str, options, db, log=print) -> li
     from .. import load, optimize
     from ..artifact import save
     from .bench import torch_frameworks
-    from .suites import CONTROL, OPENVINO_F32_CONTROL, _framework_check, quietest, versus
+    from .suites import (CONTROL, OPENVINO_CONTROL, OPENVINO_F32_CONTROL, _framework_check,
+                         quietest, versus)
 
     try:
         case = dynamic_case(suite, name)
@@ -181,6 +182,9 @@ def run_model(suite: str, name: str, out_dir: str, options, db, log=print) -> li
     rows = []
     check = _framework_check(1e-3, 1e-4)
     controls = {CONTROL: "onnxruntime", OPENVINO_F32_CONTROL: "openvino"}
+    accuracy = "f32" if options.accuracy.strict else options.accuracy.name
+    if accuracy != "f32":  # judged against OpenVINO at its default precision too
+        controls[OPENVINO_CONTROL] = "openvino (default)"
     for k, shapes in enumerate(case["shapes"]):
         xs = shape_inputs(case["inputs"], shapes, seed=k)
         row = {**info, "shape": ", ".join("x".join(map(str, s)) for s in shapes[:2])
@@ -195,6 +199,11 @@ def run_model(suite: str, name: str, out_dir: str, options, db, log=print) -> li
                 race = loaded.dispatch.race_at(shapes)
                 if race is not None:
                     row["race"] = race.record
+            if accuracy != "f32" and "error" not in fws.get("collage", {}):
+                # (judged within its budget, as OpenVINO's default is within its precision)
+                mine = fws["collage"]
+                mine.update(precision=accuracy, match=bool(
+                    mine.get("rel_err", math.inf) <= options.accuracy.tolerance))
             row.update(frameworks=fws, frameworks_other_load=share, **versus(fws))
             if len(tries) > 1:
                 row["frameworks_loads"] = [t[0] for t in tries]
@@ -238,6 +247,14 @@ def summary(rows: list) -> dict:
                    below_goal=sum(r < GOAL for r in ratios),
                    clear_wins=[(r["model"], r["shape"], r["vs_best_f32"]) for r in timed
                                if r["vs_best_f32"] >= CLEAR_WIN])
+    defaults = [r for r in timed if r.get("vs_openvino_default")]
+    if defaults:  # (a reduced budget's rows: against OpenVINO at its default precision)
+        worst = min(defaults, key=lambda r: r["vs_openvino_default"])
+        out["vs_openvino_default"] = {
+            "rows": len(defaults),
+            "median": statistics.median(r["vs_openvino_default"] for r in defaults),
+            "worst": (worst["model"], worst["shape"], worst["vs_openvino_default"]),
+            "below_goal": sum(r["vs_openvino_default"] < GOAL for r in defaults)}
     means = {}
     for fw in MEAN_OF:
         logs = [math.log(r["frameworks"][fw]["ms"] / r["frameworks"]["collage"]["ms"])
@@ -285,6 +302,12 @@ def markdown(suite: str, rows: list, machine: dict | None = None) -> str:
                      f"{s['median']:.3f}x, worst {s['worst'][2]:.3f}x ({s['worst'][0]} "
                      f"{s['worst'][1]}), {s['below_goal']} below 0.97x; "
                      f"{len(s['clear_wins'])} rows beat every f32 framework by 3% or more.")
+    d = s.get("vs_openvino_default")
+    if d and any(r.get("frameworks", {}).get("collage", {}).get("precision", "f32") != "f32"
+                 for r in rows):
+        lines.append(f"Collage / OpenVINO at its default precision over {d['rows']} rows: "
+                     f"median {d['median']:.3f}x, worst {d['worst'][2]:.3f}x ({d['worst'][0]} "
+                     f"{d['worst'][1]}), {d['below_goal']} below 0.97x.")
     if s["framework_mean_over_collage"]:
         lines.append("Each framework's time over Collage's, geometric mean over the rows: "
                      + ", ".join(f"{n} {v:.3f}x" for n, v in
