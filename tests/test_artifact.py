@@ -233,9 +233,21 @@ def test_the_model_file_that_won_the_final_check_saves_and_loads(model_path, tmp
     # the model file's own names, not the Relax parameters' (in0)
     assert [i["name"] for i in manifest["inputs"]] == ["x"]
     assert [o["name"] for o in manifest["outputs"]] == ["y"]
+    # OpenVINO's region also in its own form (IR), which the load reads instead of the ONNX
+    native = sorted(f for f in manifest["files"] if ".ov." in f)
+    assert native == (["regions/r0.ov.bin", "regions/r0.ov.xml"] if library == "openvino"
+                      else [])
     module = collage_tvm.load(path)
     assert np.array_equal(module(X), ref)
     assert np.array_equal(_run_build(res), ref)  # the build's own callable is still registered
+    if native:  # (the IR alone serves: the region's ONNX file is not read)
+        lowering = get_backend("openvino").get_lowering()
+        moved = tmp_path / "ir"
+        moved.mkdir()
+        for f in ("r0.ov.xml", "r0.ov.bin"):
+            shutil.copy(path / "regions" / f, moved / f)
+        compiled = lowering.compile_source(str(moved / "r0.onnx"))
+        assert len(compiled.outputs) == 1
     # numpy goes straight to the library's own call (no copy into a TVM tensor, no VM), and
     # gives what the VM gives, for a read-only or strided array too
     assert manifest["regions"][0]["model_file"] is True and module.calls_library_directly

@@ -66,6 +66,19 @@ def _graph_library_exports(lowering) -> bool:
             and getattr(type(lowering), "lower", None) is GraphLibraryLowering.lower)
 
 
+def _save_native(lowering, path: Path) -> None:
+    """The library's own form of the ONNX file at ``path`` beside it, where the library
+    keeps one (``save_native``: OpenVINO's IR, read faster at load); nothing where it
+    cannot (the ONNX file still serves)."""
+    save_native = getattr(lowering, "save_native", None)
+    if save_native is None:
+        return
+    try:
+        save_native(path)
+    except Exception as err:  # noqa: BLE001 - the ONNX file still loads
+        logger.info("%s: no native form of %s (%s)", lowering.name, path.name, err)
+
+
 def _write_onnx(model, path: Path) -> None:
     """``model`` to ``path``; past protobuf's 2 GiB its weights go beside it (and come back
     into ``model`` afterwards: it may be saved again)."""
@@ -122,6 +135,7 @@ def _save_regions(module, folder: Path, alternates=(), model_file=None) -> tuple
                          outputs=[[list(s), d] for s, d in specs],
                          inputs=[i.name for i in proto.graph.input])
             _write_onnx(proto, folder / f"r{k}.onnx")
+            _save_native(lowering, folder / f"r{k}.onnx")
         elif _graph_library_exports(lowering):
             func = made[2]
             specs = output_specs(func)
@@ -133,6 +147,7 @@ def _save_regions(module, folder: Path, alternates=(), model_file=None) -> tuple
             if sole and _passes_through(module["main"], symbol, len(specs)):
                 entry["passes_through"] = True  # ``_direct_call``
             _write_onnx(model, folder / f"r{k}.onnx")
+            _save_native(lowering, folder / f"r{k}.onnx")
         else:
             func = made[2]
             (folder / f"r{k}.json").write_text(tvm.ir.save_json(func))
@@ -152,9 +167,13 @@ def _save_dynamic(symbol: str, made: tuple, folder: Path) -> dict:
     that serves the optimum (saved as an artifact of its own in ``STATIC``), if any."""
     from ..dynamic.dispatch import close_labels, output_types
 
+    from ..registry import get_backend
+
     _, ranges, proto, chosen, static = made
     _write_onnx(proto, folder / ALTERNATE_FILE)
     libraries = sorted(set(chosen["table"].values()))
+    for name in libraries:
+        _save_native(get_backend(name).get_lowering(), folder / ALTERNATE_FILE)
     entry = {"symbol": symbol, "format": "dynamic", "backend": libraries[0],
              "libraries": libraries, "label": "the model file per shape",
              "file": f"{REGIONS}/{ALTERNATE_FILE}",

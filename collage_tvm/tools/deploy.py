@@ -14,7 +14,8 @@ import numpy as np
 
 # Run in a fresh Python: import collage_tvm, load the artifact, run it once on the inputs,
 # then create an ONNX Runtime session for the model file as a user would
-# (``InferenceSession(path)``) and run it once; the times and the outputs come back.
+# (``InferenceSession(path)``, its import timed with it, as ``load`` imports the libraries
+# it loads) and run it once; the times and the outputs come back.
 _FRESH = r"""
 import json, sys, time
 t0 = time.perf_counter()
@@ -31,8 +32,8 @@ out = module(*arrays)
 t_first = time.perf_counter() - t0
 out = out if isinstance(out, tuple) else (out,)
 np.savez(outputs, *[np.asarray(o) for o in out])
-import onnxruntime as ort
 t0 = time.perf_counter()
+import onnxruntime as ort  # (timed with the session, as the load times its libraries' imports)
 sess = ort.InferenceSession(onnx_path, providers=["CPUExecutionProvider"])
 t_ort = time.perf_counter() - t0
 names = [i.name for i in sess.get_inputs()]

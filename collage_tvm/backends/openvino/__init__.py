@@ -12,10 +12,19 @@ This module is the backend's lowering; ``patterns.py`` beside it is its pattern 
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from collage_tvm.backends._graphlib import (GraphLibraryLowering, as_numpy, model_source,
                                             new_output, single_or_tuple, threads)
+
+
+def native_path(onnx_path: str) -> str:
+    """Where ``OpenVinoLowering.save_native`` writes the IR of ``onnx_path``: r0.onnx ->
+    r0.ov.xml (and r0.ov.bin)."""
+    root = onnx_path[:-5] if onnx_path.endswith(".onnx") else onnx_path
+    return root + ".ov.xml"
 
 
 class OpenVinoLowering(GraphLibraryLowering):
@@ -48,12 +57,29 @@ class OpenVinoLowering(GraphLibraryLowering):
                 "INFERENCE_PRECISION_HINT": self.precision}
 
     def compile_source(self, source):
-        """``source``: ONNX model bytes or an ONNX file's path (external data beside it)."""
+        """``source``: ONNX model bytes or an ONNX file's path (external data beside it); a
+        saved build's file with OpenVINO's own form beside it (``save_native``) is read from
+        that instead."""
         import openvino as ov
 
         core = ov.Core()
-        model = core.read_model(source) if isinstance(source, str) else core.read_model(source, b"")
+        if isinstance(source, str):
+            native = native_path(source)
+            model = core.read_model(native if os.path.isfile(native) else source)
+        else:
+            model = core.read_model(source, b"")
         return core.compile_model(model, "CPU", self.config())
+
+    def save_native(self, onnx_path) -> None:
+        """Beside a saved build's ONNX file, the model in OpenVINO's own form (IR: .ov.xml and
+        .ov.bin, weights at their precision): a loaded build reads it in a tenth of the time
+        its ONNX frontend takes to convert the file (torchvision's r3d_18: 0.007-0.03 s
+        against 0.16-0.18 s on the AMX Xeon; the compile after it is the same 0.1 s)."""
+        import openvino as ov
+
+        native = native_path(str(onnx_path))
+        if not os.path.isfile(native):
+            ov.save_model(ov.Core().read_model(str(onnx_path)), native, compress_to_fp16=False)
 
     def compile(self, model, specs, sole: bool = False):
         import openvino as ov
