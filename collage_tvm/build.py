@@ -43,6 +43,8 @@ def optimize(model, target="llvm", backends=None, db=None, *, options: SearchOpt
     (``backends``, ``graph_level=True``, ``budget=120``, ``compare=True``, ...).
     """
     options = SearchOptions.of(options, backends=backends, **option_fields)
+    if options.accuracy.quantizes:
+        return _int8(model, target, options, db, placement_log, tuning_db, input_shapes)
     options = _own_precision(model, options)
     dynamic = _dynamic(model, target, options, db, placement_log, tuning_db, input_shapes,
                        example_inputs)
@@ -55,6 +57,106 @@ def optimize(model, target="llvm", backends=None, db=None, *, options: SearchOpt
     _let_go()
     return CollageResult(executable, lowered, found.placement, found.graph, found.report,
                          found.target, found.model_file)
+
+
+def _int8(model, target, options, db, placement_log, tuning_db, input_shapes) -> CollageResult:
+    """``optimize`` under ``--accuracy int8`` (``collage_tvm.quantize``): the model quantized
+    within the budget, searched as an int8 model, beside the f32 model searched under the
+    same tolerance (bf16 regions allowed); each judged against the f32 model on the
+    validation inputs, the faster one that is within the budget shipped, the figures in
+    ``report.precision["int8"]``."""
+    from . import quantize as q
+    from .check.fastest import decide
+    from .precision import parse_accuracy, quantized_ops
+
+    budget = options.accuracy
+    proto = _onnx_proto(model)
+    if proto is None:
+        raise q.QuantizeError("--accuracy int8 quantizes an ONNX file (a path or a "
+                              "ModelProto): export the model to ONNX first")
+    if quantized_ops(proto):
+        raise q.QuantizeError("the model is quantized already: build it without --accuracy "
+                              "int8 (it is judged by its own precision)")
+    shapes = dict(input_shapes or {})
+    from .dynamic import dynamic_model
+
+    found = dynamic_model(proto, options.shapes, input_shapes, options.shape_weights)
+    if found is not None:  # calibrated and judged at the optimum of the ranges
+        shapes.update(found[2].opt_shapes())
+    specs = q.input_specs(proto, shapes)
+    feeds, source = q.calibration_feeds(specs, options.calibration_inputs)
+    validation = feeds[:q.CALIBRATION_SAMPLES] + q.random_feeds(specs, q.VALIDATION_SEEDS)
+    t0 = time.perf_counter()
+
+    def progress(excluded, err):
+        if options.progress:
+            print(f"  int8 with {excluded} operator(s) in float: error {err:.2e} of the "
+                  f"output scale (budget {budget.tolerance:g})", flush=True)
+
+    quantized = q.controlled(proto, feeds, validation, budget.tolerance, progress)
+    quantize_s = time.perf_counter() - t0
+    common = dict(target=target, db=db, placement_log=placement_log, tuning_db=tuning_db,
+                  input_shapes=input_shapes)
+    floating = optimize(model, options=dataclasses.replace(
+        options, accuracy=parse_accuracy(budget.tolerance)), **common)
+    info = {"budget": budget.tolerance, "calibration": source, "quantize_s": round(quantize_s, 1),
+            "quantizable": quantized["quantizable"], "in_float": quantized["excluded"],
+            "tries": quantized["tries"], "error_quantized_file": quantized["error"]}
+    contenders = {"float": floating}
+    if quantized["model"] is not None and len(quantized["excluded"]) < quantized["quantizable"]:
+        contenders["int8"] = optimize(quantized["model"], options=dataclasses.replace(
+            options, accuracy=parse_accuracy("f32")), **common)
+    else:
+        info["why_no_int8"] = ("no operator stays int8 within the budget"
+                               if quantized["model"] is None or quantized["quantizable"] else
+                               "the model has no operator to quantize")
+    chose = _judge_int8(contenders, proto, validation, budget, info, decide)
+    result = contenders[chose]
+    result.report.precision = {**result.report.precision, "int8": info}
+    logger.warning("--accuracy int8: shipped the %s build (%s)", chose, ", ".join(
+        f"{n} {ms:.3f} ms" for n, ms in info.get("ms", {}).items()) or "nothing timed")
+    return result
+
+
+def _onnx_proto(model):
+    """The ModelProto of an ONNX path or ModelProto (weights included); None otherwise."""
+    if isinstance(model, (str, os.PathLike)) and os.fspath(model).endswith(".onnx"):
+        import onnx
+
+        return onnx.load(os.fspath(model))
+    return model if type(model).__name__ == "ModelProto" else None
+
+
+def _judge_int8(contenders: dict, proto, validation: list, budget, info: dict, decide) -> str:
+    """Which of ``contenders`` ("float", "int8": results) ships: each one's error against the
+    f32 model (ONNX Runtime) on ``validation`` (``info["error"]``); those within ``budget``
+    timed side by side (``check.fastest.decide``, the float build first); the faster."""
+    import tvm
+    from tvm import relax
+
+    from . import quantize as q
+    from .precision import parse_accuracy
+
+    reference = q.outputs_on(proto, validation)
+    names = [n for n, _, _ in q.input_specs(proto)]
+    runs, errors = {}, {}
+    for label, res in contenders.items():
+        main = relax.VirtualMachine(res.executable, tvm.cpu())["main"]
+        got = []
+        for feed in validation:
+            out = main(*[tvm.runtime.tensor(feed[n]) for n in names])
+            got.append([o.numpy() for o in (out if isinstance(out, (list, tuple)) or not
+                                             isinstance(out, tvm.runtime.Tensor) else [out])])
+        errors[label] = q.error(got, reference)
+        if errors[label] <= budget.tolerance or label == "float":
+            runs[label] = main
+    info["error"] = {k: float(f"{v:.3g}") for k, v in errors.items()}
+    args = [tvm.runtime.tensor(validation[0][n]) for n in names]
+    # (each judged against the f32 model above; the timing compares, not judges)
+    chose, record = decide(runs, args, parse_accuracy(0.99))
+    info["ms"] = record.get("ms", {})
+    info["chose"] = chose
+    return chose
 
 
 def _own_precision(model, options: SearchOptions) -> SearchOptions:

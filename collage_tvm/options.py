@@ -238,6 +238,11 @@ class SearchOptions:
     # heaviest, and the report's expected cost per call weighted by them.
     shape_weights: object = _not_key(None, "it moves the ranges and the optimum, which key "
                                      "the search and the choice per shape")
+    # ``accuracy="int8"``: the inputs the quantization is calibrated on (an .npz keyed by
+    # input name, each array one input or a stack of them; None: random inputs, said in the
+    # report; ``collage_tvm.quantize``).
+    calibration_inputs: object = _not_key(None, "it changes the quantized model, keyed by "
+                                          "its content")
     # The final check's thresholds (``FinalCheck``).
     final_check: FinalCheck = field(default_factory=lambda: DEFAULT_FINAL_CHECK,
                                     metadata={"key": None, "why": "judges a placement after "

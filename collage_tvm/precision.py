@@ -31,6 +31,8 @@ PRECISIONS = ("f32", "bf16")
 # Runtime against OpenVINO's int8 kernels, 1.1%). Its budget allows this share of the output
 # scale and no reduced-precision backend beyond what the model itself quantizes.
 INT8_MODEL = "int8-model"
+# The budget under which Collage quantizes an f32 model itself (``collage_tvm.quantize``)
+INT8 = "int8"
 INT8_MODEL_TOLERANCE = 5e-2
 # The ONNX operators that make a model quantized (QDQ, and the QOperator form)
 QUANTIZED_OPS = ("QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "QLinearConv",
@@ -60,6 +62,12 @@ class Accuracy:
     @property
     def strict(self) -> bool:
         return self.tolerance == 0.0
+
+    @property
+    def quantizes(self) -> bool:
+        """Whether the budget lets Collage quantize the model to int8 itself (``--accuracy
+        int8``: ``collage_tvm.quantize``)."""
+        return self.name == INT8 or self.name.startswith(INT8 + ":")
 
     def allows(self, precision: str) -> bool:
         return precision == "f32" or (self.reduced and not self.strict
@@ -126,6 +134,19 @@ def parse_accuracy(spec) -> Accuracy:
         text = "f32"
     if text == INT8_MODEL:
         return int8_model_budget()
+    if text == INT8 or text.startswith(INT8 + ":"):
+        from .quantize import INT8_TOLERANCE
+
+        tol = INT8_TOLERANCE
+        if text != INT8:
+            try:
+                tol = float(text.split(":", 1)[1])
+            except ValueError:
+                tol = -1.0
+            if not 0 < tol < 1:
+                raise ValueError(f"accuracy {spec!r}: expected int8 or int8:TOL, TOL in (0, 1) "
+                                 "(the largest error allowed, a share of the output's scale)")
+        return Accuracy(INT8 if text == INT8 else f"{INT8}:{tol:g}", tol)
     if text in LEVELS:
         return Accuracy(text, LEVELS[text])
     try:
@@ -133,7 +154,7 @@ def parse_accuracy(spec) -> Accuracy:
     except ValueError:
         tol = -1.0
     if not tol >= 0 or tol >= 1:
-        raise ValueError(f"accuracy {spec!r}: expected f32, bf16 or a tolerance in [0, 1) "
+        raise ValueError(f"accuracy {spec!r}: expected f32, bf16, int8 or a tolerance in [0, 1) "
                          "(the largest error allowed, as a fraction of the output's scale)")
     return Accuracy("f32" if tol == 0 else f"{tol:g}", tol)
 

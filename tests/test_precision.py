@@ -33,7 +33,7 @@ def test_budgets_parse_and_say_which_precisions_they_allow():
     tight = parse_accuracy(1e-3)  # within bf16's rounding: f32 only
     assert not tight.strict and not tight.allows("bf16") and tight.allows("f32")
     for bad in ("fast", "-1", "2"):
-        with pytest.raises(ValueError, match="expected f32, bf16 or a tolerance"):
+        with pytest.raises(ValueError, match="expected f32, bf16, int8 or a tolerance"):
             parse_accuracy(bad)
     # the strict default leaves the placement-log key as it was before precisions
     assert "accuracy" not in SearchOptions().key_variant()

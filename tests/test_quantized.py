@@ -114,7 +114,7 @@ def test_the_cli_says_the_budget_a_quantized_model_is_judged_by(tmp_path, capsys
     doc = json.loads(report.read_text())  # what docs' "optimize-report" block renders
     assert doc["precision"]["accuracy"] == INT8_MODEL and doc["shipped"] in doc["comparison"]
     assert doc["machine"]["cpu"] and doc["model"] == int8
-    with pytest.raises(ValueError, match="expected f32, bf16 or a tolerance"):
+    with pytest.raises(ValueError, match="expected f32, bf16, int8 or a tolerance"):
         parse_accuracy("int9")
 
 

@@ -41,6 +41,8 @@ def _optimize(args) -> int:
     code = _report(args, res, t0)
     if res.report.dynamic:
         _print_dynamic(res.report)
+    if (res.report.precision or {}).get("int8"):
+        _print_int8(res.report.precision["int8"])
     if args.report:
         _write_report(res, args)
     if args.export:
@@ -70,6 +72,23 @@ def _shapes_text(ranges: dict, which: str) -> str:
     return ", ".join(f"{i['name']}=" + "x".join(
         str(d if isinstance(d, int) else ranges["axes"][d][k]) for d in i["dims"])
         for i in ranges["inputs"])
+
+
+def _print_int8(d: dict) -> None:
+    """``--accuracy int8``: what was quantized, what stayed in float, the error of each
+    build against the f32 model and which shipped."""
+    print(f"\nint8 (budget {d['budget']:g} of the output scale; calibrated on "
+          f"{d['calibration']}):")
+    print(f"  quantized in {d['quantize_s']:.0f} s: {d['quantizable'] - len(d['in_float'])} of "
+          f"{d['quantizable']} operators int8" + (f"; in float: {', '.join(d['in_float'])}"
+                                                   if d["in_float"] else ""))
+    if d.get("why_no_int8"):
+        print(f"  no int8 build: {d['why_no_int8']}")
+    for label, err in d.get("error", {}).items():
+        ms = d.get("ms", {}).get(label)
+        print(f"  {label:<6} build: error {err:.2e} of the f32 model's output scale"
+              + (f", {ms:.3f} ms" if ms is not None else ""))
+    print(f"  shipped: the {d.get('chose', 'float')} build")
 
 
 def _print_dynamic(rep) -> None:
@@ -279,7 +298,8 @@ def _options(args, backends):
                          rpc_tracker=getattr(args, "rpc_tracker", "") or "",
                          rpc_key=getattr(args, "rpc_key", "") or "",
                          shapes=tuple(getattr(args, "shapes", None) or ()),
-                         shape_weights=getattr(args, "shape_weights", None))
+                         shape_weights=getattr(args, "shape_weights", None),
+                         calibration_inputs=getattr(args, "calibration", None))
 
 
 def _print_ops(res) -> None:

@@ -13,8 +13,10 @@ LEAN_HELP = ("measure only the candidates the op-level DP can still choose (defa
 ACCURACY_HELP = ("accuracy budget: f32 (default: strict, every candidate f32), bf16 (bf16 "
                  "variants of the named libraries too, e.g. openvino_bf16, where the CPU has "
                  "bf16 instructions; the build's error within 2e-2 of the output scale, checked "
-                 "against f32 on random inputs) or a tolerance such as 0.05 (bf16 allowed from "
-                 "1e-2)")
+                 "against f32 on random inputs), int8 (Collage quantizes the f32 ONNX model with "
+                 "accuracy control, within 5e-2 of the output scale, or int8:TOL, and ships it "
+                 "where it beats the float build; --calibration) or a tolerance such as 0.05 "
+                 "(bf16 allowed from 1e-2)")
 BUILD_JOBS_HELP = ("processes that build the TVM candidates before they are timed (default: "
                    "one per core on a GPU target or a CPU of 8 cores and more, else 0: each "
                    "is built where it is timed)")
@@ -105,6 +107,10 @@ def _optimize_parser(sub) -> None:
     o.add_argument("--in-process", action="store_true",
                    help="measure in this process (faster start, no crash isolation)")
     o.add_argument("--accuracy", default="f32", metavar="BUDGET", help=ACCURACY_HELP)
+    o.add_argument("--calibration", metavar="FILE.npz",
+                   help="--accuracy int8: the inputs the quantization is calibrated on, keyed "
+                        "by input name (each array one input, or N of them stacked); default: "
+                        "8 random inputs, which the report says")
     o.add_argument("--build-jobs", type=_jobs, default=None, metavar="N", help=BUILD_JOBS_HELP)
     o.add_argument("--rpc-tracker", default="", metavar="HOST:PORT",
                    help="measure the candidates on the TVM RPC servers registered at this "

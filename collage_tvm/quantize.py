@@ -1,0 +1,337 @@
+"""int8 as a precision under the user's accuracy budget (issue #78, part 3): the f32 model
+quantized by Collage itself, with accuracy control.
+
+``--accuracy int8`` (``int8:TOL``: another tolerance; default ``INT8_TOLERANCE`` of the
+output scale) with ``--calibration inputs.npz`` (without: random inputs, said in the
+report):
+
+1. **Quantized.** ONNX Runtime's ``quantize_static`` (QDQ, u8 activations, s8 weights per
+   channel, MinMax calibration on the calibration inputs), as its docs show: the int8 file
+   both graph libraries fuse into int8 kernels (OpenVINO reads the QDQ pairs as its own
+   FakeQuantize).
+2. **Within the budget.** The quantized model's outputs on the validation inputs (the
+   calibration inputs and ``VALIDATION_SEEDS`` random ones) are compared with the f32
+   model's on ONNX Runtime. Where the error breaks the budget, the quantizable operators
+   are ranked by the error each adds (its output's error against the f32 model's, less its
+   input's: ``local_errors``), and the worst are left in float, 1, 2, 4, ... of them, then
+   halved back to the fewest that fit, as NNCF's accuracy control reverts layers in order
+   of their error; every operator in float is the f32 model.
+3. Then ``build.optimize`` searches the quantized file as any int8 model (its regions on
+   the libraries that run it fastest, judged in its own precision) beside the f32 model
+   under the same tolerance (bf16 regions allowed), both judged against the f32 model,
+   and ships the faster (``build._int8``).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+
+import numpy as np
+
+logger = logging.getLogger("collage_tvm")
+
+# The budget of ``--accuracy int8``: the largest error allowed, a share of the f32 model's
+# output scale. NNCF's accuracy control defaults to a 1% drop of a metric; on raw outputs,
+# int8 implementations differ by about 1% of the scale from each other (precision.py's
+# INT8_MODEL_TOLERANCE), and a whole model quantized with MinMax calibration reaches a few
+# percent (resnet18: ~3%).
+INT8_TOLERANCE = 5e-2
+# Random inputs the calibration uses where the user gives none, and the extra random inputs
+# every quantized model is validated on
+CALIBRATION_SAMPLES = 8
+VALIDATION_SEEDS = (101, 102)
+# The operators whose outputs are ranked and left in float by the accuracy control
+QUANTIZABLE = ("Conv", "ConvTranspose", "MatMul", "Gemm")
+
+
+class QuantizeError(ValueError):
+    """A model Collage cannot quantize, or calibration inputs that do not fit it."""
+
+
+def _ort_session(proto_or_path):
+    import onnxruntime as ort
+
+    from .target import host_cores
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = host_cores()
+    data = proto_or_path if isinstance(proto_or_path, str) else proto_or_path.SerializeToString()
+    return ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
+
+
+def input_specs(proto, input_shapes: dict | None = None) -> list:
+    """[(name, dtype, shape)] of ``proto``'s inputs; a dynamic dimension at
+    ``input_shapes``' size, else 1."""
+    import onnx
+
+    weights = {t.name for t in proto.graph.initializer}
+    out = []
+    for vi in proto.graph.input:
+        if vi.name in weights:
+            continue
+        t = vi.type.tensor_type
+        given = (input_shapes or {}).get(vi.name)
+        dims = [int(d.dim_value) if d.HasField("dim_value") and d.dim_value > 0 else None
+                for d in t.shape.dim]
+        shape = tuple(given) if given else tuple(d if d is not None else 1 for d in dims)
+        out.append((vi.name, np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.elem_type)).name,
+                    shape))
+    return out
+
+
+def random_feeds(specs: list, seeds) -> list:
+    """A feed (name -> array) per seed: floats standard normal, integers zero."""
+    feeds = []
+    for seed in seeds:
+        rng = np.random.default_rng(seed)
+        feeds.append({n: (rng.standard_normal(s).astype(t) if np.dtype(t).kind == "f"
+                          else np.zeros(s, t)) for n, t, s in specs})
+    return feeds
+
+
+def calibration_feeds(specs: list, path=None) -> tuple:
+    """(feeds, where they came from): ``path`` an .npz keyed by input name, each array one
+    input or a stack of them along a new first axis; None: ``CALIBRATION_SAMPLES`` random
+    ones."""
+    if path is None:
+        return (random_feeds(specs, range(CALIBRATION_SAMPLES)),
+                f"{CALIBRATION_SAMPLES} random inputs (no --calibration given: the int8 "
+                "ranges are the random inputs', which may not be your data's)")
+    try:
+        data = np.load(os.fspath(path))
+    except (OSError, ValueError) as err:
+        raise QuantizeError(f"--calibration {path}: cannot read it as an .npz ({err})") from None
+    names = [n for n, _, _ in specs]
+    missing = [n for n in names if n not in data.files]
+    if missing:
+        raise QuantizeError(f"--calibration {path}: no array for input(s) "
+                            f"{', '.join(missing)} (it has {', '.join(data.files) or 'none'})")
+    stacks = {}
+    for name, dtype, shape in specs:
+        a = np.asarray(data[name])
+        given = list(a.shape)
+        if a.ndim == len(shape):
+            a = a[None]
+        if a.ndim != len(shape) + 1 or any(
+                want not in (None, got) for want, got in zip(shape, a.shape[1:])
+                if want != 1):
+            raise QuantizeError(f"--calibration {path}: input {name} is {given}, "
+                                f"expected {list(shape)} or N x {list(shape)}")
+        stacks[name] = a.astype(dtype, copy=False)
+    n = {len(a) for a in stacks.values()}
+    if len(n) != 1:
+        raise QuantizeError(f"--calibration {path}: the inputs hold different numbers of "
+                            f"samples ({sorted(n)})")
+    count = n.pop()
+    return ([{k: np.ascontiguousarray(v[i]) for k, v in stacks.items()} for i in range(count)],
+            f"{count} input{'s' if count != 1 else ''} from {os.fspath(path)}")
+
+
+def named(proto):
+    """``proto`` with a name on every node (the quantizer leaves nodes out by name)."""
+    import onnx
+
+    out = onnx.ModelProto()
+    out.CopyFrom(proto)
+    seen = set()
+    for k, node in enumerate(out.graph.node):
+        if not node.name or node.name in seen:
+            node.name = f"{node.op_type}_{k}"
+        seen.add(node.name)
+    return out
+
+
+def quantize(proto, feeds: list, exclude=()) -> object:
+    """``proto`` (f32, named) quantized by ONNX Runtime's ``quantize_static`` (QDQ, u8
+    activations, s8 weights per channel, MinMax on ``feeds``), the nodes named in
+    ``exclude`` left in float: the int8 ModelProto."""
+    import onnx
+    from onnxruntime.quantization import (CalibrationDataReader, QuantFormat, QuantType,
+                                          quantize_static)
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.it = iter(feeds)
+
+        def get_next(self):
+            return next(self.it, None)
+
+    root = logging.getLogger()
+    level = root.level
+    with tempfile.TemporaryDirectory(prefix="collage-int8-") as tmp:
+        src, dst = os.path.join(tmp, "f32.onnx"), os.path.join(tmp, "int8.onnx")
+        onnx.save(proto, src)
+        root.setLevel(logging.ERROR)  # (its advice to pre-process, on the root logger)
+        try:
+            quantize_static(src, dst, Reader(), quant_format=QuantFormat.QDQ,
+                            activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
+                            per_channel=True, nodes_to_exclude=list(exclude))
+        finally:
+            root.setLevel(level)
+        return onnx.load(dst)
+
+
+def outputs_on(proto, feeds: list, extra: list = ()) -> list:
+    """ONNX Runtime's outputs of ``proto`` on each feed: [[graph outputs..., the tensors
+    named in ``extra``...]]."""
+    import onnx
+
+    model = proto
+    if extra:
+        model = onnx.ModelProto()
+        model.CopyFrom(proto)
+        have = {o.name for o in model.graph.output}
+        for name in extra:
+            if name not in have:
+                model.graph.output.append(onnx.ValueInfoProto(name=name))
+    sess = _ort_session(model)
+    names = [o.name for o in proto.graph.output] + list(extra)
+    return [sess.run(names, feed) for feed in feeds]
+
+
+def error(outputs: list, reference: list) -> float:
+    """The largest error of ``outputs`` against ``reference`` (per feed, per output) as a
+    share of that reference output's largest magnitude."""
+    worst = 0.0
+    for outs, refs in zip(outputs, reference):
+        for o, r in zip(outs, refs):
+            r = np.asarray(r, dtype=np.float64)
+            scale = float(np.max(np.abs(r))) if r.size else 0.0
+            diff = float(np.max(np.abs(np.asarray(o, np.float64) - r))) if r.size else 0.0
+            worst = max(worst, diff / scale if scale > 0 else diff)
+    return worst
+
+
+def _dequantized(int8, tensor: str) -> str:
+    """The tensor downstream operators of the quantized model read for ``tensor``: the
+    output of the QuantizeLinear -> DequantizeLinear pair that takes it, where one does;
+    else ``tensor``."""
+    consumers: dict = {}
+    for node in int8.graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    for q in consumers.get(tensor, ()):
+        if q.op_type == "QuantizeLinear":
+            for dq in consumers.get(q.output[0], ()):
+                if dq.op_type == "DequantizeLinear":
+                    return dq.output[0]
+    return tensor
+
+
+def _f32_name(tensor: str, f32_tensors: set) -> str | None:
+    """The f32 model's tensor a quantized model's ``tensor`` stands for: the same name, or
+    the name the quantizer derived it from (``X_DequantizeLinear_Output``,
+    ``X_QuantizeLinear_Input``)."""
+    if tensor in f32_tensors:
+        return tensor
+    for suffix in ("_DequantizeLinear_Output", "_QuantizeLinear_Input"):
+        if tensor.endswith(suffix) and tensor[:-len(suffix)] in f32_tensors:
+            return tensor[:-len(suffix)]
+    return None
+
+
+def local_errors(f32, int8, feeds: list) -> list:
+    """[(node name, error it adds)] of the quantizable nodes of ``f32`` (``QUANTIZABLE``)
+    that the quantized model ``int8`` quantized, worst first: the error of what the next
+    operator reads from it (its quantized output; the quantizer may have folded a Relu
+    after it into that) against the f32 model's same tensor, less the same of its own
+    first input, each a share of the tensor's scale. A node whose tensors cannot be told
+    apart is ranked after the others, in graph order, at 0."""
+    f32_tensors = {o for n in f32.graph.node for o in n.output} | {
+        i.name for i in f32.graph.input}
+    by_name = {n.name: n for n in int8.graph.node}
+    pairs, order = {}, []
+    for node in f32.graph.node:
+        mine = by_name.get(node.name)
+        if node.op_type not in QUANTIZABLE or mine is None or mine.op_type != node.op_type:
+            continue
+        order.append(node.name)
+        out_q = _dequantized(int8, mine.output[0])
+        out_f = _f32_name(mine.output[0], f32_tensors) or _f32_name(out_q, f32_tensors)
+        in_f = _f32_name(mine.input[0], f32_tensors)
+        if out_f is None:
+            continue
+        pairs[node.name] = ((out_q, out_f), (mine.input[0], in_f) if in_f else None)
+    if not order:
+        return []
+    want_q = sorted({p[0] for o, i in pairs.values() for p in (o, i) if p})
+    want_f = sorted({p[1] for o, i in pairs.values() for p in (o, i) if p})
+    hidden = lambda names, proto: [t for t in names  # noqa: E731 (not inputs or outputs)
+                                   if t not in {x.name for x in proto.graph.input}]
+    k_f, k_q = len(f32.graph.output), len(int8.graph.output)
+    extra_f, extra_q = hidden(want_f, f32), hidden(want_q, int8)
+    ref = outputs_on(f32, feeds, extra_f)
+    got = outputs_on(int8, feeds, extra_q)
+
+    def values(rows, k, extra, proto, feed_index, name):
+        if name in extra:
+            return rows[feed_index][k + extra.index(name)]
+        outs = [o.name for o in proto.graph.output]
+        if name in outs:
+            return rows[feed_index][outs.index(name)]
+        return feeds[feed_index][name]
+
+    def err(pair):
+        q_name, f_name = pair
+        return error([[values(got, k_q, extra_q, int8, i, q_name)] for i in range(len(feeds))],
+                     [[values(ref, k_f, extra_f, f32, i, f_name)] for i in range(len(feeds))])
+
+    ranked = [(name, err(out) - (err(inp) if inp else 0.0)) for name, (out, inp) in pairs.items()]
+    ranked.sort(key=lambda kv: -kv[1])
+    return ranked + [(n, 0.0) for n in order if n not in pairs]
+
+
+def controlled(proto, feeds: list, validation: list, tolerance: float, progress=None) -> dict:
+    """``proto`` quantized within ``tolerance`` on ``validation`` (module docstring, step 2):
+    {"model": the int8 ModelProto (None: no operator could stay int8), "error", "excluded":
+    node names left in float, "quantizable", "tries": [(excluded count, error)]}."""
+    proto = named(proto)
+    reference = outputs_on(proto, validation)
+    tries = []
+
+    def attempt(exclude):
+        model = quantize(proto, feeds, exclude)
+        err = error(outputs_on(model, validation), reference)
+        tries.append((len(exclude), err))
+        if progress:
+            progress(len(exclude), err)
+        return model, err
+
+    model, err = attempt(())
+    quantizable = [n.name for n in proto.graph.node if n.op_type in QUANTIZABLE]
+    out = {"model": model, "error": err, "excluded": [], "quantizable": len(quantizable),
+           "tries": tries}
+    if err <= tolerance:
+        return out
+    ranked = [name for name, _ in local_errors(proto, model, validation[:2])]
+    ranked += [n for n in quantizable if n not in ranked]
+    fits, fails, best = None, 0, None
+    k = 1
+    while k <= len(ranked):
+        model, err = attempt(ranked[:k])
+        if err <= tolerance:
+            fits, best = k, (model, err)
+            break
+        fails = k
+        k *= 2
+    if fits is None:
+        if len(ranked) and fails < len(ranked):
+            model, err = attempt(ranked)
+            if err <= tolerance:
+                fits, best = len(ranked), (model, err)
+        if fits is None:
+            return {**out, "model": None, "excluded": ranked}
+    lo, hi = fails, fits  # (lo fails, hi fits): the fewest that fit, halving the gap
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        model, err = attempt(ranked[:mid])
+        if err <= tolerance:
+            hi, best = mid, (model, err)
+        else:
+            lo = mid
+    return {**out, "model": best[0], "error": best[1], "excluded": ranked[:hi]}
+
+
+__all__ = ["CALIBRATION_SAMPLES", "INT8_TOLERANCE", "QuantizeError", "calibration_feeds",
+           "controlled", "error", "input_specs", "local_errors", "quantize", "random_feeds"]

@@ -1,0 +1,118 @@
+"""int8 as a precision under the user's budget (issue #78, part 3: ``--accuracy int8``):
+Collage quantizes the f32 model itself (ONNX Runtime's ``quantize_static``, QDQ), leaves
+the operators that break the budget in float, and ships the quantized build only where it
+is within the budget and faster than the float one."""
+import numpy as np
+import onnx
+import pytest
+import torch
+import torch.nn as nn
+
+from collage_tvm import quantize as q
+from collage_tvm.precision import parse_accuracy, quantized_ops
+
+
+def _cnn(path, seed=0):
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(),
+                      nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 8, 3),
+                      nn.Flatten(), nn.Linear(8 * 14 * 14, 10)).eval()
+    torch.onnx.export(m, (torch.randn(1, 3, 16, 16),), path, dynamo=False, opset_version=17,
+                      input_names=["x"])
+    return m
+
+
+def test_int8_budgets_parse_and_allow_bf16_regions_too():
+    a = parse_accuracy("int8")
+    assert a.quantizes and a.tolerance == q.INT8_TOLERANCE and a.allows("bf16")
+    b = parse_accuracy("int8:0.02")
+    assert b.quantizes and b.tolerance == 0.02 and str(b) == "int8:0.02"
+    assert not parse_accuracy("bf16").quantizes and not parse_accuracy("int8-model").quantizes
+    with pytest.raises(ValueError, match="int8:TOL, TOL in"):
+        parse_accuracy("int8:2")
+
+
+def test_calibration_inputs_are_read_stacked_or_single_and_checked(tmp_path):
+    specs = [("x", "float32", (1, 3, 16, 16))]
+    feeds, source = q.calibration_feeds(specs)
+    assert len(feeds) == q.CALIBRATION_SAMPLES and "random inputs" in source
+    stacked = tmp_path / "c.npz"
+    np.savez(stacked, x=np.ones((5, 1, 3, 16, 16), "float32"))
+    feeds, source = q.calibration_feeds(specs, stacked)
+    assert len(feeds) == 5 and feeds[0]["x"].shape == (1, 3, 16, 16) and "5 inputs" in source
+    single = tmp_path / "one.npz"
+    np.savez(single, x=np.ones((1, 3, 16, 16), "float32"))
+    assert len(q.calibration_feeds(specs, single)[0]) == 1
+    np.savez(tmp_path / "other.npz", y=np.ones((1, 3, 16, 16), "float32"))
+    with pytest.raises(q.QuantizeError, match=r"no array for input\(s\) x \(it has y\)"):
+        q.calibration_feeds(specs, tmp_path / "other.npz")
+    np.savez(tmp_path / "bad.npz", x=np.ones((2, 3, 8, 8), "float32"))
+    with pytest.raises(q.QuantizeError, match=r"input x is \[2, 3, 8, 8\], expected"):
+        q.calibration_feeds(specs, tmp_path / "bad.npz")
+
+
+def test_the_accuracy_control_leaves_the_worst_operators_in_float_until_within_budget(tmp_path):
+    path = str(tmp_path / "cnn.onnx")
+    _cnn(path)
+    proto = onnx.load(path)
+    specs = q.input_specs(proto)
+    feeds, _ = q.calibration_feeds(specs)
+    validation = feeds + q.random_feeds(specs, q.VALIDATION_SEEDS)
+    whole = q.controlled(proto, feeds, validation, 0.5)  # a wide budget: all int8
+    assert whole["excluded"] == [] and whole["quantizable"] == 4
+    assert quantized_ops(whole["model"]).get("QuantizeLinear")
+    full_err = whole["error"]
+    assert 0 < full_err < 0.5
+    # a budget below the whole model's error: operators go back to float, worst first, and
+    # the result is within it (the fewest that fit, found by halving)
+    tight = q.controlled(proto, feeds, validation, full_err * 0.9)
+    assert tight["error"] <= full_err * 0.9 and 1 <= len(tight["excluded"]) <= 4
+    assert [k for k, _ in tight["tries"]][:2] == [0, 1]
+    names = {n.name for n in q.named(proto).graph.node}
+    assert set(tight["excluded"]) <= names
+    got = q.outputs_on(tight["model"], validation)
+    assert q.error(got, q.outputs_on(q.named(proto), validation)) == pytest.approx(
+        tight["error"])
+    ranked = q.local_errors(q.named(proto), whole["model"], validation[:2])
+    assert len(ranked) == 4 and ranked[0][1] >= ranked[-1][1]
+
+
+def test_optimize_under_int8_ships_a_build_within_budget_and_says_what_it_did(tmp_path, capsys):
+    from collage_tvm.cli import main
+
+    path = str(tmp_path / "cnn.onnx")
+    m = _cnn(path)
+    calibration = tmp_path / "calib.npz"
+    np.savez(calibration, x=np.random.default_rng(3).standard_normal((4, 1, 3, 16, 16))
+             .astype("float32"))
+    out = tmp_path / "cnn.collage"
+    assert main(["optimize", path, "--backends", "tvm,onnxruntime,openvino", "--no-graph-level",
+                 "--in-process", "--db", str(tmp_path / "c.db"), "--accuracy", "int8",
+                 "--calibration", str(calibration), "--export", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "int8 (budget 0.05 of the output scale; calibrated on 4 inputs from" in text
+    assert "of 4 operators int8" in text and "float  build: error" in text
+    assert "int8   build: error" in text and "shipped: the " in text
+    import collage_tvm
+
+    loaded = collage_tvm.load(out)
+    x = np.random.default_rng(9).standard_normal((1, 3, 16, 16)).astype("float32")
+    with torch.no_grad():
+        want = m(torch.from_numpy(x)).numpy()
+    got = loaded(x)
+    assert np.abs(got - want).max() <= 0.05 * np.abs(want).max() * 1.5  # (an unseen input)
+
+
+def test_an_int8_budget_refuses_what_it_cannot_quantize(tmp_path):
+    import collage_tvm
+
+    path = str(tmp_path / "cnn.onnx")
+    _cnn(path)
+    whole = q.controlled(onnx.load(path), *([q.calibration_feeds(q.input_specs(
+        onnx.load(path)))[0]] * 2), 0.5)["model"]
+    with pytest.raises(q.QuantizeError, match="quantized already"):
+        collage_tvm.optimize(whole, "llvm", ["tvm"], accuracy="int8", progress=False,
+                             db=str(tmp_path / "c.db"))
+    with pytest.raises(q.QuantizeError, match="export the model to ONNX first"):
+        collage_tvm.optimize(nn.Linear(2, 2), "llvm", ["tvm"], accuracy="int8",
+                             example_inputs=(torch.randn(1, 2),), db=str(tmp_path / "c.db"))
