@@ -116,3 +116,34 @@ def test_an_int8_budget_refuses_what_it_cannot_quantize(tmp_path):
     with pytest.raises(q.QuantizeError, match="export the model to ONNX first"):
         collage_tvm.optimize(nn.Linear(2, 2), "llvm", ["tvm"], accuracy="int8",
                              example_inputs=(torch.randn(1, 2),), db=str(tmp_path / "c.db"))
+
+
+def test_the_int8_suite_summary_counts_each_kind_and_the_float_left_in():
+    from collage_tvm.tools import int8_suite
+
+    def fw(ms, match=True):
+        return {"ms": ms, "match": match, "error": 0.01}
+
+    qdq = int8_suite._versus({"model": "a", "kind": "qdq file", "shipped": "openvino",
+                              "frameworks": {"collage": fw(1.0), "onnxruntime": fw(3.0),
+                                             "openvino": fw(0.98)}},
+                             ("onnxruntime", "openvino"))
+    assert qdq["best"] == "openvino" and qdq["vs_best"] == 0.98
+    mixed = int8_suite._versus({
+        "model": "b", "kind": "f32, --accuracy int8", "chose": "int8", "in_float": ["/0/Conv"],
+        "quantizable": 20, "frameworks": {
+            "collage": fw(1.0), "openvino (default)": fw(2.0),
+            "onnxruntime (int8 file)": fw(1.5), "openvino (int8 file)": fw(0.8, match=False),
+            "onnxruntime (f32)": fw(4.0)}},
+        ("openvino (default)", "onnxruntime (int8 file)", "openvino (int8 file)",
+         "onnxruntime (f32)"))
+    assert mixed["best"] == "onnxruntime (int8 file)" and mixed["vs_best"] == 1.5
+    assert "openvino (int8 file)" not in mixed["vs"]  # (outside the budget: no contender)
+    s = int8_suite.summary([qdq, mixed, {"model": "c", "kind": "qdq file", "error": "x"}])
+    assert s["qdq file"]["rows"] == 2 and s["qdq file"]["timed"] == 1
+    assert s["qdq file"]["below_goal"] == 0 and s["qdq file"]["worst"] == ("a", 0.98)
+    f = s["f32, --accuracy int8"]
+    assert f["in_float"] == 1 and f["beats_whole_int8"] == 1
+    text = int8_suite.markdown("torchvision", [qdq, mixed])
+    assert "| b | f32, --accuracy int8 | int8 build, 1 of 20 in float | 1.000 |" in text
+    assert "0.800 (err 1.0e-02)" in text and "Operators left in float (int8 shipped) in 1" in text

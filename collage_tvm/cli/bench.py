@@ -53,21 +53,24 @@ def _bench(args, parser) -> int:
     return 0
 
 
-def _bench_dynamic(args, backends) -> int:
-    """``bench --suite NAME --dynamic``: ``tools.dynamic_suite``; suite_<name>_dynamic.json
-    {"suite", "dynamic", "machine", "accuracy", "rows", "summary"} and its table (.md)."""
+def _bench_kind(args, backends, kind: str) -> int:
+    """``bench --suite NAME --dynamic`` (``tools.dynamic_suite``) or ``--int8``
+    (``tools.int8_suite``): suite_<name>_<kind>.json {"suite", kind: True, "machine",
+    "accuracy", "rows", "summary"} and its table (.md)."""
     import json
     import os
     from pathlib import Path
 
     from .._files import write_json_atomic
     from ..build import DEFAULT_DB
-    from ..tools import dynamic_suite
+    from ..tools import dynamic_suite, int8_suite
     from ..tools.bench import machine
 
-    if args.suite not in dynamic_suite.DYNAMIC_SUITES:
-        print(f"collage-tvm: error: --dynamic takes --suite "
-              f"{' or '.join(dynamic_suite.DYNAMIC_SUITES)}, not {args.suite}", file=sys.stderr)
+    module, suites_of = {"dynamic": (dynamic_suite, dynamic_suite.DYNAMIC_SUITES),
+                         "int8": (int8_suite, int8_suite.INT8_SUITES)}[kind]
+    if args.suite not in suites_of:
+        print(f"collage-tvm: error: --{kind} takes --suite "
+              f"{' or '.join(suites_of)}, not {args.suite}", file=sys.stderr)
         return 2
     from ..options import SearchOptions
 
@@ -75,20 +78,20 @@ def _bench_dynamic(args, backends) -> int:
     options = SearchOptions(backends=tuple(backends), graph_level=args.graph_level,
                             budget=args.budget, accuracy=args.accuracy,
                             build_jobs=args.build_jobs, lean=args.lean)
-    name = f"suite_{args.suite}_dynamic" + ("" if options.accuracy.strict
-                                             else f"_{options.accuracy.name}")
+    name = f"suite_{args.suite}_{kind}" + ("" if options.accuracy.strict
+                                          else f"_{options.accuracy.name.replace(':', '_')}")
     base = os.path.join(args.out, name)
     os.makedirs(args.out, exist_ok=True)
     here = machine()
 
     def save(rows):
         write_json_atomic(Path(base + ".json"), {
-            "suite": args.suite, "dynamic": True, "machine": here,
+            "suite": args.suite, kind: True, "machine": here,
             "accuracy": options.accuracy.name, "rows": rows,
-            "summary": dynamic_suite.summary(rows)})
-        Path(base + ".md").write_text(dynamic_suite.markdown(args.suite, rows, here))
+            "summary": module.summary(rows)})
+        Path(base + ".md").write_text(module.markdown(args.suite, rows, here))
 
-    names = list(args.models or dynamic_suite.DYNAMIC_SUITES[args.suite])
+    names = list(args.models or suites_of[args.suite])
     kept = []
     if args.resume and os.path.exists(base + ".json"):  # as the other suites: --again reruns
         with open(base + ".json") as f:
@@ -97,9 +100,9 @@ def _bench_dynamic(args, backends) -> int:
         names = [n for n in names if n not in {r.get("model") for r in kept}]
         print(f"resuming: {len({r['model'] for r in kept})} model(s) of {base}.json kept",
               flush=True)
-    rows = kept + dynamic_suite.run(args.suite, names, args.out, options,
-                                    args.db or DEFAULT_DB, on_row=lambda r: save(kept + r),
-                                    log=lambda line: print(line, flush=True))
+    rows = kept + module.run(args.suite, names, args.out, options,
+                             args.db or DEFAULT_DB, on_row=lambda r: save(kept + r),
+                             log=lambda line: print(line, flush=True))
     save(rows)
     print(f"\nwrote {base}.json and {base}.md")
     return 0
@@ -121,8 +124,8 @@ def _bench_suite(args) -> int:
     from ..tools.bench import machine
 
     backends = [b for b in args.backends.split(",") if b]
-    if getattr(args, "dynamic", False):
-        return _bench_dynamic(args, backends)
+    if getattr(args, "dynamic", False) or getattr(args, "int8", False):
+        return _bench_kind(args, backends, "dynamic" if args.dynamic else "int8")
     try:
         budget = parse_accuracy(args.accuracy)  # a bad budget: before any model runs
     except ValueError as err:

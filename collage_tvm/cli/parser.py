@@ -244,6 +244,12 @@ def _suite_arguments(b) -> None:
                         "optimize with no flags, saved and loaded, and timed at batch 1, 4, 8 "
                         "(x sequence 8, 32, 128, 512) beside the same dynamic file on each "
                         "framework; writes suite_<name>_dynamic.json/.md")
+    b.add_argument("--int8", action="store_true",
+                   help="with --suite torchvision or timm: each model quantized as ONNX "
+                        "Runtime's docs show (QDQ) and built by optimize with no flags, and "
+                        "the f32 model built under --accuracy int8, timed beside ONNX Runtime "
+                        "and OpenVINO on the quantized file and OpenVINO's default on the f32 "
+                        "file; writes suite_<name>_int8.json/.md")
     b.add_argument("--no-frameworks", action="store_true",
                    help="with a torch --suite: leave out the frameworks (coverage only)")
     b.add_argument("--full", action="store_true",

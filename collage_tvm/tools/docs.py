@@ -53,6 +53,13 @@ def _load(folder: Path, name: str) -> dict:
         raise ValueError(f"{path}: not a results file ({err})") from None
 
 
+def int8_suite_table(doc: dict) -> str:
+    """An int8 suite's table (``bench --suite NAME --int8``): two rows per model."""
+    from . import int8_suite
+
+    return int8_suite.markdown(doc["suite"], doc["rows"], doc.get("machine"))
+
+
 def dynamic_suite_table(doc: dict) -> str:
     """A dynamic suite's table (``bench --suite NAME --dynamic``): a row per (model, shape)."""
     from . import dynamic_suite
@@ -306,7 +313,8 @@ KINDS = {"deploy": deploy_table, "search-time": search_time_table,
          "torch-compile": torch_compile_table, "suite-table": lambda docs: suite_table(docs[0]),
          "suite-summary": suite_summary, "optimize-report": lambda docs: optimize_report(docs[0]),
          "call-tir-survey": lambda docs: call_tir_table(docs[0]), "gpu": gpu_table,
-         "dynamic-suite": lambda docs: dynamic_suite_table(docs[0])}
+         "dynamic-suite": lambda docs: dynamic_suite_table(docs[0]),
+         "int8-suite": lambda docs: int8_suite_table(docs[0])}
 
 
 def render_page(text: str, folder: Path) -> str:

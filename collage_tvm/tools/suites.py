@@ -993,15 +993,20 @@ def _framework_check(rtol: float, atol: float):
     """``check(outputs, reference, precision)`` for ``torch_frameworks``: see
     ``framework_row``."""
     from ..check import compare_outputs
-    from ..precision import LEVELS, output_scale, relative_error
+    from ..precision import LEVELS, output_scale, parse_accuracy, relative_error
 
     def check(outputs, reference, precision):
         rel = relative_error(outputs, reference)
         if precision == "f32":
             scale = max((output_scale(r) for r in reference), default=0.0)
             match = compare_outputs(outputs, reference, rtol, scaled_atol(atol, scale))[0]
-        else:
-            match = rel <= LEVELS.get(precision, LEVELS["bf16"])
+        elif precision in LEVELS:
+            match = rel <= LEVELS[precision]
+        else:  # a budget by name or number ("int8", "int8:0.02", "0.05"): its tolerance
+            try:
+                match = rel <= parse_accuracy(precision).tolerance
+            except ValueError:
+                match = rel <= LEVELS["bf16"]
         return {"match": bool(match), "max_err": compare_outputs(outputs, reference)[1],
                 "rel_err": rel}
 
