@@ -13,19 +13,8 @@ import torch
 
 from collage_tvm import torch_backend
 from collage_tvm.torch_backend import builds
-from test_torch_compile import FAST, ConvNet, assert_same, seeded
-
-
-@pytest.fixture(autouse=True)
-def _fresh():
-    torch._dynamo.reset()
-    torch_backend.clear_builds()
-    yield
-    torch._dynamo.reset()
-
-
-def options(tmp_path, **more) -> dict:
-    return {**FAST, "db": str(tmp_path / "c.db"), **more}
+# (_fresh: test_torch_compile's autouse fixture, active here by the import)
+from test_torch_compile import _fresh, ConvNet, assert_same, options, seeded  # noqa: F401
 
 
 class FlatMLP(torch.nn.Module):

@@ -318,11 +318,19 @@ def markdown(suite: str, rows: list, machine: dict | None = None) -> str:
 def run(suite: str, names, out_dir: str, options, db, on_row=None, log=print) -> list:
     """Every model of dynamic ``suite`` (``names``: only those), rows as ``run_model``;
     ``on_row(rows)`` after each model."""
-    if suite not in DYNAMIC_SUITES:
-        raise ValueError(f"no dynamic suite {suite!r}: one of {', '.join(DYNAMIC_SUITES)}")
+    return each_model(DYNAMIC_SUITES, "dynamic", run_model, suite, names, out_dir, options,
+                      db, on_row, log)
+
+
+def each_model(suites: dict, kind: str, run_model, suite: str, names, out_dir: str, options,
+               db, on_row=None, log=print) -> list:
+    """The rows of ``run_model(suite, name, out_dir, options, db, log)`` for every model of
+    ``suites[suite]`` (``names``: only those), ``on_row(rows)`` after each model."""
+    if suite not in suites:
+        raise ValueError(f"no {kind} suite {suite!r}: one of {', '.join(suites)}")
     rows = []
-    for name in DYNAMIC_SUITES[suite] if names is None else names:
-        log(f"== {suite} {name} (dynamic)")
+    for name in suites[suite] if names is None else names:
+        log(f"== {suite} {name} ({kind})")
         rows.extend(run_model(suite, name, out_dir, options, db, log))
         if on_row is not None:
             on_row(rows)

@@ -312,15 +312,12 @@ def markdown(suite: str, rows: list, machine: dict | None = None) -> str:
 
 
 def run(suite: str, names, out_dir: str, options, db, on_row=None, log=print) -> list:
-    if suite not in INT8_SUITES:
-        raise ValueError(f"no int8 suite {suite!r}: one of {', '.join(INT8_SUITES)}")
-    rows = []
-    for name in INT8_SUITES[suite] if names is None else names:
-        log(f"== {suite} {name} (int8)")
-        rows.extend(run_model(suite, name, out_dir, options, db, log))
-        if on_row is not None:
-            on_row(rows)
-    return rows
+    """Every model of int8 ``suite`` (``names``: only those), rows as ``run_model``;
+    ``on_row(rows)`` after each model."""
+    from .dynamic_suite import each_model
+
+    return each_model(INT8_SUITES, "int8", run_model, suite, names, out_dir, options, db,
+                      on_row, log)
 
 
 __all__ = ["INT8_SUITES", "markdown", "run", "summary"]
