@@ -91,9 +91,11 @@ def _int8(model, target, options, db, placement_log, tuning_db, input_shapes) ->
     def progress(excluded, err):
         if options.progress:
             print(f"  int8 with {excluded} operator(s) in float: error {err:.2e} of the "
-                  f"output scale (budget {budget.tolerance:g})", flush=True)
+                  f"output scale (aimed at {budget.tolerance * q.CONTROL_SHARE:.2g} of the "
+                  f"{budget.tolerance:g} budget)", flush=True)
 
-    quantized = q.controlled(proto, feeds, validation, budget.tolerance, progress)
+    quantized = q.controlled(proto, feeds, validation, budget.tolerance * q.CONTROL_SHARE,
+                             progress)
     quantize_s = time.perf_counter() - t0
     common = dict(target=target, db=db, placement_log=placement_log, tuning_db=tuning_db,
                   input_shapes=input_shapes)
@@ -150,6 +152,9 @@ def _judge_int8(contenders: dict, proto, validation: list, budget, info: dict, d
         errors[label] = q.error(got, reference)
         if errors[label] <= budget.tolerance or label == "float":
             runs[label] = main
+        else:
+            info["why_no_int8"] = (f"the int8 build's error ({errors[label]:.2e} of the "
+                                   f"output scale) is outside the {budget.tolerance:g} budget")
     info["error"] = {k: float(f"{v:.3g}") for k, v in errors.items()}
     args = [tvm.runtime.tensor(validation[0][n]) for n in names]
     # (each judged against the f32 model above; the timing compares, not judges)

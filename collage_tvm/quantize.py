@@ -41,6 +41,12 @@ INT8_TOLERANCE = 5e-2
 # every quantized model is validated on
 CALIBRATION_SAMPLES = 8
 VALIDATION_SEEDS = (101, 102)
+# The share of the budget the accuracy control aims the quantized file at (ONNX Runtime's run
+# of it against the f32 model): the library that runs the int8 file rounds inside every
+# quantized layer in its own way, about 1% of the output scale from ONNX Runtime's
+# (precision.INT8_MODEL_TOLERANCE), and the shipped build must stay within the whole budget
+# (efficientnet_b0 on the Zen 4, aimed at the whole budget: its int8 build outside it).
+CONTROL_SHARE = 0.6
 # The operators whose outputs are ranked and left in float by the accuracy control
 QUANTIZABLE = ("Conv", "ConvTranspose", "MatMul", "Gemm")
 
