@@ -73,8 +73,8 @@ def test_the_faster_serves_once_decided_and_only_past_the_margin(monkeypatch, ot
     assert (a.calls, b.calls) != before and loser.calls == before[(winner is a)]
 
 
-def test_a_turn_times_the_calls_after_the_switch(monkeypatch):
-    seen = []
+def test_a_turn_waits_for_the_last_pool_then_times_the_calls_after_the_switch(monkeypatch):
+    seen, pauses = [], []
     real = Race._timed
 
     def timed(self, name, args, numpy):
@@ -82,12 +82,14 @@ def test_a_turn_times_the_calls_after_the_switch(monkeypatch):
         seen.append(name)
         return out, 5.0
     monkeypatch.setattr(Race, "_timed", timed)
+    monkeypatch.setattr(race_module, "settle", lambda s: pauses.append(len(seen)) or 0.0)
     race = Race({"a": Fn(), "b": Fn()}, turn_ms=20.0)
     _settle(race)
-    # a turn: the switch call, then timed calls until 20 ms: 1 + 4 calls of one contender
-    # (b's first switch call is its check beside a, not timed)
+    # a turn: a pause (the other library's pool goes idle), the switch call, then timed calls
+    # until 20 ms: 1 + 4 calls of one contender (b's check beside a is no part of a turn)
     runs = [len(list(g)) for _, g in itertools.groupby(seen)]
-    assert runs[:2] == [5, 4] and set(runs[2:]) == {5}, runs
+    assert set(runs) == {5}, runs
+    assert pauses == [5 * k for k in range(len(runs))]
 
 
 def test_a_contender_whose_outputs_differ_or_that_fails_is_left_out():

@@ -13,15 +13,19 @@ A race holds the contenders' callables (TVM tensors in and out, each with ``nump
 the one the search chose first. Each contender's first call runs the first one too on the
 same inputs and must give its outputs within the accuracy budget, or it is left out (that
 call returns the first one's outputs). Then the calls go to the contenders in turns: a turn
-is consecutive calls of one contender until it has run ``TURN_MS`` (its first call, after
-the switch from another library's pool, is not timed: a server runs one library, not a
-switch a call), and its figure is the median call of the turn. After ``RACE_ROUNDS`` rounds
+is consecutive calls of one contender until it has run ``TURN_MS``, and its figure is the
+median call of the turn. A turn starts as the final check's batches do: a pause until the
+last library's pool stops spinning (``timing.settle``, at most ``SETTLE_S``: an ONNX Runtime
+pool spins ~40 ms after its calls), then one call not timed: a server runs one library, not
+a switch a call. (Without the pause, bert's dynamic-axes file on the Zen 4 raced OpenVINO
+at 3.37 ms a call at 1x512, 1.8 ms alone, and five shapes went to the slower library.) After ``RACE_ROUNDS`` rounds
 (a turn each), the figures taken round by round (``timing.by_round``), the fastest serves
 every later call; another replaces the first only when it leads it by more than
 ``RACE_MARGIN``. One that is slower in every round than the leader's median by
 ``RACE_DROP`` after ``DROP_AFTER`` rounds is raced no further. Every call returns correct
-outputs; the cost is the calls served by the slower contenders while the race runs (a
-1 ms model: about 2 x 7 x 25 ms of calls; a 100 ms one: about 2 x 7 x 2 calls).
+outputs; the cost is the calls served by the slower contenders while the race runs, and the
+pauses (a 1 ms model: about 2 x 7 x 50 ms of calls and up to 2 x 7 x 50 ms of pauses; a
+100 ms one: about 2 x 7 x 2 calls).
 
 A contender may still be in the making (its library compiling the model in a thread started
 at load, ``Making``): until every one is made, the first serves alone, untimed.
@@ -33,7 +37,7 @@ import statistics
 import threading
 import time
 
-from ..measure.timing import DROP_AFTER, PAIRED_MIN_ROUNDS, by_round
+from ..measure.timing import DROP_AFTER, PAIRED_MIN_ROUNDS, SETTLE_S, by_round, settle
 from ..precision import parse_accuracy
 from .fastest import MARGIN, numpy_outputs
 
@@ -42,7 +46,7 @@ logger = logging.getLogger("collage_tvm")
 # Rounds (a turn of each contender) before the race is decided, and the least time of one
 # turn's timed calls.
 RACE_ROUNDS = max(7, PAIRED_MIN_ROUNDS)
-TURN_MS = 25.0
+TURN_MS = 50.0
 # A contender whose best turn is this share slower than the leader's median turn, after
 # ``DROP_AFTER`` rounds, is raced no further.
 RACE_DROP = 0.05
@@ -162,6 +166,8 @@ class Race:
             name = self.alive[self._index]
             if name not in self._checked:
                 return self._check(name, args, numpy)
+            if not self._turn:  # a turn starts: the other library's pool goes idle first
+                settle(SETTLE_S)
             try:
                 out, ms = self._timed(name, args, numpy)
             except Exception as err:  # noqa: BLE001 - the first one serves this call
@@ -206,8 +212,7 @@ class Race:
             self._leave(name, f"its outputs differ from {self.first}'s (max error "
                         f"{judged['max_err']:.2e})")
         else:
-            self._checked.add(name)
-            self._turn = [0.0]  # (the switch call: this one)
+            self._checked.add(name)  # (its turn starts with the next call)
         return reference
 
     def _leave(self, name: str, why: str) -> None:
