@@ -49,7 +49,7 @@ def _settle(race, n=10_000, numpy=True):
     return outs
 
 
-@pytest.mark.parametrize("other_ms, chose", [(0.998, "a"), (0.995, "a"), (0.97, "b"),
+@pytest.mark.parametrize("other_ms, chose", [(0.998, "a"), (0.98, "a"), (0.95, "b"),
                                              (1.2, "a")])
 def test_the_faster_serves_once_decided_and_only_past_the_margin(monkeypatch, other_ms, chose):
     a, b = Fn(), Fn()
@@ -90,6 +90,23 @@ def test_a_turn_waits_for_the_last_pool_then_times_the_calls_after_the_switch(mo
     runs = [len(list(g)) for _, g in itertools.groupby(seen)]
     assert set(runs) == {5}, runs
     assert pauses == [5 * k for k in range(len(runs))]
+
+
+def test_a_lead_the_rounds_do_not_bear_out_races_on_and_the_first_stays(monkeypatch):
+    _clock(monkeypatch, {"a": 1.0, "b": 0.9})
+    monkeypatch.setattr(Race, "_clear", lambda self, name: False)
+    race = Race({"a": Fn(), "b": Fn()})
+    _settle(race)
+    assert race.chose == "a" and race.record["rounds"] == race_module.MAX_RACE_ROUNDS
+
+
+def test_a_lead_is_clear_when_the_rounds_agree():
+    race = Race({"a": Fn(), "b": Fn()})
+    race.samples = {"a": [1.0, 1.1, 0.9, 1.0, 1.05, 1.0, 0.95], "b": [0.9, 1.0, 0.8, 0.9, 0.95,
+                                                                      0.9, 0.85]}
+    assert race._clear("b")
+    race.samples["b"] = [0.6, 1.4, 0.7, 1.3, 0.8, 1.2, 0.9]  # as fast on the whole, and noisy
+    assert not race._clear("b")
 
 
 def test_a_contender_whose_outputs_differ_or_that_fails_is_left_out():
