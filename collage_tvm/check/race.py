@@ -171,6 +171,8 @@ class Race:
                 return self._call(self.chose, args, numpy)
             if self.making and not self._made():
                 return self._call(self.first, args, numpy)  # (not timed: not all are here)
+            if self._winner is not None:  # (no other was made: nothing to race)
+                return self._call(self.chose, args, numpy)
             if self._t0 is None:
                 self._t0 = time.perf_counter()
             self.calls += 1
@@ -212,10 +214,11 @@ class Race:
     def _check(self, name: str, args, numpy: bool):
         """``name``'s first call, beside the first one's on the same inputs: it races only
         where its outputs are within the budget of the first one's. Returns the first one's
-        outputs (this call starts ``name``'s turn untimed)."""
+        outputs (no part of a turn: ``name``'s first turn starts with the next call)."""
         reference = self._call(self.first, args, numpy)
         try:
-            judged = self.budget.check(numpy_outputs(self._call(name, args, numpy)), numpy_outputs(reference))
+            judged = self.budget.check(numpy_outputs(self._call(name, args, numpy)),
+                                       numpy_outputs(reference))
         except Exception as err:  # noqa: BLE001 - it cannot run here
             self._leave(name, f"it failed to run: {type(err).__name__}: {err}")
             return reference
