@@ -78,9 +78,7 @@ def _int8(model, target, options, db, placement_log, tuning_db, input_shapes) ->
         raise q.QuantizeError("the model is quantized already: build it without --accuracy "
                               "int8 (it is judged by its own precision)")
     shapes = dict(input_shapes or {})
-    from .dynamic import dynamic_model
-
-    found = dynamic_model(proto, options.shapes, input_shapes, options.shape_weights)
+    found = _ranges(proto, options, input_shapes)
     if found is not None:  # calibrated and judged at the optimum of the ranges
         shapes.update(found[2].opt_shapes())
     specs = q.input_specs(proto, shapes)
@@ -118,6 +116,20 @@ def _int8(model, target, options, db, placement_log, tuning_db, input_shapes) ->
     logger.warning("--accuracy int8: shipped the %s build (%s)", chose, ", ".join(
         f"{n} {ms:.3f} ms" for n, ms in info.get("ms", {}).items()) or "nothing timed")
     return result
+
+
+def _ranges(model, options, input_shapes):
+    """``dynamic.dynamic_model``'s (proto, path, ranges) of ``model``, the ranges moved to
+    the observed shapes the options give (``weights.weighted_ranges``); None for a model
+    with no dynamic dimension left."""
+    from .dynamic import dynamic_model
+    from .dynamic.weights import weighted_ranges
+
+    found = dynamic_model(model, options.shapes, input_shapes)
+    if found is None or options.shape_weights is None:
+        return found
+    proto, path, ranges = found
+    return proto, path, weighted_ranges(ranges, options.shape_weights)
 
 
 def _onnx_proto(model):
@@ -195,10 +207,9 @@ def _dynamic(model, target, options, db, placement_log, tuning_db, input_shapes,
     dynamic (``collage_tvm.dynamic``): it serves every shape of its ranges; None for a
     static model, one the given shapes fix, or one no graph library among the backends runs
     (TVM's build over symbolic shapes then, as before)."""
-    from .dynamic import dynamic_model
     from .dynamic.search import optimize_dynamic
 
-    found = dynamic_model(model, options.shapes, input_shapes, options.shape_weights)
+    found = _ranges(model, options, input_shapes)
     if found is None:
         return None
     proto, path, ranges = found

@@ -29,14 +29,10 @@ import tempfile
 
 import numpy as np
 
+from .precision import INT8_TOLERANCE  # noqa: F401 (the budget's default, re-exported)
+
 logger = logging.getLogger("collage_tvm")
 
-# The budget of ``--accuracy int8``: the largest error allowed, a share of the f32 model's
-# output scale. NNCF's accuracy control defaults to a 1% drop of a metric; on raw outputs,
-# int8 implementations differ by about 1% of the scale from each other (precision.py's
-# INT8_MODEL_TOLERANCE), and a whole model quantized with MinMax calibration reaches a few
-# percent (resnet18: ~3%).
-INT8_TOLERANCE = 5e-2
 # Random inputs the calibration uses where the user gives none, and the extra random inputs
 # every quantized model is validated on
 CALIBRATION_SAMPLES = 8

@@ -37,6 +37,8 @@ STAGES = [
     ["collage_tvm.schedule"],  # IOS's stages over a placement (issue #80)
     ["collage_tvm.byoc.partition"],  # chosen groups become functions (BYOC partitioning)
     ["collage_tvm.byoc"],  # external groups lowered to callables, the placement compiled
+    # the first calls racing what the search left close; the side-by-side timing it reuses
+    ["collage_tvm.check.fastest", "collage_tvm.check.race"],
     ["collage_tvm.dynamic.dispatch"],  # a dynamic model's build: a call to each shape's build
     ["collage_tvm.check"],
     ["collage_tvm.artifact"],  # a build saved, and loaded without the search

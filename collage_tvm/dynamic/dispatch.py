@@ -14,14 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .shapes import ShapeRanges
-
-STATIC = "collage"  # the label of Collage's static build at the optimum
-
-
-def point_key(point: dict) -> str:
-    """A point as text: "batch=1,sequence=128" (symbols sorted): the table's key."""
-    return ",".join(f"{s}={point[s]}" for s in sorted(point))
+from .shapes import STATIC, ShapeRanges, point_key
 
 
 # Where another library ran a point within this share of the chosen one's time in the

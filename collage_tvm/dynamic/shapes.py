@@ -27,6 +27,14 @@ SEQUENCE_MAX = 512
 MAX_POINTS_PER_SYMBOL = 6
 
 
+STATIC = "collage"  # the label of Collage's static build at the optimum (``dispatch``)
+
+
+def point_key(point: dict) -> str:
+    """A point as text: "batch=1,sequence=128" (symbols sorted): the dispatch table's key."""
+    return ",".join(f"{s}={point[s]}" for s in sorted(point))
+
+
 class ShapeError(ValueError):
     """A shape range that does not fit the model, or a call's shapes outside the range; the
     message names the input and the fix."""
@@ -296,12 +304,12 @@ def shape_ranges(proto, given: dict | None = None) -> ShapeRanges:
     return ShapeRanges(inputs, axes, chosen)
 
 
-def dynamic_model(model, shapes=(), input_shapes: dict | None = None, weights=None):
+def dynamic_model(model, shapes=(), input_shapes: dict | None = None):
     """(proto, path or None, ``ShapeRanges``) of an ONNX ``model`` (a path or a
     ``ModelProto``) with a dimension that neither ``input_shapes`` (static shapes, as
     ``--input-shape`` gives) fixes; None for any other model. ``shapes``:
-    ``SearchOptions.shapes`` ((name, (min, opt, max)), ...); ``weights``: the observed
-    shapes (``weights.ShapeWeights``) the default ranges take in."""
+    ``SearchOptions.shapes`` ((name, (min, opt, max)), ...). (The observed shapes a user
+    gives move the ranges after: ``weights.weighted_ranges``.)"""
     path = None
     if isinstance(model, (str, os.PathLike)):
         path = os.fspath(model)
@@ -328,10 +336,6 @@ def dynamic_model(model, shapes=(), input_shapes: dict | None = None, weights=No
     ranges = shape_ranges(header, given)
     if all(a.min == a.opt == a.max for a in ranges.axes.values()) and input_shapes:
         return None  # the static shapes the user gave: the static build, as before
-    if weights is not None:
-        from .weights import weighted_ranges
-
-        ranges = weighted_ranges(ranges, weights)
     proto = header if path is None else _full(path, header)
     return proto, path, ranges
 

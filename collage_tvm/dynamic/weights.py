@@ -25,7 +25,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from .shapes import Axis, ShapeError, ShapeRanges, parse_shapes
+from .shapes import STATIC, Axis, ShapeError, ShapeRanges, parse_shapes, point_key
 
 
 @dataclass(frozen=True)
@@ -196,8 +196,6 @@ def expected_ms(ranges: ShapeRanges, chosen: dict, weights: ShapeWeights | None)
     label -> mean ms}, "collage" for the build (the label its point chose; the static
     build only at its exact point) and each library alone (where it was timed at every
     bucket the weights reach). ``chosen``: ``search.choose``'s record."""
-    from .dispatch import STATIC, point_key
-
     records = {point_key(r["point"]): r for r in chosen["points"]}
     values = {s: sorted({int(r["point"][s]) for r in chosen["points"]}) for s in ranges.axes}
     if weights is None:
