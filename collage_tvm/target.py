@@ -1,6 +1,8 @@
 """Targets and device fingerprints."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import os
 import platform
@@ -13,6 +15,35 @@ def host_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:
         return os.cpu_count() or 1
+
+
+# The cores a library lowered now may use (``thread_share``); None: all of this process's.
+_SHARE: contextvars.ContextVar = contextvars.ContextVar("collage_thread_share", default=None)
+
+
+@contextlib.contextmanager
+def thread_share(threads: int | None):
+    """Libraries lowered inside use ``threads`` threads (a concurrent stage's share of the
+    cores, ``collage_tvm.schedule``); ``None``: every core, as outside."""
+    if threads is not None and (isinstance(threads, bool) or int(threads) < 1):
+        raise ValueError(f"a thread share is a positive count, not {threads!r}")
+    token = _SHARE.set(None if threads is None else int(threads))
+    try:
+        yield
+    finally:
+        _SHARE.reset(token)
+
+
+def library_threads() -> int:
+    """Threads a library lowered now may use: the current ``thread_share``, else every core
+    this process may run on."""
+    share = _SHARE.get()
+    return share if share is not None else host_cores()
+
+
+def share_now() -> int | None:
+    """The current ``thread_share`` (None outside one)."""
+    return _SHARE.get()
 
 
 def tvm_threads() -> int:

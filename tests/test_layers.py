@@ -37,6 +37,8 @@ STAGES = [
     ["collage_tvm.schedule"],  # IOS's stages over a placement (issue #80)
     ["collage_tvm.byoc.partition"],  # chosen groups become functions (BYOC partitioning)
     ["collage_tvm.byoc"],  # external groups lowered to callables, the placement compiled
+    # a schedule's concurrent stages built as calls, and the schedule measured (issue #80)
+    ["collage_tvm.schedule.concurrent", "collage_tvm.schedule.plan"],
     # the first calls racing what the search left close; the side-by-side timing it reuses
     ["collage_tvm.check.fastest", "collage_tvm.check.race"],
     ["collage_tvm.dynamic.dispatch"],  # a dynamic model's build: a call to each shape's build

@@ -15,7 +15,7 @@ import functools
 import numpy as np
 
 from collage_tvm.lowering import Lowering
-from collage_tvm.target import host_cores
+from collage_tvm.target import library_threads
 
 
 def output_specs(func) -> list:
@@ -62,8 +62,9 @@ def as_numpy(tensor) -> np.ndarray:
 
 
 def threads() -> int:
-    """Threads a library may use: the cores this process may run on (as TVM uses)."""
-    return host_cores()
+    """Threads a library may use: the cores this process may run on (as TVM uses), or a
+    concurrent stage's share of them (``collage_tvm.target.thread_share``)."""
+    return library_threads()
 
 
 class GraphLibraryLowering(Lowering):

@@ -19,6 +19,7 @@ from tvm import relax
 
 from ..measure.cuda_graph import replays_its_own_graph
 from ..measure.runner import also_cleared
+from ..target import share_now
 from .partition import CODEGEN_PREFIX
 
 # Registered callables by symbol. The VM resolves a packed function when it is created, so
@@ -75,7 +76,7 @@ def weight_bytes(func) -> int:
 def _lower_cached(backend, func):
     sole = bool(func.attrs.get("collage.sole_group", False))
     plain = relax.Function(func.params, func.body, func.ret_ty)
-    key = (backend.name, backend.version(), sole, structural_hash(plain))
+    key = (backend.name, backend.version(), sole, share_now(), structural_hash(plain))
     hit = _CACHE.get(key)
     if hit is not None and structural_equal(hit[0], plain):
         _CACHE.move_to_end(key)

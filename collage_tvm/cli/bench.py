@@ -54,8 +54,8 @@ def _bench(args, parser) -> int:
 
 
 def _bench_kind(args, backends, kind: str) -> int:
-    """``bench --suite NAME --dynamic`` (``tools.dynamic_suite``) or ``--int8``
-    (``tools.int8_suite``): suite_<name>_<kind>.json {"suite", kind: True, "machine",
+    """``bench --suite NAME --dynamic`` (``tools.dynamic_suite``), ``--int8``
+    (``tools.int8_suite``) or ``--schedule`` (``tools.schedule_suite``): suite_<name>_<kind>.json {"suite", kind: True, "machine",
     "accuracy", "rows", "summary"} and its table (.md)."""
     import json
     import os
@@ -63,11 +63,12 @@ def _bench_kind(args, backends, kind: str) -> int:
 
     from .._files import write_json_atomic
     from ..build import DEFAULT_DB
-    from ..tools import dynamic_suite, int8_suite
+    from ..tools import dynamic_suite, int8_suite, schedule_suite
     from ..tools.bench import machine
 
     module, suites_of = {"dynamic": (dynamic_suite, dynamic_suite.DYNAMIC_SUITES),
-                         "int8": (int8_suite, int8_suite.INT8_SUITES)}[kind]
+                         "int8": (int8_suite, int8_suite.INT8_SUITES),
+                         "schedule": (schedule_suite, schedule_suite.SCHEDULE_SUITES)}[kind]
     if args.suite not in suites_of:
         print(f"collage-tvm: error: --{kind} takes --suite "
               f"{' or '.join(suites_of)}, not {args.suite}", file=sys.stderr)
@@ -124,8 +125,9 @@ def _bench_suite(args) -> int:
     from ..tools.bench import machine
 
     backends = [b for b in args.backends.split(",") if b]
-    if getattr(args, "dynamic", False) or getattr(args, "int8", False):
-        return _bench_kind(args, backends, "dynamic" if args.dynamic else "int8")
+    for kind in ("dynamic", "int8", "schedule"):
+        if getattr(args, kind, False):
+            return _bench_kind(args, backends, kind)
     try:
         budget = parse_accuracy(args.accuracy)  # a bad budget: before any model runs
     except ValueError as err:

@@ -58,9 +58,8 @@ def extract_function(graph: DataflowGraph, group, lift_constants: bool = False):
     bindings = []
     for i in sorted(group):
         node = graph.nodes[i]
-        got = node.value
-        if isinstance(got, relax.TupleGetItem) and got.tuple_value in fields \
-                and i not in outputs and node.match_ty is None:
+        if _is_param_field(node, fields, outputs):
+            got = node.value
             vmap[node.var] = fields[got.tuple_value][got.index]  # the field's parameter
             continue
         value = substitute(node.value, vmap)
@@ -81,6 +80,22 @@ def extract_function(graph: DataflowGraph, group, lift_constants: bool = False):
     if called:  # the PrimFuncs of call_tir etc.: the candidate builds alone
         func = func.with_attr(GLOBALS_ATTR, called)
     return func, inputs, outputs, consts
+
+
+def _is_param_field(node, fields, outputs) -> bool:
+    """A field of a tuple the group takes (each field a parameter): no binding of its own."""
+    got = node.value
+    return (isinstance(got, relax.TupleGetItem) and got.tuple_value in fields
+            and node.index not in outputs and node.match_ty is None)
+
+
+def extracted_nodes(graph: DataflowGraph, group) -> list[int]:
+    """The nodes of ``group`` that ``extract_function`` binds, in its order: node k of
+    ``DataflowGraph(extract_function(graph, group)[0])`` is ``graph``'s node
+    ``extracted_nodes(graph, group)[k]``."""
+    boundary, outputs = group_boundary(graph, group)
+    fields = {v for v in boundary if isinstance(v.ty, relax.TupleType)}
+    return [i for i in sorted(group) if not _is_param_field(graph.nodes[i], fields, outputs)]
 
 
 #: Attribute of a candidate's function (``Measurer.costs``): it is one piece of a larger

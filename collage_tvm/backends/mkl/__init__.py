@@ -40,6 +40,7 @@ from collage_tvm.backends._common import gemm_probe, op_calls, static_float32_sh
 from collage_tvm.backends.mkl._binding import (CBLAS_NO_TRANS, CBLAS_ROW_MAJOR, CBLAS_TRANS,
                                                _Mkl, _load, find_libmkl_rt)
 from collage_tvm.lowering import Lowering
+from collage_tvm.target import share_now
 
 _INT_MAX = 2**31 - 1  # LP64 interface: MKL_INT is 32 bits
 # GEMMs below this many flops run on one thread: a second thread gains nothing there (2 cores:
@@ -343,7 +344,9 @@ def _build(plan: _Plan, mkl: _Mkl, precision: str = "f32") -> Callable:
 
     # This thread's MKL thread count: 1 for a small GEMM, 0 (the global count) otherwise.
     # Changed only when it differs from the last kernel's (one ctypes call is ~0.6 us).
-    local_threads = 1 if 2.0 * batch * m * n * k < SINGLE_THREAD_FLOPS else 0
+    # In a concurrent stage (``collage_tvm.target.thread_share``): at most its share.
+    share = share_now()
+    local_threads = 1 if 2.0 * batch * m * n * k < SINGLE_THREAD_FLOPS else (share or 0)
     set_local, tls = mkl.set_num_threads_local, mkl.tls
     # Constants live as long as the callable; their pointers are fixed.
     consts = [_in_precision(x.src, precision) for x in (lhs, rhs)]

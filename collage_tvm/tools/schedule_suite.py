@@ -1,0 +1,160 @@
+"""``collage-tvm bench --suite torchvision --schedule``: multi-branch models run with a
+concurrent schedule (issue #80, part 4).
+
+Per model and batch: the model exported to ONNX (static shape) and searched as ``optimize``
+searches it; the Collage placement's schedule measured (``schedule.plan``); then, timed
+interleaved in this process on the same inputs, the placement built sequentially (how it
+runs today), the same placement built with the schedule (``schedule.compile_scheduled``),
+and the same ONNX file on ONNX Runtime, OpenVINO at f32 and at its default precision, and
+PyTorch eager, every output checked against PyTorch's and the concurrent build's against
+the sequential one's. A row per (model, batch).
+"""
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+
+from .._errors import first_line
+
+SCHEDULE_MODELS = ("googlenet", "inception_v3", "squeezenet1_1")
+BATCHES = (1, 4)
+SEQUENTIAL, CONCURRENT = "collage (sequential)", "collage (concurrent)"
+
+
+def run_model(name: str, batch: int, out_dir: str, options, db, log=print) -> dict:
+    """The row of ``name`` at ``batch`` (see the module)."""
+    import numpy as np
+    import torch
+
+    from ..build import search
+    from ..byoc import compile_placement
+    from ..graph import DataflowGraph
+    from ..schedule.concurrent import compile_scheduled
+    from ..schedule.plan import plan
+    from ..target import host_cores
+    from . import bench, suites
+
+    model, example = suites.torchvision_model(name, "usual")
+    x = torch.randn(batch, *example.shape[1:])
+    path = os.path.join(out_dir, f"{name}_b{batch}.onnx")
+    os.makedirs(out_dir, exist_ok=True)
+    torch.onnx.export(model, (x,), path, input_names=["x"], opset_version=17, dynamo=False)
+    row = {"model": name, "batch": batch, "shape": "x".join(map(str, x.shape))}
+    t0 = time.perf_counter()
+    found = search(path, "llvm", options, db, None, None, None, None)
+    row["search_s"] = round(time.perf_counter() - t0, 1)
+    row["search_shipped"] = found.report.shipped
+    graph = found.graph or DataflowGraph.from_module(found.module)
+    groups = found.placement.groups
+    if not groups:
+        row["error"] = "the search kept no placement of groups (the whole model on one library)"
+        return row
+    p = plan(graph, groups, found.backends, found.target)
+    row["plan"] = p.summary()
+    log(f"  plan: {p.summary()}")
+    seq, _ = compile_placement(graph, p.ordered, found.backends, found.target, keep=True)
+    builds = {SEQUENTIAL: seq}
+    if p.concurrent_stages:
+        builds[CONCURRENT], _ = compile_scheduled(graph, p.ordered, p.schedule, found.backends,
+                                                  found.target)
+    arrays = [x.numpy()]
+    runs, outs, extra = {}, {}, {}
+    with torch.inference_mode():
+        ref = bench._numpy_outputs(model(x))
+    torch.set_num_threads(host_cores())
+    runs["pytorch"] = lambda: model(x)
+    outs["pytorch"] = ref
+    bench._library_runs(bench._library_makers(path, arrays), runs, outs, extra)
+    bench._collage_runs(builds, arrays, runs, outs, extra)
+    with torch.inference_mode():
+        ms = bench._framework_times(runs, extra)
+    rows = bench._rows(outs, ms, ref, suites._framework_check(1e-3, 1e-4), extra)
+    if CONCURRENT in outs and not isinstance(outs[CONCURRENT], str):
+        row["concurrent_max_diff"] = float(max(
+            np.abs(np.asarray(a) - np.asarray(b)).max()
+            for a, b in zip(outs[CONCURRENT], outs[SEQUENTIAL])))
+    row["frameworks"] = {n: {k: v for k, v in r.items() if k != "batches"}
+                         for n, r in rows.items()}
+    row.update(_ratios(rows))
+    return row
+
+
+def _ratios(rows: dict) -> dict:
+    seq = rows.get(SEQUENTIAL, {}).get("ms", math.nan)
+    conc = rows.get(CONCURRENT, {}).get("ms", math.nan)
+    f32 = [r["ms"] for n, r in rows.items()
+           if n in ("onnxruntime", "openvino", "pytorch") and r.get("match")]
+    best = min(f32) if f32 else math.nan
+    out = {"sequential_ms": seq, "concurrent_ms": conc,
+           "concurrent_over_sequential": seq / conc if conc == conc else math.nan,
+           "best_framework_ms": best}
+    shipped = min(v for v in (seq, conc) if v == v)
+    out["shipped"] = CONCURRENT if conc == conc and conc < seq else SEQUENTIAL
+    out["vs_best_framework"] = best / shipped if shipped == shipped else math.nan
+    return out
+
+
+def summary(rows: list) -> dict:
+    ok = [r for r in rows if "error" not in r]
+    ratios = [r["concurrent_over_sequential"] for r in ok
+              if r["concurrent_over_sequential"] == r["concurrent_over_sequential"]]
+    return {"rows": len(rows), "errors": len(rows) - len(ok),
+            "concurrent_faster": sum(r["shipped"] == CONCURRENT for r in ok),
+            "median_concurrent_over_sequential": statistics.median(ratios) if ratios else None,
+            "vs_best_framework": {f"{r['model']} b{r['batch']}": round(r["vs_best_framework"], 3)
+                                  for r in ok}}
+
+
+def run(suite: str, names, out_dir: str, options, db, on_row=None, log=print) -> list:
+    """Every (model, batch) of ``names`` x ``BATCHES``: the rows (``on_row(rows)`` after
+    each one)."""
+    rows = []
+    for name in names:
+        for batch in BATCHES:
+            log(f"== {suite} {name} batch {batch} (schedule)")
+            try:
+                row = run_model(name, batch, os.path.join(out_dir, "models"), options, db, log)
+            except Exception as err:  # noqa: BLE001 - a row with its error, the suite goes on
+                row = {"model": name, "batch": batch, "error": first_line(err)}
+            rows.append(row)
+            log(f"  {_row_text(row)}")
+            if on_row is not None:
+                on_row(rows)
+    return rows
+
+
+def markdown(suite: str, rows: list, machine: dict | None = None) -> str:
+    """The table of the rows: per (model, batch) the sequential and concurrent builds of
+    Collage's placement, the best f32 framework, and their ratios."""
+    where = ""
+    if machine:
+        where = f" Measured on {machine.get('cpu', '?')}, {machine.get('cores', '?')} cores."
+    lines = [f"Concurrent schedules ({suite}, issue #80).{where}", "",
+             "| model | batch | groups (on branches) | concurrent stages | sequential ms | "
+             "concurrent ms | concurrent / sequential | best f32 framework ms | "
+             "shipped / best framework |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['batch']} | error: {r['error']} | | | | | | |")
+            continue
+        p = r.get("plan", {})
+        lines.append(
+            f"| {r['model']} | {r['batch']} | {p.get('groups')} ({p.get('branches')}) | "
+            f"{len(p.get('concurrent_stages', []))} | {r['sequential_ms']:.3f} | "
+            f"{r['concurrent_ms']:.3f} | {r['concurrent_over_sequential']:.3f}x | "
+            f"{r['best_framework_ms']:.3f} | {r['vs_best_framework']:.3f}x |")
+    return "\n".join(lines) + "\n"
+
+
+SCHEDULE_SUITES = {"torchvision": SCHEDULE_MODELS}
+
+
+def _row_text(row: dict) -> str:
+    if "error" in row:
+        return f"error: {row['error']}"
+    return (f"sequential {row['sequential_ms']:.3f} ms, concurrent {row['concurrent_ms']:.3f} ms "
+            f"({row['concurrent_over_sequential']:.3f}x), best framework "
+            f"{row['best_framework_ms']:.3f} ms ({row['vs_best_framework']:.3f}x)")

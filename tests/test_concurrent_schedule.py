@@ -1,0 +1,149 @@
+"""Issue #80, parts 1 and 3: a placement's independent groups built to run at the same time
+(``schedule.concurrent``), on workers limited to their share of the cores
+(``schedule.workers``), and the measured schedule (``schedule.plan``)."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+from collage_tvm.placement import Candidate, single_ops
+from collage_tvm.registry import get_backend
+from collage_tvm.schedule import Stage, group_dag, schedule, sequential
+from collage_tvm.schedule.concurrent import STAGE_PREFIX, compile_scheduled
+from collage_tvm.schedule.ios import Schedule
+from collage_tvm.schedule.plan import branch_groups, plan
+from collage_tvm.schedule.workers import Crew, split_cores
+from collage_tvm.target import library_threads, make_target, thread_share
+
+from test_ios_schedule import _inception_block
+
+
+def test_cores_split_between_a_stages_groups():
+    assert split_cores(2, 2) == [1, 1]
+    assert split_cores(8, 3) == [3, 3, 2]
+    assert split_cores(2, 3) == [1, 1, 1]  # more groups than cores: one thread each
+    assert split_cores(4, 1) == [4]
+    with pytest.raises(ValueError):
+        split_cores(4, 0)
+
+
+def test_a_thread_share_limits_the_libraries_lowered_inside_it():
+    from collage_tvm.backends._graphlib import threads
+
+    outside = library_threads()
+    with thread_share(1):
+        assert threads() == 1
+        with thread_share(None):
+            assert threads() == outside
+    assert threads() == outside
+    with pytest.raises(ValueError):
+        with thread_share(0):
+            pass
+
+
+def test_a_crew_runs_its_calls_at_once_and_raises_what_one_raised():
+    crew = Crew([1, 1])
+    meet = threading.Barrier(2, timeout=10)  # passes only when both calls run at once
+
+    def both(x):
+        meet.wait()
+        return x * 2
+
+    assert crew.run([(both, (1,)), (both, (5,))]) == [2, 10]
+
+    def boom():
+        raise RuntimeError("group failed")
+
+    with pytest.raises(RuntimeError, match="group failed"):
+        crew.run([(boom, ()), (lambda: 3, ())])
+    assert crew.run([(lambda: 1, ()), (lambda: 2, ())]) == [1, 2]  # still serving
+    with pytest.raises(ValueError):
+        crew.run([(lambda: 1, ())])
+    crew.close()
+
+
+def test_branches_are_the_groups_some_other_group_is_independent_of():
+    # 0 -> {1, 2} -> 3 -> 4: 1 and 2 are branches, 0, 3, 4 on the trunk
+    succ = [{1, 2}, {3}, {3}, {4}, set()]
+    assert branch_groups(succ) == [1, 2]
+    assert branch_groups([{1}, {2}, set()]) == []
+
+
+def _placed_block():
+    """The Inception block with its 3x3 convolution on ONNX Runtime, the rest on TVM."""
+    graph = _inception_block()
+    groups = single_ops(graph)
+    ops = [graph.nodes[min(g.nodes)].op_name for g in groups]
+    convs = [k for k, op in enumerate(ops) if op == "relax.nn.conv2d"]
+    groups = [Candidate("onnxruntime", g.nodes) if k == convs[2] else g
+              for k, g in enumerate(groups)]
+    backends = {n: get_backend(n) for n in {g.backend for g in groups}}
+    return graph, groups, backends
+
+
+def _run(executable, x):
+    return relax.VirtualMachine(executable, tvm.cpu())["main"](x).numpy()
+
+
+def test_a_concurrent_stage_runs_as_one_call_and_computes_what_the_sequential_build_does():
+    from collage_tvm.byoc import compile_placement
+
+    target = make_target("llvm")
+    graph, groups, backends = _placed_block()
+    ordered, succ = group_dag(graph, groups)
+
+    def cost(stage: Stage) -> float:  # side by side pays
+        return 0.01 + max(len(g) for g in stage.groups) * (1 + 0.2 * (len(stage.groups) - 1))
+
+    best = schedule(succ, cost, max_groups=3)
+    assert any(len(s.groups) > 1 for s in best.stages)
+    executable, mod = compile_scheduled(graph, ordered, best, backends, target, cores=2)
+    text = mod["main"].script()
+    stage_calls = text.count(f"collage.{STAGE_PREFIX}")
+    assert stage_calls == sum(len(s.groups) > 1 for s in best.stages)
+    seq, _ = compile_placement(graph, ordered, backends, target, keep=True)
+    rng = np.random.default_rng(0)
+    for _ in range(2):
+        x = tvm.runtime.tensor(rng.standard_normal((1, 8, 16, 16)).astype("float32"))
+        np.testing.assert_allclose(_run(executable, x), _run(seq, x), rtol=1e-5, atol=1e-5)
+    # the sequential schedule builds no stage call at all
+    _, plain = compile_scheduled(graph, ordered, sequential(succ), backends, target, cores=2)
+    assert f"collage.{STAGE_PREFIX}" not in plain["main"].script()
+    with pytest.raises(NotImplementedError, match="merge"):
+        compile_scheduled(graph, ordered, Schedule([Stage(((0,), (1,)), "merge")], 0.0),
+                          backends, target)
+
+
+def test_the_measured_plan_is_a_valid_schedule_and_its_build_matches():
+    target = make_target("llvm")
+    graph, groups, backends = _placed_block()
+    p = plan(graph, groups, backends, target, cores=2)
+    # the three convolutions are the branches; each was timed on 2 cores and on 1
+    assert len(p.branches) == 3 and all(set(p.group_ms[k]) == {1, 2} for k in p.branches)
+    assert all(ms > 0 for k in p.branches for ms in p.group_ms[k].values())
+    seen = sorted(k for s in p.schedule.stages for g in s.groups for k in g)
+    assert seen == list(range(len(p.ordered)))
+    # every concurrent stage of the answer was measured as built, not estimated
+    assert all(s.key in p.stage_ms for s in p.concurrent_stages)
+    assert p.sequential_ms > 0 and p.scheduled_ms > 0
+    assert p.summary()["groups"] == len(p.ordered)
+    executable, _ = compile_scheduled(graph, p.ordered, p.schedule, backends, target, cores=2)
+    x = tvm.runtime.tensor(np.random.default_rng(1).standard_normal((1, 8, 16, 16))
+                           .astype("float32"))
+    from collage_tvm.byoc import compile_placement
+
+    seq, _ = compile_placement(graph, p.ordered, backends, target, keep=True)
+    np.testing.assert_allclose(_run(executable, x), _run(seq, x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_chain_has_nothing_to_schedule_and_measures_nothing():
+    graph = _inception_block()
+    # one group for the whole block: a chain of one
+    whole = [Candidate("tvm", frozenset(range(len(graph))))]
+    p = plan(graph, whole, {"tvm": get_backend("tvm")}, make_target("llvm"), cores=2)
+    assert p.branches == [] and not p.concurrent_stages and p.group_ms == {}
+    assert not p.worth_building
