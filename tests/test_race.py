@@ -33,8 +33,26 @@ class Fn:
 X = np.arange(6, dtype="float32").reshape(2, 3)
 
 
-def _clock(monkeypatch, ms: dict):
-    """Each call of label ``n`` takes ``ms[n]`` ms by the race's clock."""
+class _Load:
+    """``OtherLoad`` with a fixed share of the CPU taken by other processes."""
+    share = 0.0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    @property
+    def busy(self):
+        return self.share > 0.25
+
+
+def _clock(monkeypatch, ms: dict, others: float = 0.0):
+    """Each call of label ``n`` takes ``ms[n]`` ms by the race's clock; other processes
+    take ``others`` of the CPU meanwhile (a test run beside others stays quiet)."""
+    load = type("Load", (_Load,), {"share": others})
+    monkeypatch.setattr(race_module, "OtherLoad", load)
     real = Race._timed
     monkeypatch.setattr(Race, "_timed", lambda self, name, args, numpy: (
         real(self, name, args, numpy)[0], ms[name]))
@@ -71,6 +89,14 @@ def test_the_faster_serves_once_decided_and_only_past_the_margin(monkeypatch, ot
     race(tvm.runtime.tensor(X))
     winner, loser = (a, b) if chose == "a" else (b, a)
     assert (a.calls, b.calls) != before and loser.calls == before[(winner is a)]
+
+
+def test_a_lead_timed_while_others_took_the_cores_does_not_overturn_the_search(monkeypatch):
+    _clock(monkeypatch, {"a": 1.0, "b": 0.8}, others=0.6)
+    race = Race({"a": Fn(), "b": Fn()})
+    _settle(race)
+    assert race.settled and race.chose == "a"
+    assert race.record["other_load"] == 0.6 and race.record["ms"]["b"] == 0.8
 
 
 def test_a_turn_waits_for_the_last_pool_then_times_the_calls_after_the_switch(monkeypatch):

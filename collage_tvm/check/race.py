@@ -40,6 +40,7 @@ import statistics
 import threading
 import time
 
+from ..measure.other_load import OtherLoad
 from ..measure.timing import (DROP_AFTER, PAIRED_MIN_ROUNDS, SETTLE_S, by_round,
                               round_log_ratios, settle)
 from ..precision import parse_accuracy
@@ -124,6 +125,8 @@ class Race:
         self.calls, self._t0, self.seconds = 0, None, 0.0
         self.chose = None
         self._winner = None
+        self._load = None  # the other processes' share of the CPU over the race
+        self.busy_share = math.nan
         self._lock = threading.Lock()
         if len(names) == 1 and not self.making:
             self._settle(self.first)
@@ -138,6 +141,8 @@ class Race:
         "ms": label -> its figure, "rounds", "calls" (raced), "seconds" (from the first
         raced call to the decision), "left_out": label -> why}."""
         return {"shipped": self.first, "chose": self.chose, "ms": dict(self._figures()),
+                **({"other_load": round(self.busy_share, 3)}
+                   if self.busy_share == self.busy_share else {}),
                 "rounds": self._round, "calls": self.calls, "seconds": round(self.seconds, 3),
                 "left_out": dict(self.left_out)}
 
@@ -175,6 +180,7 @@ class Race:
                 return self._call(self.chose, args, numpy)
             if self._t0 is None:
                 self._t0 = time.perf_counter()
+                self._load = OtherLoad().__enter__()
             self.calls += 1
             name = self.alive[self._index]
             if name not in self._checked:
@@ -259,7 +265,19 @@ class Race:
                 if self._round < MAX_RACE_ROUNDS:
                     return  # the rounds disagree: race on
                 chose = self.first  # never clear: the search's choice stands
+            if chose != self.first and self._busy():
+                chose = self.first  # timed while other work shared the cores: unsure
             self._settle(chose)
+
+    def _busy(self) -> bool:
+        """Whether other processes took over ``BUSY_SHARE`` of the CPU during the race: a
+        lead measured then is not one to overturn the search's choice on (a third slower
+        figures than the same libraries' on a quiet machine were seen to flip a choice)."""
+        if self._load is None:
+            return False
+        self._load.__exit__(None, None, None)
+        self.busy_share = self._load.share
+        return self._load.busy
 
     def _clear(self, name: str) -> bool:
         """Whether ``name``'s lead over the first one holds round by round: the median of

@@ -36,7 +36,7 @@ def run_model(name: str, batch: int, out_dir: str, options, db, log=print) -> di
     from ..target import host_cores
     from . import bench, suites
 
-    model, example = suites.torchvision_model(name, "usual")
+    model, (example,) = suites.torchvision_model(name, "usual")
     x = torch.randn(batch, *example.shape[1:])
     path = os.path.join(out_dir, f"{name}_b{batch}.onnx")
     os.makedirs(out_dir, exist_ok=True)
