@@ -147,3 +147,27 @@ def test_a_chain_has_nothing_to_schedule_and_measures_nothing():
     p = plan(graph, whole, {"tvm": get_backend("tvm")}, make_target("llvm"), cores=2)
     assert p.branches == [] and not p.concurrent_stages and p.group_ms == {}
     assert not p.worth_building
+
+
+def test_the_schedule_suite_counts_the_rows_where_the_concurrent_build_wins():
+    from collage_tvm.tools import schedule_suite as ss
+
+    def row(model, seq, conc, best):
+        frameworks = {ss.SEQUENTIAL: {"ms": seq}, ss.CONCURRENT: {"ms": conc},
+                      "onnxruntime": {"ms": best, "match": True},
+                      "openvino (default)": {"ms": best / 2, "match": False}}
+        return {"model": model, "batch": 1, "plan": {"groups": 9, "branches": 6,
+                                                     "concurrent_stages": ["concurrent:1|2"]},
+                **ss._ratios(frameworks)}
+
+    rows = [row("a", 10.0, 8.0, 9.0), row("b", 10.0, 12.0, 11.0),
+            {"model": "c", "batch": 4, "error": "boom"}]
+    assert rows[0]["shipped"] == ss.CONCURRENT and rows[0]["speedup"] == pytest.approx(1.25)
+    assert rows[0]["vs_best_framework"] == pytest.approx(9.0 / 8.0)  # f32 frameworks only
+    assert rows[1]["shipped"] == ss.SEQUENTIAL and rows[1]["vs_best_framework"] == \
+        pytest.approx(1.1)
+    sm = ss.summary(rows)
+    assert sm["concurrent_faster"] == 1 and sm["errors"] == 1 and sm["rows"] == 3
+    text = ss.markdown("torchvision", rows)
+    assert "| a | 1 | 9 (6) | 1 |" in text and "error: boom" in text
+    assert "faster than the sequential one in 1 of 2 rows" in text

@@ -67,6 +67,13 @@ def dynamic_suite_table(doc: dict) -> str:
     return dynamic_suite.markdown(doc["suite"], doc["rows"], doc.get("machine"))
 
 
+def schedule_suite_table(doc: dict) -> str:
+    """A schedule suite's table (``bench --suite NAME --schedule``): a row per (model, batch)."""
+    from . import schedule_suite
+
+    return schedule_suite.markdown(doc["suite"], doc["rows"], doc.get("machine"))
+
+
 def suite_table(doc: dict) -> str:
     return suites.markdown(doc["suite"], doc["rows"], doc.get("machine"))
 
@@ -314,7 +321,8 @@ KINDS = {"deploy": deploy_table, "search-time": search_time_table,
          "suite-summary": suite_summary, "optimize-report": lambda docs: optimize_report(docs[0]),
          "call-tir-survey": lambda docs: call_tir_table(docs[0]), "gpu": gpu_table,
          "dynamic-suite": lambda docs: dynamic_suite_table(docs[0]),
-         "int8-suite": lambda docs: int8_suite_table(docs[0])}
+         "int8-suite": lambda docs: int8_suite_table(docs[0]),
+         "schedule-suite": lambda docs: schedule_suite_table(docs[0])}
 
 
 def render_page(text: str, folder: Path) -> str:
