@@ -138,11 +138,11 @@ def markdown(suite: str, rows: list, machine: dict | None = None) -> str:
     Collage's placement, the best f32 framework, and their ratios."""
     from .suites import machine_line
 
-    where = f" Machine: {machine_line(machine)}." if machine else ""
+    where = f" {machine_line(machine)}." if machine else ""
     lines = [f"Concurrent schedules ({suite}, issue #80).{where}", "",
              "| model | batch | groups (on branches) | concurrent stages | sequential ms | "
              "concurrent ms | speed-up (sequential / concurrent) | best f32 framework ms | "
-             "shipped / best framework |",
+             "best framework / faster build |",
              "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if "error" in r:
@@ -152,7 +152,7 @@ def markdown(suite: str, rows: list, machine: dict | None = None) -> str:
         lines.append(
             f"| {r['model']} | {r['batch']} | {p.get('groups')} ({p.get('branches')}) | "
             f"{len(p.get('concurrent_stages', []))} | {r['sequential_ms']:.3f} | "
-            f"{r['concurrent_ms']:.3f} | {r['speedup']:.3f}x | "
+            f"{_ms(r['concurrent_ms'])} | {_fmt(r['speedup'])} | "
             f"{r['best_framework_ms']:.3f} | {r['vs_best_framework']:.3f}x |")
     sm = summary(rows)
     lines += ["", f"The concurrent build faster than the sequential one in "
@@ -161,8 +161,12 @@ def markdown(suite: str, rows: list, machine: dict | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _ms(v) -> str:
+    return "—" if v is None or v != v else f"{v:.3f}"
+
+
 def _fmt(v) -> str:
-    return "n/a" if v is None or v != v else f"{v:.3f}x"
+    return "—" if v is None or v != v else f"{v:.3f}x"
 
 
 SCHEDULE_SUITES = {"torchvision": SCHEDULE_MODELS}
