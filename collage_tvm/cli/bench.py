@@ -55,8 +55,9 @@ def _bench(args, parser) -> int:
 
 def _bench_kind(args, backends, kind: str) -> int:
     """``bench --suite NAME --dynamic`` (``tools.dynamic_suite``), ``--int8``
-    (``tools.int8_suite``) or ``--schedule`` (``tools.schedule_suite``): suite_<name>_<kind>.json {"suite", kind: True, "machine",
-    "accuracy", "rows", "summary"} and its table (.md)."""
+    (``tools.int8_suite``) or ``--schedule`` (``tools.schedule_suite``):
+    suite_<name>_<kind>.json {"suite", kind: True, "machine", "accuracy", "rows",
+    "summary"} and its table (.md)."""
     import json
     import os
     from pathlib import Path

@@ -253,8 +253,8 @@ def _suite_arguments(b) -> None:
     b.add_argument("--schedule", action="store_true",
                    help="with --suite torchvision: multi-branch models (googlenet, "
                         "inception_v3, squeezenet1_1 at batch 1 and 4) searched at the op "
-                        "level, their placement's concurrent schedule measured (issue #80), and the "
-                        "placement built sequentially and concurrently, timed beside the "
+                        "level, their placement's concurrent schedule measured (issue #80), "
+                        "and the placement built sequentially and concurrently, timed beside the "
                         "frameworks on the same file; writes suite_torchvision_schedule.json/.md")
     b.add_argument("--no-frameworks", action="store_true",
                    help="with a torch --suite: leave out the frameworks (coverage only)")

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from ..graph.subgraph import extract_function, random_inputs
 from ..target import host_cores
 from .concurrent import build_part, stage_callable
-from .ios import MAX_GROUP_OPS, Schedule, Stage, schedule, sequential
+from .ios import MAX_GROUP_OPS, Schedule, Stage, schedule, sequential, topological_order
 from .placed import group_dag
 from .workers import Crew, split_cores
 
@@ -77,26 +77,17 @@ class Plan:
 def branch_groups(succ) -> list[int]:
     """The nodes of the DAG ``succ`` with at least one node neither before nor after them."""
     n = len(succ)
-    order = _topo(succ)
-    after = [0] * n  # bitset of the nodes reachable from each
+    order = topological_order(succ)
+    after = [0] * n   # bitset of the nodes reachable from each
+    before = [0] * n  # bitset of the nodes each is reachable from
     for k in reversed(order):
-        bits = 0
         for j in succ[k]:
-            bits |= after[j] | (1 << j)
-        after[k] = bits
-    before = [0] * n
-    for k in range(n):
-        for j in range(n):
-            if after[k] >> j & 1:
-                before[j] |= 1 << k
+            after[k] |= after[j] | (1 << j)
+    for k in order:
+        for j in succ[k]:
+            before[j] |= before[k] | (1 << k)
     everyone = (1 << n) - 1
     return [k for k in range(n) if (after[k] | before[k] | (1 << k)) != everyone]
-
-
-def _topo(succ) -> list[int]:
-    from .ios import topological_order
-
-    return topological_order(succ)
 
 
 def _batch_ms(fn, args, target_ms: float = 2.0, batches: int = 5) -> float:
@@ -159,11 +150,14 @@ def plan(graph, groups, backends: dict, target, cores: int | None = None,
     group_ms: dict = {}
     for n, k in enumerate(branches):
         part = build_part(graph, [ordered[k]], backends, target, cores)
-        args = _part_args(part)
+        args = _random_tensors(part.func)
         group_ms[k] = {cores: _time_on(cores, cores, part.run, args)}
+        # a TVM kernel is the same build on any share (its worker sets its threads); a
+        # library's is made for its share
+        external = backends[ordered[k].backend].is_external
         for s in shares:
             if s < cores:
-                low = build_part(graph, [ordered[k]], backends, target, s)
+                low = build_part(graph, [ordered[k]], backends, target, s) if external else part
                 group_ms[k][s] = _time_on(s, cores, low.run, args)
         if progress is not None:
             progress(n + 1, len(branches))
@@ -212,22 +206,20 @@ def plan(graph, groups, backends: dict, target, cores: int | None = None,
     return result
 
 
-def _part_args(part) -> list:
+def _random_tensors(func) -> list:
+    """TVM tensors of random values for the parameters of ``func``."""
     import tvm
 
-    return [tvm.runtime.tensor(a) for a in random_inputs(part.func, seed=1)]
+    return [tvm.runtime.tensor(a) for a in random_inputs(func, seed=1)]
 
 
 def _measure_stage(graph, ordered, stage: Stage, backends, target, cores: int) -> float:
     """ms per call of ``stage`` built as the concurrent build runs it."""
-    import tvm
-
     split = split_cores(cores, len(stage.groups))
     parts = [build_part(graph, [ordered[k] for k in chain], backends, target, s)
              for chain, s in zip(stage.groups, split)]
     nodes, fn = stage_callable(graph, parts)
-    func, _, _, _ = extract_function(graph, nodes)
-    args = [tvm.runtime.tensor(a) for a in random_inputs(func, seed=1)]
+    args = _random_tensors(extract_function(graph, nodes)[0])
     try:
         return _batch_ms(fn, args)
     finally:

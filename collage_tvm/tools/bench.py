@@ -182,7 +182,8 @@ FRAMEWORK_BATCH_MS = 200.0
 def torch_frameworks(model, inputs, onnx_path: str, collage_executable, check, *,
                      collage_f32=None, torch_compile: bool = False,
                      autocast: bool = False, label: str = "the model",
-                     controls: dict | None = None, only=None) -> dict:
+                     controls: dict | None = None, only=None,
+                     more_builds: dict | None = None) -> dict:
     """What a user runs instead of Collage, timed interleaved in this process with the
     shipped Collage build (``collage_executable``: an executable, or a saved build loaded
     back, ``artifact.LoadedModule``, as the suites time it, or a ``LoadLater`` of one) on the
@@ -206,6 +207,9 @@ def torch_frameworks(model, inputs, onnx_path: str, collage_executable, check, *
       noise on this row (``suites.versus``: "aa_spread", "openvino_f32_aa_spread",
       "openvino_aa_spread"). The controls are made after the Collage build where that is a
       ``LoadLater``, the frameworks before it.
+
+    ``more_builds``: name -> another Collage executable, timed beside the shipped one under
+    that name (``schedule_suite``: the placement built with a concurrent schedule).
 
     ``only``: the names of the libraries and controls to make (None: all), PyTorch and
     Collage always (``suites.framework_row`` times them a group at a time where all at once
@@ -239,6 +243,7 @@ def torch_frameworks(model, inputs, onnx_path: str, collage_executable, check, *
     builds = {"collage": collage_executable}
     if collage_f32 is not None:
         builds["collage (f32)"] = collage_f32
+    builds.update(more_builds or {})
     _collage_runs(builds, arrays, runs, outs, extra)
     print(f"  timing {', '.join(runs)} interleaved", flush=True)
     return _rows(outs, _framework_times(runs, extra, controls), ref, check, extra)
