@@ -15,6 +15,7 @@ import time
 
 from ._memory import release_memory
 from .byoc import compile_module, compile_placement, forget_lowered, lower_placement
+from .schedule.concurrent import compile_staged, staged_groups
 from .check import first_line
 from .options import SearchOptions
 from .report import BuildReport, CollageResult, SearchResult, UnsupportedOperator, unsupported
@@ -236,8 +237,9 @@ def _compile(found: SearchResult) -> tuple:
     executable = lowered = None
     if found.graph is not None:
         try:
-            executable, lowered = compile_placement(found.graph, found.placement.groups,
-                                                    found.backends, found.target, keep=True)
+            executable, lowered = compile_staged(found.graph, found.placement.groups,
+                                                 found.placement.stages, found.backends,
+                                                 found.target, keep=True)
         except Exception as err:  # noqa: BLE001 - nothing is lost: TVM alone still builds it
             why = first_line(err)
             logger.warning("the placement failed to compile (%s); building with TVM alone", why)
@@ -258,7 +260,11 @@ def optimize_module(mod, target, options: SearchOptions, db=None, placement_log=
     found = search(mod, target, options, db, placement_log)
     if found.graph is None:
         return found.module, found.tuning
-    lowered = lower_placement(found.graph, found.placement.groups, found.backends)
+    groups, backends = found.placement.groups, found.backends
+    if found.placement.stages:
+        groups, backends = staged_groups(found.graph, groups, found.placement.stages, backends,
+                                         found.target, keep=True)
+    lowered = lower_placement(found.graph, groups, backends)
     _let_go()
     return lowered, found.tuning
 

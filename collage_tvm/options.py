@@ -160,6 +160,9 @@ class Evolution:
                                        for f in dataclasses.fields(self))
 
 
+# ``SearchOptions.schedule``'s values, the default first.
+SCHEDULES = ("auto", "concurrent", "sequential")
+
 # The settings a check takes when none are passed (``SearchOptions.final_check``).
 DEFAULT_FINAL_CHECK = FinalCheck()
 
@@ -216,6 +219,15 @@ class SearchOptions:
     # file run whole by each graph library; ship the fastest correct one.
     compare: bool = _not_key(True, "judges a placement after the search; the logged "
                              "record keeps the verdict")
+    # Independent regions run at the same time (``collage_tvm.schedule``, issue #80):
+    # "auto" (the default) plans the placement's schedule from measured stages and, where a
+    # concurrent stage measured faster, the final check times that build beside the
+    # sequential one and ships it only when faster end to end; "concurrent" ships it
+    # whenever the plan has a concurrent stage and its outputs match (the other builds
+    # timed beside it for the report, not judged against it); "sequential" plans
+    # none. In the key when not "auto" (a placement log's record holds its stages).
+    schedule: str = field(default="auto", metadata={
+        "key": lambda v: "" if v == "auto" else f"|schedule={v}"})
     # Measure in a child process (a crashing backend costs inf, not the search).
     isolate: bool = _not_key(True, "where measuring runs, not what it finds")
     # Processes that build the TVM candidates before they are timed (``Measurer.prebuild``);
@@ -271,6 +283,9 @@ class SearchOptions:
                              f"{self.build_jobs}")
         if self.budget <= 0:
             raise ValueError(f"budget must be > 0 seconds, got {self.budget}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got "
+                             f"{self.schedule!r}")
         if bool(self.rpc_tracker) != bool(self.rpc_key):
             raise ValueError("measuring through an RPC tracker needs both rpc_tracker "
                              f"(HOST:PORT) and rpc_key, got {self.rpc_tracker!r} and "

@@ -39,6 +39,9 @@ class Placement:
     cost: float   # estimated cost (ms) under the additive model, Eq. 2-4
     chosen_by: dict = field(default_factory=dict)  # Candidate -> "op-level" | "graph-level"
     exact: bool = True  # False: the op-level DP fell back to its restricted search (too wide)
+    # The stages that run concurrently (``collage_tvm.schedule``): per stage, its chains of
+    # groups (each chain run in turn, the chains at once); empty: one group after another.
+    stages: list = field(default_factory=list)
 
 
 def single_ops(graph, backend: str = "tvm") -> list:
@@ -186,7 +189,14 @@ def placement_record(placement: Placement, graph, target, comparison: dict | Non
         "graph": {"nodes": [{"op": n.op_name, "inputs": list(n.inputs), "shape": _shape_of(n)}
                             for n in graph.nodes],
                   "outputs": list(graph.outputs)},
+        **({"stages": stage_indices(placement)} if placement.stages else {}),
     }
+
+
+def stage_indices(placement: Placement) -> list:
+    """``placement.stages`` as indices into its groups (per stage, per chain)."""
+    index = {g: k for k, g in enumerate(placement.groups)}
+    return [[[index[g] for g in chain] for chain in stage] for stage in placement.stages]
 
 
 def _shape_of(node) -> list | None:
@@ -214,5 +224,12 @@ def placement_from_record(record, graph, backends) -> Placement | None:
             sorted(i for g in groups for i in g.nodes) != list(range(len(graph))):
         logger.warning("placement log entry does not fit this model; searching again")
         return None
+    try:
+        stages = [[[groups[k] for k in chain] for chain in stage]
+                  for stage in record.get("stages") or []]
+    except (IndexError, TypeError):
+        logger.warning("placement log entry's stages do not fit its groups; searching again")
+        return None
     return Placement(groups, record.get("estimated_ms", math.nan),
-                     {g: rg.get("level", "op-level") for g, rg in zip(groups, record["groups"])})
+                     {g: rg.get("level", "op-level") for g, rg in zip(groups, record["groups"])},
+                     stages=stages)

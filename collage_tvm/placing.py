@@ -70,7 +70,8 @@ def search_new(p: Placing, unrewritten=None, floors: dict | None = None) -> tupl
                 p.on(graph=unrewritten, report=BuildReport(backends=[]))).placement)
             p.report.times["unrewritten"] = time.perf_counter() - t0
         return final_check(p, placement, floors or {},
-                            op_level if placement is not op_level else None, others)
+                            op_level if placement is not op_level else None, others,
+                            scheduled=_scheduled(p, placement))
     if _reduced(placement, p.backends):
         return _within_budget(p, placement, floors)
     return placement, p.graph
@@ -136,16 +137,60 @@ def judge_remotely(p: Placing):
                         (p.report.lean or {}).get("alone_ms"), p.options.final_check)
 
 
+def _scheduled(p: Placing, placement):
+    """``placement`` with the concurrent stages of its measured schedule
+    (``schedule.plan``), or None: ``options.schedule`` is "sequential", the plan found no
+    concurrent stage, or (under "auto") none measured faster than its groups in turn. The
+    plan's figures go into the report."""
+    from .schedule.plan import plan
+    from .schedule.concurrent import chains_of
+    from .target import host_cores
+
+    mode, report = p.options.schedule, p.report
+    if mode == "sequential":
+        return None
+    if host_cores() < 2:
+        report.schedule = {"mode": mode, "why_not": "one core: nothing runs at the same time"}
+        return None
+    t0 = time.perf_counter()
+    try:
+        found = plan(p.graph, placement.groups, p.backends, p.target)
+    except Exception as err:  # noqa: BLE001 - the sequential build still ships
+        why = first_line(err)
+        logger.warning("schedule: the plan failed (%s); the build runs in turn", why)
+        report.schedule = {"mode": mode, "why_not": f"the plan failed: {why}"}
+        return None
+    finally:
+        report.times["schedule"] = time.perf_counter() - t0
+    report.schedule = {"mode": mode, **found.summary()}
+    if not found.concurrent_stages:
+        report.schedule["why_not"] = ("no concurrent stage: " + (
+            "no group is on a branch" if not found.branches
+            else "none measured faster than its groups in turn"))
+        return None
+    if mode == "auto" and not found.worth_building:
+        report.schedule["why_not"] = (
+            f"its stages measured {found.scheduled_ms:.3f} ms against {found.sequential_ms:.3f}"
+            " ms in turn: not enough to try")
+        return None
+    stages = chains_of(found.ordered, found.schedule)
+    return dataclasses.replace(placement, stages=stages)
+
+
 def final_check(p: Placing, placement, floors: dict, op_level=None, others=None,
-                 judge=None) -> tuple:
+                 judge=None, scheduled=None) -> tuple:
     """``never_slower``'s verdict on ``placement``, written into the report (``judge``:
-    where the builds are judged, ``_judged_there``). Returns (the placement to ship, the
-    graph its groups refer to)."""
+    where the builds are judged, ``_judged_there``; ``scheduled``: the placement with
+    concurrent stages, ``_scheduled``). Returns (the placement to ship, the graph its groups
+    refer to)."""
     report = p.report
     verdict = never_slower(p.graph, placement, p.backends, p.target, op_level,
                            accuracy=p.options.accuracy, others=others, floors=floors,
                            alone_ms=(report.lean or {}).get("alone_ms"), judge=judge,
-                           settings=p.options.final_check)
+                           settings=p.options.final_check, scheduled=scheduled,
+                           force_schedule=p.options.schedule == "concurrent")
+    if scheduled is not None:
+        report.schedule["shipped"] = bool(verdict.placement.stages)
     report.shipped, report.comparison = verdict.shipped, verdict.comparison
     report.alternates = [{"backend": b, "ms": ms, **({"source": src} if src else {})}
                          for b, ms, src in verdict.alternates]

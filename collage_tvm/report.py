@@ -66,6 +66,10 @@ class BuildReport:
     # A model with dynamic dimensions (``collage_tvm.dynamic``): its ranges, the choice at
     # each representative point, the static build's specialization; {} for a static model.
     dynamic: dict = field(default_factory=dict)
+    # The placement's concurrent schedule (``collage_tvm.schedule``, issue #80): the plan's
+    # figures (``Plan.summary``), whether its build entered the final check and shipped,
+    # or why no schedule was planned; {} when none was asked for.
+    schedule: dict = field(default_factory=dict)
 
     def summary(self) -> str:
         if self.placement_from_log:

@@ -4,6 +4,8 @@ whole on a library, the placement log answers, ...) sets ``state.done``. A new p
 own steps (op level, graph level, final check) are ``placing``."""
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import math
 import time
@@ -285,7 +287,11 @@ def recheck(state: SearchState) -> None:
         try:
             p = state.placing()
             judge = judge_remotely(p) if remote else None  # as ``placing._judged_there``
-            placement, shipped_graph = final_check(p, state.placement, floors, judge=judge)
+            logged = state.placement  # a concurrent build it shipped is judged as one again
+            staged = logged if logged.stages and not remote else None
+            placement, shipped_graph = final_check(
+                p, dataclasses.replace(logged, stages=[]), floors, judge=judge,
+                scheduled=staged)
         except Exception as err:  # noqa: BLE001 - the log's placement ships as it was
             if not remote:
                 raise

@@ -171,3 +171,85 @@ def test_the_schedule_suite_counts_the_rows_where_the_concurrent_build_wins():
     text = ss.markdown("torchvision", rows)
     assert "| a | 1 | 9 (6) | 1 |" in text and "error: boom" in text
     assert "faster than the sequential one in 1 of 2 rows" in text
+
+
+def _forced_plan(monkeypatch):
+    """``schedule.plan.plan`` answering with the Inception block's three convolutions in one
+    concurrent stage (its figures from a fake cost: which schedule the machine prefers is
+    not what these tests are about)."""
+    import collage_tvm.schedule.plan as plan_module
+
+    real = plan_module.plan
+
+    def forced(graph, groups, backends, target, **kw):
+        found = real(graph, groups, backends, target, cores=2)
+
+        def cost(stage: Stage) -> float:
+            return 0.01 + max(len(g) for g in stage.groups) * (1 + 0.2 * (len(stage.groups) - 1))
+
+        found.schedule = schedule(found.succ, cost, max_groups=3)
+        found.scheduled_ms, found.sequential_ms = 1.0, 2.0
+        return found
+
+    monkeypatch.setattr(plan_module, "plan", forced)
+
+
+def test_optimize_ships_a_forced_schedule_and_saves_logs_and_reloads_it(tmp_path, monkeypatch):
+    """``schedule="concurrent"``: the final check times the concurrent build beside the
+    sequential one and ships it (its outputs match); the saved build runs its stage from the
+    parts' own artifacts; the placement log's record rebuilds it without a search."""
+    import collage_tvm
+    from collage_tvm.check.never_slower import CONCURRENT
+
+    _forced_plan(monkeypatch)
+    mod = _inception_block().func
+    mod = tvm.IRModule({"main": mod})
+    kw = dict(backends="tvm", db=str(tmp_path / "c.db"), graph_level=False, progress=False,
+              placement_log=str(tmp_path / "p.jsonl"), schedule="concurrent")
+    result = collage_tvm.optimize(mod, "llvm", **kw)
+    assert result.placement.stages, (result.report.schedule, list(result.report.comparison), result.report.placement_from_log)
+    assert result.report.schedule["shipped"] is True
+    assert result.report.shipped == CONCURRENT
+    assert result.report.comparison[CONCURRENT].match
+    assert f"collage.{STAGE_PREFIX}" in result.module["main"].script()
+    x = np.random.default_rng(2).standard_normal((1, 8, 16, 16)).astype("float32")
+    want = _run(result.executable, tvm.runtime.tensor(x))
+    seq = collage_tvm.optimize(mod, "llvm", **{**kw, "schedule": "sequential",
+                                                "placement_log": str(tmp_path / "q.jsonl")})
+    assert not seq.placement.stages
+    np.testing.assert_allclose(want, _run(seq.executable, tvm.runtime.tensor(x)),
+                               rtol=1e-5, atol=1e-5)
+    loaded = collage_tvm.load(collage_tvm.save(result, tmp_path / "built"))
+    stage = [e for e in loaded.manifest["regions"] if e.get("format") == "stage"]
+    assert len(stage) == len(result.placement.stages)
+    assert all(p["share"] == 1 for p in stage[0]["parts"])
+    np.testing.assert_allclose(np.asarray(loaded(x)), want, rtol=1e-5, atol=1e-5)
+    again = collage_tvm.optimize(mod, "llvm", **kw)  # from the placement log
+    assert again.report.placement_from_log
+    assert [[set(g.nodes) for g in chain] for chain in again.placement.stages[0]] == \
+        [[set(g.nodes) for g in chain] for chain in result.placement.stages[0]]
+    np.testing.assert_allclose(_run(again.executable, tvm.runtime.tensor(x)), want,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_the_check_ships_the_concurrent_build_only_when_fastest(monkeypatch):
+    """Under "auto" the concurrent build is one more contender: whatever ships is the fastest
+    correct one (never a schedule slower than the build in turn)."""
+    from collage_tvm.check.never_slower import CONCURRENT, never_slower
+    from collage_tvm.placement import Placement
+    from collage_tvm.schedule.concurrent import chains_of
+
+    target = make_target("llvm")
+    graph, groups, backends = _placed_block()
+    ordered, succ = group_dag(graph, groups)
+    best = schedule(succ, lambda s: 0.01 + max(len(g) for g in s.groups) * (
+        1 + 0.2 * (len(s.groups) - 1)), max_groups=3)
+    placement = Placement(ordered, 1.0)
+    staged = Placement(ordered, 1.0, stages=chains_of(ordered, best))
+    verdict = never_slower(graph, placement, backends, target, scheduled=staged)
+    results = verdict.comparison
+    assert results[CONCURRENT].match and results[CONCURRENT].ms > 0
+    ok = {n: r.ms for n, r in results.items() if r.can_ship}
+    assert verdict.shipped == min(ok, key=ok.get)
+    assert bool(verdict.placement.stages) == (verdict.shipped == CONCURRENT)
+    assert results[CONCURRENT].ops == {"tvm": len(graph) - 1, "onnxruntime": 1}

@@ -150,9 +150,37 @@ def _check_backends(manifest: dict, path: Path) -> dict:
 def _lower_regions(manifest: dict, path: Path, backends: dict, decide: bool) -> dict:
     """symbol -> the callable of each region, made by its library from the saved file."""
     return {entry["symbol"]: _lower_dynamic(manifest, entry, path, backends, decide)
-            if entry.get("format") == "dynamic" else
+            if entry.get("format") == "dynamic" else _lower_stage(entry, path)
+            if entry.get("format") == "stage" else
             _lower_region(entry, path, backends[entry["backend"]])
             for entry in manifest.get("regions", [])}
+
+
+def _lower_stage(entry: dict, path: Path):
+    """A concurrent stage (``schedule.concurrent.run_stage``): each part loaded from its own
+    artifact, its libraries made for the share of the cores it was built for."""
+    from ..schedule.concurrent import run_stage
+    from ..target import thread_share
+
+    loaded, runs = [], []
+    for part in entry["parts"]:
+        with thread_share(int(part["share"])):
+            one = load(path / part["dir"], decide=False)
+        loaded.append(one)
+        main = one.vm["main"]
+        runs.append(_listed(main, bool(one.manifest.get("outputs_tuple"))))
+    fn = run_stage(runs, [int(p["share"]) for p in entry["parts"]],
+                   [list(p["inputs"]) for p in entry["parts"]],
+                   [tuple(g) for g in entry["gather"]])
+    fn.loaded = loaded  # the parts' VMs and callables live with the stage
+    return fn
+
+
+def _listed(main, is_tuple: bool):
+    """``main`` returning a list of its outputs."""
+    if not is_tuple:
+        return lambda *args: [main(*args)]
+    return lambda *args: list(main(*args))
 
 
 def _lower_dynamic(manifest: dict, entry: dict, path: Path, backends: dict, decide: bool):

@@ -108,8 +108,9 @@ def _save_regions(module, folder: Path, alternates=(), model_file=None) -> tuple
     import tvm
 
     from ..backends._graphlib import output_specs
-    from ..byoc.external import recipe, registered_symbols
+    from ..byoc.external import live, recipe, registered_symbols
     from ..registry import get_backend
+    from ..schedule.concurrent import is_stage
 
     entries, count = [], {}
     for k, symbol in enumerate(registered_symbols(module)):
@@ -118,6 +119,12 @@ def _save_regions(module, folder: Path, alternates=(), model_file=None) -> tuple
             raise ArtifactError(f"the build's call {symbol} cannot be saved: its callable was "
                                 "released (save the result collage_tvm.optimize returned)")
         kind, name = made[0], made[1]
+        if is_stage(name):  # a concurrent stage: its parts, each a build of its own
+            entry = _save_stage(symbol, live(symbol), folder, k)
+            entries.append(entry)
+            for lib in entry["libraries"]:
+                count[lib] = count.get(lib, 0) + entry["counts"][lib]
+            continue
         if kind == "dynamic":  # a dynamic model's dispatch (``collage_tvm.dynamic``)
             entry = _save_dynamic(symbol, made, folder)
             entries.append(entry)
@@ -186,6 +193,35 @@ def _save_dynamic(symbol: str, made: tuple, folder: Path) -> dict:
         save(static, folder.parent / STATIC, input_names=entry["inputs"],
              output_names=[o.name for o in proto.graph.output])
         entry["static"] = STATIC
+    return entry
+
+
+def _save_stage(symbol: str, fn, folder: Path, k: int) -> dict:
+    """The region entry of a concurrent stage (``schedule.concurrent``): each of its parts
+    saved as an artifact of its own (``STAGE_DIR``/s<k>/p<j>), with the thread share it was
+    built for, which of the stage's inputs it reads and where each of the stage's outputs
+    comes from."""
+    from types import SimpleNamespace
+
+    from ..report import BuildReport
+
+    parts = getattr(fn, "parts", None)
+    if not parts or any(p.executable is None for p in parts):
+        raise ArtifactError(f"the build's concurrent stage {symbol} cannot be saved: its parts "
+                            "were not kept (save the result collage_tvm.optimize returned)")
+    entry = {"symbol": symbol, "format": "stage", "backend": "stage",
+             "label": "a concurrent stage", "parts": [], "gather": [list(g) for g in fn.gather]}
+    counts: dict = {}
+    for j, (part, pick) in enumerate(zip(parts, fn.picks)):
+        rel = f"{REGIONS}/s{k}/p{j}"
+        result = SimpleNamespace(executable=part.executable, module=part.lowered, graph=None,
+                                 placement=None, target=None, report=BuildReport(backends=[]))
+        save(result, folder / f"s{k}" / f"p{j}")
+        manifest = json.loads((folder / f"s{k}" / f"p{j}" / MANIFEST).read_text())
+        for name, info in manifest["backends"].items():
+            counts[name] = counts.get(name, 0) + info["regions"]
+        entry["parts"].append({"dir": rel, "share": part.share, "inputs": list(pick)})
+    entry["libraries"], entry["counts"] = sorted(counts), counts
     return entry
 
 

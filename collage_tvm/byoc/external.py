@@ -129,6 +129,11 @@ def recipe(symbol: str) -> tuple | None:
     return _RECIPES.get(symbol)
 
 
+def live(symbol: str):
+    """The callable registered as ``symbol`` (None when released or unknown)."""
+    return _LIVE.get(symbol)
+
+
 def release_with(executable, mod: tvm.IRModule) -> None:
     """Unregister ``mod``'s external callables (and free their weights) once ``executable`` is
     garbage: a VM made from it keeps the functions it resolved, so running VMs are unaffected.

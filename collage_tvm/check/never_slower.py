@@ -39,6 +39,9 @@ from .reference import build_order, reference
 
 logger = logging.getLogger("collage_tvm")
 
+#: The contender that runs the placement's concurrent stages at once (``collage_tvm.schedule``).
+CONCURRENT = "collage-concurrent"
+
 
 @dataclass
 class Verdict:
@@ -65,7 +68,8 @@ class Verdict:
 def never_slower(graph, placement: Placement, backends: dict, target,
                  op_level: Placement | None = None, accuracy=None,
                  others: dict | None = None, floors: dict | None = None,
-                 alone_ms: dict | None = None, judge=None, settings=None) -> Verdict:
+                 alone_ms: dict | None = None, judge=None, settings=None,
+                 scheduled: Placement | None = None, force_schedule: bool = False) -> Verdict:
     """Time the placement end to end beside every single-backend build; ship the fastest.
 
     Builds: "tvm-only" (TVM's own fusion); "<lib>+tvm" for each external op library (its
@@ -84,15 +88,23 @@ def never_slower(graph, placement: Placement, backends: dict, target,
     ``judge``: ``(builds, floors) -> (results, other_load)`` where the builds are judged
     elsewhere (``remote_judge``: on the RPC servers of a search for another device), else
     ``judge_builds`` here. ``settings``: the thresholds (``options.FinalCheck``).
+    ``scheduled``: the placement with concurrent stages (``Placement.stages``), timed as
+    ``CONCURRENT`` (here only, not by a ``judge`` elsewhere); ``force_schedule``: it ships
+    whenever its outputs match (the others timed beside it for the report).
     """
     s = final_check_settings(settings)
     accuracy = parse_accuracy(accuracy)
     t0 = time.perf_counter()
     floors, others = floors or {}, others or {}
     builds, graph_of = _builds(graph, placement, backends, op_level, others, floors)
+    shown, failed = {}, {}
+    if scheduled is not None and judge is None:
+        backends, failed = _add_scheduled(builds, graph_of, shown, graph, scheduled,
+                                          backends, target)
     if judge is None:
         results, share = judge_builds(builds, graph_of, floors, backends, target, accuracy,
-                                      alone_ms, s)
+                                      alone_ms, s, shown)
+        results.update(failed)
         # The builds timed are garbage now: their pages go back before what ships is built
         # (ViT-L/32 under bf16 held 22 GB of them, and the next step added 2 GB more).
         release_memory()
@@ -114,11 +126,17 @@ def never_slower(graph, placement: Placement, backends: dict, target,
         logger.warning("end to end: no build's outputs match %s's; keeping the placement", ref)
         return verdict
     best = min(ok, key=ok.get)
+    forced = results.get(CONCURRENT) if force_schedule else None
+    if forced is not None and forced.match and forced.fate not in (Fate.FAILED, Fate.NOT_BUILT):
+        best = CONCURRENT  # asked for: timed for the report, not judged (outrun or not)
+        ok[best] = forced.ms
     _advise(results, outside, ok[best])
-    if best != "collage" and ok[best] < ok.get("collage", math.inf):
-        logger.warning("%s (%.3f ms) beat the collage placement (%.3f ms): shipping %s", best,
-                       ok[best], results["collage"].ms, best)
-        _ship(verdict, best, builds, op_level, others, floors)
+    if best != "collage" and (ok[best] < ok.get("collage", math.inf) or best == CONCURRENT):
+        logger.warning("%s (%.3f ms) %s the collage placement (%.3f ms): shipping %s", best,
+                       ok[best], "beat" if ok[best] < ok.get("collage", math.inf)
+                       else "asked for (--schedule concurrent) beside", results["collage"].ms,
+                       best)
+        _ship(verdict, best, builds, op_level, others, floors, scheduled)
     elif "collage" not in ok:
         return verdict
     verdict.alternates = alternates(verdict.shipped, ok, same_file_runs(
@@ -126,8 +144,28 @@ def never_slower(graph, placement: Placement, backends: dict, target,
     return verdict
 
 
+def _add_scheduled(builds, graph_of, shown, graph, scheduled, backends, target):
+    """The concurrent build of ``scheduled`` among the contenders (``CONCURRENT``): its stages
+    built (each a pseudo-backend, ``schedule.concurrent.staged_groups``). Returns (the
+    backends with the stages', {CONCURRENT: a failed contender} when its stages could not be
+    built)."""
+    from ..schedule.concurrent import staged_groups
+
+    try:
+        staged, with_stages = staged_groups(graph, scheduled.groups, scheduled.stages,
+                                            backends, target)
+    except Exception as err:  # noqa: BLE001 - the sequential build is still a contender
+        reason = first_line(err)
+        logger.warning("end to end: %s could not be built: %s", CONCURRENT, reason)
+        return backends, {CONCURRENT: Contender(error=reason, fate=Fate.FAILED)}
+    builds[CONCURRENT], graph_of[CONCURRENT] = staged, graph
+    shown[CONCURRENT] = scheduled.groups
+    return with_stages, {}
+
+
 def judge_builds(builds: dict, graph_of: dict, floors: dict, backends: dict, target,
-                 accuracy, alone_ms: dict | None = None, settings=None) -> tuple[dict, float]:
+                 accuracy, alone_ms: dict | None = None, settings=None,
+                 shown: dict | None = None) -> tuple[dict, float]:
     """Build, check and time the contenders (``builds``: name -> groups on ``graph_of[name]``,
     None for a ``floors`` entry) on this machine: (name -> ``Contender``, the share of the
     CPU other processes took meanwhile). The final check's measuring half
@@ -138,7 +176,7 @@ def judge_builds(builds: dict, graph_of: dict, floors: dict, backends: dict, tar
     outside = {n for n, f in floors.items() if f.budget is not None}
     with OtherLoad() as load:
         results, outputs, runs = _time_builds(builds, graph_of, floors, backends, target,
-                                              accuracy, weights, alone_ms, s)
+                                              accuracy, weights, alone_ms, s, shown or {})
         _check_outputs(results, outputs, builds, floors, accuracy)
         runoff.retime(results, runs, outside, target, s)
     share = load.share
@@ -175,7 +213,7 @@ def _builds(graph, placement, backends, op_level, others, floors) -> tuple[dict,
 
 
 def _time_builds(builds, graph_of, floors, backends, target, accuracy, weights,
-                 alone_ms, s):
+                 alone_ms, s, shown):
     """Build and time each contender once, keep its outputs (on the check's seeds too) and
     its run. Collage first: its time sets the cutoff beyond which a build is timed once
     only (an untuned TVM build of a big model can take minutes per run). A build that is
@@ -221,7 +259,7 @@ def _time_builds(builds, graph_of, floors, backends, target, accuracy, weights,
         if cutoff is None:
             cutoff = s.slow_build_factor * r["ms"]
         outputs[name] = [r["outputs"]] + outputs_on(executable, graph_of[name], target, seeds)
-        results[name] = _timed(r, builds[name])
+        results[name] = _timed(r, shown.get(name, builds[name]))
         runs[name] = r["run"]
         logger.info("end to end: %s %.3f ms%s (built, checked and timed in %.1f s)", name,
                     r["ms"], " (timed once: hopeless)" if r["timed_once"] else "",
@@ -275,10 +313,12 @@ def _timed(r: dict, groups) -> Contender:
                      cuda_graph=r["cuda_graph"], timed_once=bool(r["timed_once"]))
 
 
-def _ship(verdict, best, builds, op_level, others, floors) -> None:
+def _ship(verdict, best, builds, op_level, others, floors, scheduled=None) -> None:
     """``best`` beat the placement: the verdict ships it."""
     verdict.shipped = best
-    if best in floors:
+    if best == CONCURRENT:
+        verdict.placement = scheduled
+    elif best in floors:
         verdict.floor = floors[best].backend
         verdict.placement = Placement([], math.nan)
     elif best == "collage-op-level":

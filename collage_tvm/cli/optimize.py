@@ -208,6 +208,26 @@ def _print_search(rep) -> None:
             print(f"  invalid: {reason}")
     elif gl.get("skipped"):
         print(f"graph-level: skipped: {gl['skipped']}")
+    _print_schedule(rep)
+
+
+def _print_schedule(rep) -> None:
+    """The concurrent schedule's plan and whether its build shipped (``--schedule``)."""
+    sc = rep.schedule
+    if not sc:
+        return
+    line = f"schedule ({sc['mode']}): "
+    if "groups" in sc:
+        line += (f"{sc['branches']} of {sc['groups']} groups on branches, "
+                 f"{len(sc['concurrent_stages'])} concurrent stage(s); branches in turn "
+                 f"{sc['sequential_ms']:.3f} ms, as scheduled {sc['scheduled_ms']:.3f} ms "
+                 f"(planned in {sc['seconds']:.1f} s)")
+    if sc.get("why_not"):
+        line += ("; " if "groups" in sc else "") + f"built in turn: {sc['why_not']}"
+    elif "shipped" in sc:
+        line += "; the concurrent build " + ("shipped" if sc["shipped"] else
+                                             "was timed and did not ship")
+    print(line)
 
 
 def _print_conditions(rep) -> None:
@@ -299,7 +319,8 @@ def _options(args, backends):
                          rpc_key=getattr(args, "rpc_key", "") or "",
                          shapes=tuple(getattr(args, "shapes", None) or ()),
                          shape_weights=getattr(args, "shape_weights", None),
-                         calibration_inputs=getattr(args, "calibration", None))
+                         calibration_inputs=getattr(args, "calibration", None),
+                         schedule=getattr(args, "schedule_mode", "auto"))
 
 
 def _print_ops(res) -> None:

@@ -34,7 +34,7 @@ def _jobs(text: str) -> int:
 
 def _optimize_parser(sub) -> None:
     """The ``optimize`` verb: search a placement for a model and build it."""
-    from ..options import DEFAULT_BUDGET
+    from ..options import DEFAULT_BUDGET, SCHEDULES
 
     o = sub.add_parser("optimize", help="search a placement for a model and build it")
     o.add_argument("model", help="an .onnx file")
@@ -107,6 +107,12 @@ def _optimize_parser(sub) -> None:
     o.add_argument("--in-process", action="store_true",
                    help="measure in this process (faster start, no crash isolation)")
     o.add_argument("--accuracy", default="f32", metavar="BUDGET", help=ACCURACY_HELP)
+    o.add_argument("--schedule", dest="schedule_mode", choices=SCHEDULES, default="auto",
+                   help="independent regions run at the same time, each on its share of the "
+                        "cores (issue #80, experimental): auto (default: the placement's "
+                        "schedule is planned from measured stages and its build ships only "
+                        "when the final check times it faster), concurrent (ship it whenever "
+                        "the plan has a concurrent stage), sequential (plan none)")
     o.add_argument("--calibration", metavar="FILE.npz",
                    help="--accuracy int8: the inputs the quantization is calibrated on, keyed "
                         "by input name (each array one input, or N of them stacked); default: "

@@ -20,7 +20,7 @@ from tvm import relax
 from ..graph import DataflowGraph
 from ..graph.subgraph import extract_function, extracted_nodes
 from ..lowering import Lowering
-from ..placement import Candidate
+from ..placement import Candidate, order_groups
 from ..registry import Backend
 from ..target import host_cores, target_device, thread_share
 from .workers import Crew, split_cores
@@ -40,11 +40,16 @@ class Part:
     share: int
     func: object = None  # the group's function (its parameters: the inputs)
     vm: object = None  # keeps the executable's VM (and its library callables) alive
+    # what ``collage_tvm.save`` writes of it (kept by ``keep``): its executable and the
+    # lowered module whose external callables it calls
+    executable: object = None
+    lowered: object = None
 
 
-def build_part(graph, groups, backends: dict, target, share: int) -> Part:
+def build_part(graph, groups, backends: dict, target, share: int, keep: bool = False) -> Part:
     """``groups`` (placed groups, connected, in an executable order) built alone into a VM
-    whose libraries use ``share`` threads."""
+    whose libraries use ``share`` threads. ``keep``: the part can be saved (its callables'
+    recipes kept with its executable)."""
     from ..byoc import compile_placement
 
     nodes = frozenset(i for g in groups for i in g.nodes)
@@ -61,7 +66,7 @@ def build_part(graph, groups, backends: dict, target, share: int) -> Part:
         if mine:
             mapped.append(Candidate(g.backend, mine, g.label))
     with thread_share(share):
-        executable, _ = compile_placement(sub, mapped, backends, target, keep=True)
+        executable, lowered = compile_placement(sub, mapped, backends, target, keep=keep)
     vm = relax.VirtualMachine(executable, target_device(target))
     main = vm["main"]
     if len(outputs) == 1:
@@ -70,7 +75,8 @@ def build_part(graph, groups, backends: dict, target, share: int) -> Part:
     else:
         def run(*args):
             return list(main(*args))
-    return Part(nodes, inputs, outputs, run, share, func, vm)
+    return Part(nodes, inputs, outputs, run, share, func, vm,
+                executable if keep else None, lowered if keep else None)
 
 
 class _StageLowering(Lowering):
@@ -88,8 +94,9 @@ class _StageLowering(Lowering):
 
 
 def stage_callable(graph, parts: list[Part]):
-    """``fn(*inputs) -> outputs`` of the stage of ``parts`` (its inputs and outputs as
-    ``extract_function`` cuts the union of their nodes), running the parts at once."""
+    """(the stage's nodes, ``fn(*inputs) -> outputs``): the stage of ``parts`` (its inputs
+    and outputs as ``extract_function`` cuts the union of their nodes), running the parts at
+    once."""
     nodes = frozenset().union(*(p.nodes for p in parts))
     _, inputs, outputs, _ = extract_function(graph, nodes)
     slot = {_input_key(v): k for k, v in enumerate(inputs)}
@@ -99,9 +106,18 @@ def stage_callable(graph, parts: list[Part]):
         for m, i in enumerate(p.outputs):
             where[i] = (j, m)
     gather = [where[i] for i in outputs]
-    crew = Crew([p.share for p in parts])
-    runs = [p.run for p in parts]
-    single = len(outputs) == 1
+    fn = run_stage([p.run for p in parts], [p.share for p in parts], picks, gather)
+    fn.parts = parts
+    return nodes, fn
+
+
+def run_stage(runs: list, shares: list, picks: list, gather: list):
+    """``fn(*inputs) -> outputs`` running ``runs`` at once, run ``j`` on ``shares[j]``
+    threads with the stage's inputs ``picks[j]``; its outputs are ``gather``'s (part,
+    output) pairs (one: that output alone). What the build and a loaded build
+    (``artifact.load``) both call."""
+    crew = Crew(list(shares))
+    single = len(gather) == 1
 
     def stage(*args):
         results = crew.run([(run, [args[k] for k in pick]) for run, pick in zip(runs, picks)])
@@ -109,41 +125,68 @@ def stage_callable(graph, parts: list[Part]):
         return outs[0] if single else outs
 
     stage.crew = crew
-    stage.parts = parts
-    return nodes, stage
+    stage.shares, stage.picks, stage.gather = list(shares), picks, gather
+    return stage
 
 
 def _input_key(v):
     return (v[0], v[1]) if isinstance(v, tuple) else (v, None)
 
 
-def scheduled_groups(graph, ordered: list, schedule, backends: dict, target,
-                     cores: int | None = None):
-    """(groups, backends) for ``compile_placement``: ``ordered``'s placed groups (the DAG
-    nodes of ``schedule``, ``group_dag``'s order) with each concurrent stage of ``schedule``
-    made one group on a stage pseudo-backend of its own."""
-    cores = cores or host_cores()
-    groups, extra = [], dict(backends)
+def chains_of(ordered: list, schedule) -> list:
+    """The concurrent stages of ``schedule`` (over ``ordered``'s groups) as
+    ``Placement.stages`` holds them: per stage, its chains of placed groups."""
+    stages = []
     for stage in schedule.stages:
         if stage.kind != "concurrent":
             raise NotImplementedError(f"{stage.kind} stages are not built yet")
-        if len(stage.groups) == 1:
-            groups.extend(ordered[k] for k in stage.groups[0])
-            continue
-        shares = split_cores(cores, len(stage.groups))
-        parts = [build_part(graph, [ordered[k] for k in chain], backends, target, share)
-                 for chain, share in zip(stage.groups, shares)]
+        if len(stage.groups) > 1:
+            stages.append([[ordered[k] for k in chain] for chain in stage.groups])
+    return stages
+
+
+def staged_groups(graph, groups: list, stages: list, backends: dict, target,
+                  cores: int | None = None, keep: bool = False):
+    """(groups, backends) for ``compile_placement``: the placement ``groups`` with each
+    concurrent stage of ``stages`` (``Placement.stages``: chains of its groups) made one
+    group on a stage pseudo-backend of its own."""
+    cores = cores or host_cores()
+    staged = {g for stage in stages for chain in stage for g in chain}
+    if not staged <= set(groups):
+        raise ValueError("a stage names a group the placement does not have")
+    out, extra = [g for g in groups if g not in staged], dict(backends)
+    for stage in stages:
+        shares = split_cores(cores, len(stage))
+        parts = [build_part(graph, chain, backends, target, share, keep)
+                 for chain, share in zip(stage, shares)]
         nodes, fn = stage_callable(graph, parts)
         name = f"{STAGE_PREFIX}{next(_STAGES)}"
-        extra[name] = Backend(name, kind="graph", lowering=_StageLowering(fn))
-        groups.append(Candidate(name, nodes, "stage:" + stage.key))
-    return groups, extra
+        extra[name] = Backend(name, kind="stage", lowering=_StageLowering(fn))
+        out.append(Candidate(name, nodes, "stage:" + " | ".join(
+            "+".join(g.backend for g in chain) for chain in stage)))
+    return order_groups(graph, out), extra
 
 
 def compile_scheduled(graph, ordered: list, schedule, backends: dict, target,
-                      cores: int | None = None):
-    """(executable, lowered module) of the placement ``ordered`` run by ``schedule``."""
+                      cores: int | None = None, keep: bool = True):
+    """(executable, lowered module) of the placement ``ordered`` run by ``schedule`` (over
+    ``ordered``'s groups, ``group_dag``'s order)."""
+    return compile_staged(graph, ordered, chains_of(ordered, schedule), backends, target,
+                          keep, cores)
+
+
+def compile_staged(graph, groups: list, stages: list, backends: dict, target,
+                   keep: bool = False, cores: int | None = None):
+    """(executable, lowered module) of the placement ``groups`` whose ``stages`` run
+    concurrently (``Placement.stages``); no stages: the sequential build."""
     from ..byoc import compile_placement
 
-    groups, extra = scheduled_groups(graph, ordered, schedule, backends, target, cores)
-    return compile_placement(graph, groups, extra, target, keep=True)
+    if not stages:
+        return compile_placement(graph, groups, backends, target, keep=keep)
+    staged, extra = staged_groups(graph, groups, stages, backends, target, cores, keep)
+    return compile_placement(graph, staged, extra, target, keep=keep)
+
+
+def is_stage(backend: str) -> bool:
+    """Whether ``backend`` names a concurrent stage's pseudo-backend."""
+    return backend.startswith(STAGE_PREFIX)
