@@ -224,6 +224,15 @@ def test_optimize_ships_a_forced_schedule_and_saves_logs_and_reloads_it(tmp_path
     assert len(stage) == len(result.placement.stages)
     assert all(p["share"] == 1 for p in stage[0]["parts"])
     np.testing.assert_allclose(np.asarray(loaded(x)), want, rtol=1e-5, atol=1e-5)
+    # ``collage-tvm show`` boxes the stage around its groups
+    from collage_tvm.placement import placement_record
+    from collage_tvm.tools.show import render
+
+    record = placement_record(result.placement, result.graph, "llvm", shipped=CONCURRENT)
+    assert len(record["stages"][0]) == len(result.placement.stages[0])
+    svg = open(render(record, str(tmp_path / "p.svg"))).read()
+    assert svg.count('class="stage"') == len(result.placement.stages)
+    assert "1 concurrent stage" in svg and "groups at once" in svg
     again = collage_tvm.optimize(mod, "llvm", **kw)  # from the placement log
     assert again.report.placement_from_log
     assert [[set(g.nodes) for g in chain] for chain in again.placement.stages[0]] == \

@@ -132,10 +132,10 @@ def never_slower(graph, placement: Placement, backends: dict, target,
         ok[best] = forced.ms
     _advise(results, outside, ok[best])
     if best != "collage" and (ok[best] < ok.get("collage", math.inf) or best == CONCURRENT):
+        how = ("beat" if ok[best] < ok.get("collage", math.inf)
+               else "was asked for (--schedule concurrent); it ran beside")
         logger.warning("%s (%.3f ms) %s the collage placement (%.3f ms): shipping %s", best,
-                       ok[best], "beat" if ok[best] < ok.get("collage", math.inf)
-                       else "asked for (--schedule concurrent) beside", results["collage"].ms,
-                       best)
+                       ok[best], how, results["collage"].ms, best)
         _ship(verdict, best, builds, op_level, others, floors, scheduled)
     elif "collage" not in ok:
         return verdict

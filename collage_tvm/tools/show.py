@@ -37,6 +37,8 @@ ROW = 44           # distance between layers (px)
 GAP = 16           # horizontal gap between neighbouring nodes (px)
 EDGE_GAP = 12      # horizontal gap next to an edge passing through a layer (px)
 DUMMY_WEIGHT = 0.05  # pull of a long edge's bend point on x positions, against a node's 1
+STAGE_COLOUR = "#6a3d9a"  # a concurrent stage's box and label
+STAGE_FILL = "#f3eef8"
 GROUP_PAD = 5      # dashed group box around its nodes (px)
 MARGIN = 20
 PX_PER_INCH = 100  # PNG: one scene pixel is one image pixel ...
@@ -106,6 +108,15 @@ def check_record(record, name: str = "the placement record") -> None:
             if i in owner:
                 raise ValueError(f"{name}: node {i} is in two groups ({owner[i]} and {k})")
             owner[i] = k
+    for k, stage in enumerate(record.get("stages") or []):
+        try:
+            named = [int(g) for chain in stage for g in chain]
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{name}: stage {k} is malformed (a list of chains of group "
+                             f"indices): {type(err).__name__} {err}") from None
+        if len(stage) < 2 or any(not 0 <= g < len(record["groups"]) for g in named):
+            raise ValueError(f"{name}: stage {k} names groups outside 0.."
+                             f"{len(record['groups']) - 1} or has fewer than two chains")
     missing = [i for i in range(n) if i not in owner]
     if missing:
         shown = ", ".join(map(str, missing[:10])) + (", ..." if len(missing) > 10 else "")
@@ -376,6 +387,22 @@ def scene(record: dict) -> Scene:
     px = [ox + v for v in lay.x]
     py = [top + v for v in lay.y]
 
+    for k, stage in enumerate(record.get("stages") or []):
+        members = [int(i) for chain in stage for g in chain for i in groups[int(g)]["nodes"]]
+        pad = 2.2 * GROUP_PAD
+        x0 = min(px[i] - node_w[i] / 2 for i in members) - pad
+        x1 = max(px[i] + node_w[i] / 2 for i in members) + pad
+        y0 = min(py[i] for i in members) - NODE_H / 2 - pad
+        y1 = max(py[i] for i in members) + NODE_H / 2 + pad
+        text = f"stage {k}: {len(stage)} groups at once"
+        items.append(Item("stage", [Rect(x0, y0, x1 - x0, y1 - y0, STAGE_FILL, STAGE_COLOUR,
+                                         2.0, False, 8),
+                                    Text(x0 + 2, y0 - 7, text, 9, "start", STAGE_COLOUR,
+                                         halo=True)],
+                          tooltip=text + ", each on its share of the cores: " + "; ".join(
+                              " then ".join(f"group {int(g)} ({groups[int(g)]['backend']})"
+                                            for g in chain) for chain in stage),
+                          data={"stage": str(k)}))
     for k, g in enumerate(groups):
         members = sorted(int(i) for i in g["nodes"])
         if len(members) < 2:
@@ -427,8 +454,11 @@ def _header(record: dict, colours: dict) -> tuple:
     if isinstance(ms, (int, float)) and math.isfinite(ms):
         title += f" ({ms:.3f} ms)"
     fused = sum(1 for g in groups if len(g["nodes"]) > 1)
+    stages = record.get("stages") or []
     summary = (f"{_count(len(nodes), 'operator')} in {_count(len(groups), 'kernel')}, "
-               f"{_count(fused, 'fused group')} boxed; target {record.get('target', '?')}")
+               f"{_count(fused, 'fused group')} boxed"
+               + (f", {_count(len(stages), 'concurrent stage')}" if stages else "")
+               + f"; target {record.get('target', '?')}")
     items = [Item("title", [Text(MARGIN, MARGIN + 8, title, 14, "start", bold=True)]),
              Item("summary", [Text(MARGIN, MARGIN + 30, summary, FONT, "start")])]
     lines, y = [summary], MARGIN + 54
@@ -448,12 +478,14 @@ def _header(record: dict, colours: dict) -> tuple:
             (Rect(MARGIN, y - 7, 24, 14, "none", "#555", dashed=True),
              "dashed box: one kernel or library call running several operators"),
             (Rect(MARGIN, y + 13, 24, 14, "#eeeeee", "#555", 2.0, radius=3),
-             "thick outline: a graph output")]:
+             "thick outline: a graph output")] + ([
+            (Rect(MARGIN, y + 33, 24, 14, STAGE_FILL, STAGE_COLOUR, 2.0, radius=3),
+             "shaded box: a stage whose groups run at the same time")] if stages else []):
         items.append(Item("legend-note", [swatch, Text(MARGIN + 32, swatch.y + 7, text, FONT,
                                                        "start")]))
         lines.append(text)
     width = max([_text_w(title, 14, bold=True)] + [32 + _text_w(t, FONT) for t in lines])
-    return title, items, width, y + 30
+    return title, items, width, y + (50 if stages else 30)
 
 
 def _text_w(text: str, size: float, bold: bool = False) -> float:
