@@ -262,3 +262,21 @@ def test_the_check_ships_the_concurrent_build_only_when_fastest(monkeypatch):
     assert verdict.shipped == min(ok, key=ok.get)
     assert bool(verdict.placement.stages) == (verdict.shipped == CONCURRENT)
     assert results[CONCURRENT].ops == {"tvm": len(graph) - 1, "onnxruntime": 1}
+
+
+@pytest.mark.parametrize("name", ["randwire", "detection_head"])
+def test_ios_models_have_independent_branches(tmp_path, name):
+    """IOS's models defined in code (the schedule suite's rows): exported to ONNX and
+    imported, many of their operators sit on branches another one is independent of."""
+    import torch
+
+    from collage_tvm.graph import DataflowGraph
+    from collage_tvm.frontend import load_model
+    from collage_tvm.tools import zoo
+
+    model, x = zoo.IOS[name]("small")
+    path = str(tmp_path / f"{name}.onnx")
+    torch.onnx.export(model, (x,), path, input_names=["x"], opset_version=17, dynamo=False)
+    graph = DataflowGraph.from_module(load_model(path))
+    _, succ = group_dag(graph, single_ops(graph))
+    assert len(branch_groups(succ)) > len(graph) // 4

@@ -20,7 +20,8 @@ import time
 
 from .._errors import first_line
 
-SCHEDULE_MODELS = ("googlenet", "inception_v3", "squeezenet1_1")
+SCHEDULE_MODELS = ("googlenet", "inception_v3", "squeezenet1_1", "nasnet", "randwire",
+                   "detection_head")
 BATCHES = (1, 4)
 # The placement as it runs today is the row's "collage" (the runoff's mark), beside it the
 # same placement built with its schedule.
@@ -42,7 +43,7 @@ def run_model(name: str, batch: int, out_dir: str, options, db, log=print) -> di
     from ..schedule.plan import plan
     from . import bench, suites
 
-    model, (example,) = suites.torchvision_model(name, "usual")
+    model, (example,) = _model(name)
     x = torch.randn(batch, *example.shape[1:])
     path = os.path.join(out_dir, f"{name}_b{batch}.onnx")
     os.makedirs(out_dir, exist_ok=True)
@@ -83,6 +84,18 @@ def run_model(name: str, batch: int, out_dir: str, options, db, log=print) -> di
                          for n, r in rows.items()}
     row.update(_ratios(rows))
     return row
+
+
+def _model(name: str) -> tuple:
+    """(module, (example input,)): a torchvision model at its usual size, or one defined in
+    code at its paper size (the zoo's nasnet, IOS's randwire and detection head)."""
+    from . import suites, zoo
+
+    build = zoo.IOS.get(name) or (zoo.ZOO[name] if name in zoo.ZOO else None)
+    if build is None:
+        return suites.torchvision_model(name, "usual")
+    model, example = build("paper")
+    return model, (example,)
 
 
 def _ratios(rows: dict) -> dict:

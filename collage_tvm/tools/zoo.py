@@ -538,6 +538,148 @@ def squeezenet(size: str = "small"):
     return _finish(SqueezeNet()), _image((1, 3, hw, hw))
 
 
+# --------------------------------------------------------------------------- IOS's models
+
+def randwire(size: str = "small"):
+    """RandWire (Xie et al., 2019; one of IOS's models): stages of a random graph
+    (Watts-Strogatz, k=4, p=0.75, seeded) whose nodes each sum their inputs with learned
+    positive weights, then relu, a 3x3 separable convolution and batch norm; a node with no
+    predecessor reads the stage's input (stride 2), the stage's output averages its nodes
+    with no successor. Many nodes of one stage are independent: what a concurrent schedule
+    runs side by side.
+
+    paper: 224x224, the small regime (C=78, 32 nodes a stage, 3 random stages after a conv
+    stem); small: 32x32, C=8, 8 nodes a stage.
+    """
+    _check_size(size)
+    torch, nn = _torch()
+    import random
+
+    hw, ch, nodes = (224, 78, 32) if size == "paper" else (32, 8, 8)
+
+    def ws_dag(n: int, seed: int) -> list:
+        """Predecessors of each node of a Watts-Strogatz graph made acyclic by node order."""
+        rng = random.Random(seed)
+        edges = set()
+        for i in range(n):
+            for j in (1, 2):  # k=4: two neighbours each side
+                edges.add(tuple(sorted((i, (i + j) % n))))
+        rewired = set()
+        for a, b in sorted(edges):
+            if rng.random() < 0.75:
+                c = rng.randrange(n)
+                while c == a or tuple(sorted((a, c))) in rewired:
+                    c = rng.randrange(n)
+                rewired.add(tuple(sorted((a, c))))
+            else:
+                rewired.add((a, b))
+        return [sorted(a for a, b in rewired if b == i) for i in range(n)]
+
+    class Sep(nn.Module):
+        def __init__(self, cin, cout, stride):
+            super().__init__()
+            self.dw = nn.Conv2d(cin, cin, 3, stride, 1, groups=cin, bias=False)
+            self.pw = nn.Conv2d(cin, cout, 1, bias=False)
+            self.bn = nn.BatchNorm2d(cout)
+
+        def forward(self, x):
+            return self.bn(self.pw(self.dw(torch.relu(x))))
+
+    class Stage(nn.Module):
+        def __init__(self, cin, cout, seed):
+            super().__init__()
+            self.preds = ws_dag(nodes, seed)
+            self.ops = nn.ModuleList(Sep(cin if not p else cout, cout, 2 if not p else 1)
+                                     for p in self.preds)
+            self.weights = nn.ParameterList(nn.Parameter(torch.zeros(max(len(p), 1)))
+                                            for p in self.preds)
+            used = {a for p in self.preds for a in p}
+            self.outs = [i for i in range(nodes) if i not in used]
+
+        def forward(self, x):
+            out = []
+            for i, (p, op, w) in enumerate(zip(self.preds, self.ops, self.weights)):
+                if not p:
+                    out.append(op(x))
+                    continue
+                g = torch.sigmoid(w)
+                agg = out[p[0]] * g[0]
+                for k, a in enumerate(p[1:], 1):
+                    agg = agg + out[a] * g[k]
+                out.append(op(agg))
+            y = out[self.outs[0]]
+            for i in self.outs[1:]:
+                y = y + out[i]
+            return y / len(self.outs)
+
+    class RandWire(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = nn.Sequential(nn.Conv2d(3, ch // 2, 3, 2, 1, bias=False),
+                                      nn.BatchNorm2d(ch // 2), nn.ReLU(),
+                                      nn.Conv2d(ch // 2, ch, 3, 2, 1, bias=False),
+                                      nn.BatchNorm2d(ch))
+            self.stages = nn.Sequential(Stage(ch, ch, 1), Stage(ch, 2 * ch, 2),
+                                        Stage(2 * ch, 4 * ch, 3))
+            self.head = nn.Sequential(nn.ReLU(), nn.Conv2d(4 * ch, 1280, 1), nn.ReLU())
+            self.fc = nn.Linear(1280, 1000 if size == "paper" else 10)
+
+        def forward(self, x):
+            return self.fc(self.head(self.stages(self.stem(x))).mean((2, 3)))
+
+    torch.manual_seed(0)
+    return _finish(RandWire()), _image((1, 3, hw, hw))
+
+
+def detection_head(size: str = "small"):
+    """A RetinaNet-style detector's multi-branch part: a small backbone and FPN give five
+    feature levels (strides 8 to 128); on each level a classification subnet and a box
+    subnet (four 3x3 conv + relu each, then the class / box conv), weights shared across
+    levels as RetinaNet's are. The ten subnet chains are independent of each other: what a
+    concurrent schedule runs side by side. Outputs: the class and box maps, flattened and
+    concatenated over the levels.
+
+    paper: 384x384 input, 128 channels, 9 anchors, 80 classes (RetinaNet's head at half its
+    width and a smaller image, for a 2-core CPU); small: 64x64, 16 channels, 3 anchors, 4
+    classes.
+    """
+    _check_size(size)
+    torch, nn = _torch()
+    hw, ch, anchors, classes = (384, 128, 9, 80) if size == "paper" else (64, 16, 3, 4)
+
+    def conv(cin, cout, stride=1):
+        return nn.Sequential(nn.Conv2d(cin, cout, 3, stride, 1), nn.ReLU())
+
+    def subnet(out):
+        return nn.Sequential(*[conv(ch, ch) for _ in range(4)], nn.Conv2d(ch, out, 3, 1, 1))
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            # backbone: stride 2, 4, 8 then the FPN's levels 3-7 by stride-2 convs
+            self.backbone = nn.Sequential(conv(3, ch // 4, 2), conv(ch // 4, ch // 2, 2),
+                                          conv(ch // 2, ch, 2))
+            self.down = nn.ModuleList(conv(ch, ch, 2) for _ in range(4))
+            self.cls = subnet(anchors * classes)
+            self.box = subnet(anchors * 4)
+
+        def forward(self, x):
+            levels = [self.backbone(x)]
+            for d in self.down:
+                levels.append(d(levels[-1]))
+            cls = torch.cat([self.cls(f).flatten(1) for f in levels], 1)
+            box = torch.cat([self.box(f).flatten(1) for f in levels], 1)
+            return cls, box
+
+    torch.manual_seed(0)
+    return _finish(Head()), _image((1, 3, hw, hw))
+
+
+# IOS's multi-branch models beside the zoo's nasnet and inception_v3 (issue #80's figures):
+# name -> build(size), as ``ZOO``.
+IOS = {"randwire": randwire, "detection_head": detection_head}
+
+
 # --------------------------------------------------------------------------- registry
 
 # The paper's models: name -> build(size) -> (torch.nn.Module, example_input).
