@@ -119,7 +119,7 @@ def _save_regions(module, folder: Path, alternates=(), model_file=None) -> tuple
             raise ArtifactError(f"the build's call {symbol} cannot be saved: its callable was "
                                 "released (save the result collage_tvm.optimize returned)")
         kind, name = made[0], made[1]
-        if is_stage(name):  # a concurrent stage: its parts, each a build of its own
+        if kind == "relax" and is_stage(name):  # a concurrent stage: its parts, each a build of its own
             entry = _save_stage(symbol, live(symbol), folder, k)
             entries.append(entry)
             for lib in entry["libraries"]:
