@@ -182,10 +182,14 @@ def test_cli_optimize_prints_the_search_and_writes_a_drawable_placement(small_on
     text = capsys.readouterr().out
     assert rc == 0, text
     assert "operators per backend" in text and "tvm-only" in text
+    record = json.loads(out.read_text())
     if backends == "tvm,dnnl":
         assert "switch cost between runtimes" in text and "dnnl<->tvm" in text
-        assert "calibration round 0" in text
-    record = json.loads(out.read_text())
+        # calibrated where the search placed regions on both (on a busy machine its
+        # measurements may put the whole model on one: nothing to calibrate then)
+        if {g["backend"] for g in record["groups"]} == {"dnnl", "tvm"} \
+                and record["shipped"] == "collage":
+            assert "calibration round 0" in text
     assert len(record["graph"]["nodes"]) == sum(len(g["nodes"]) for g in record["groups"])
     assert main(["show", str(out), "-o", str(tmp_path / "p.svg")]) == 0
 
