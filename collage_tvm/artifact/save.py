@@ -203,8 +203,6 @@ def _save_stage(symbol: str, fn, folder: Path, k: int) -> dict:
     comes from."""
     from types import SimpleNamespace
 
-    from ..report import BuildReport
-
     parts = getattr(fn, "parts", None)
     if not parts or any(p.executable is None for p in parts):
         raise ArtifactError(f"the build's concurrent stage {symbol} cannot be saved: its parts "
@@ -214,8 +212,12 @@ def _save_stage(symbol: str, fn, folder: Path, k: int) -> dict:
     counts: dict = {}
     for j, (part, pick) in enumerate(zip(parts, fn.picks)):
         rel = f"{REGIONS}/s{k}/p{j}"
+        report = SimpleNamespace(alternates=[], comparison={}, shipped="collage",
+                                 graph_level={}, precision={}, ops_per_backend={},
+                                 estimated_ms=float("nan"), placement_from_log=False,
+                                 whole_model={}, shipped_floor="")
         result = SimpleNamespace(executable=part.executable, module=part.lowered, graph=None,
-                                 placement=None, target=None, report=BuildReport(backends=[]))
+                                 placement=None, target=None, report=report)
         save(result, folder / f"s{k}" / f"p{j}")
         manifest = json.loads((folder / f"s{k}" / f"p{j}" / MANIFEST).read_text())
         for name, info in manifest["backends"].items():
