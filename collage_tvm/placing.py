@@ -14,7 +14,7 @@ import tvm
 from .byoc import candidate_vm_for, compile_placement, placement_runner
 from .check import (first_line, latency_evaluator, never_slower, outputs_on,
                     single_backend_builds, tvm_reference)
-from .check.contender import Contender
+from .check.contender import Contender, Fate
 from .measure.measurer import Measurer
 from .graph import DataflowGraph
 from .measure.db import CostDB
@@ -184,11 +184,18 @@ def final_check(p: Placing, placement, floors: dict, op_level=None, others=None,
     concurrent stages, ``_scheduled``). Returns (the placement to ship, the graph its groups
     refer to)."""
     report = p.report
+    unsafe = {n: f for n, f in floors.items() if f.backend in report.crashed}
+    floors = {n: f for n, f in floors.items() if n not in unsafe}
     verdict = never_slower(p.graph, placement, p.backends, p.target, op_level,
                            accuracy=p.options.accuracy, others=others, floors=floors,
                            alone_ms=(report.lean or {}).get("alone_ms"), judge=judge,
                            settings=p.options.final_check, scheduled=scheduled,
-                           force_schedule=p.options.schedule == "concurrent")
+                           force_schedule=p.options.schedule == "concurrent",
+                           crashed=report.crashed)
+    for name, f in unsafe.items():  # reported, not run
+        verdict.comparison[name] = Contender(
+            error=f"not built: {report.crashed[f.backend]}", fate=Fate.NOT_BUILT,
+            detail=report.crashed[f.backend])
     if scheduled is not None:
         report.schedule["shipped"] = bool(verdict.placement.stages)
     report.shipped, report.comparison = verdict.shipped, verdict.comparison
@@ -264,7 +271,7 @@ def _graph_level(p: Placing, placement, evaluate=None):
     how a placement is judged (``check.remote.remote_evaluator``), else built and timed
     here (``latency_evaluator``)."""
     report = p.report
-    libs = {n: b for n, b in p.backends.items() if b.kind == "graph"}
+    libs = {n: b for n, b in p.backends.items() if b.kind == "graph" and n not in report.crashed}
     if not libs:
         logger.warning("--graph-level: no graph library among the backends (%s); skipped",
                        ", ".join(p.backends))

@@ -22,6 +22,9 @@ class BuildReport:
     distinct_measured: int = 0
     db_hits: int = 0
     failures: list = field(default_factory=list)
+    # backend -> why: a library that crashed its measuring process on this model (SIGSEGV,
+    # ...): it runs no whole build, graph-level region or model file in the search's process
+    crashed: dict = field(default_factory=dict)
     kept_on_tvm: list = field(default_factory=list)  # ops no candidate could be measured for
     unrunnable: list = field(default_factory=list)  # those nodes: "op -> dtype" each
     call_overhead: dict = field(default_factory=dict)  # backend -> ms per call (epsilon)

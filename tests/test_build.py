@@ -138,6 +138,29 @@ def test_backend_that_segfaults_costs_inf_and_the_search_goes_on(tmp_path, monke
     assert evaluate(res.executable, res.graph, res_target(), ref["outputs"])["match"]
 
 
+def test_a_library_that_crashed_measuring_is_not_run_in_the_search_s_process(tmp_path,
+                                                                             monkeypatch):
+    """The final check builds in the search's own process: a library that crashed a
+    measuring child on this model runs no single-backend build there (it would take the
+    search down: OpenVINO on densenet121's QDQ file), reported as not built and why."""
+    import os
+
+    from collage_tvm.check.contender import Fate
+    from collage_tvm.registry import add_backend_pattern_rule, register_backend
+    from test_patterns_and_graph import _conv_block
+
+    monkeypatch.setenv("PYTHONPATH", os.path.dirname(os.path.abspath(__file__)))
+    register_backend("crashlib3", lowering="_crashing_lowering:SegfaultingLowering")
+    add_backend_pattern_rule("crashlib3", lambda n: n.op_name == "relax.nn.relu")
+    mod = tvm.IRModule({"main": _conv_block()})
+    res = collage_tvm.optimize(mod, "llvm", ["tvm", "crashlib3"], db=str(tmp_path / "c.db"),
+                               isolate=True, progress=False, graph_level=False, compare=True)
+    assert "SIGSEGV" in res.report.crashed["crashlib3"]
+    built = res.report.comparison["crashlib3+tvm"]
+    assert built.fate is Fate.NOT_BUILT and "crashed" in built.error
+    assert {g.backend for g in res.placement.groups} == {"tvm"}
+
+
 def test_never_slower_compares_every_build_and_times_hopeless_ones_once(small_onnx, tmp_path,
                                                                         monkeypatch):
     import importlib

@@ -69,7 +69,8 @@ def never_slower(graph, placement: Placement, backends: dict, target,
                  op_level: Placement | None = None, accuracy=None,
                  others: dict | None = None, floors: dict | None = None,
                  alone_ms: dict | None = None, judge=None, settings=None,
-                 scheduled: Placement | None = None, force_schedule: bool = False) -> Verdict:
+                 scheduled: Placement | None = None, force_schedule: bool = False,
+                 crashed: dict | None = None) -> Verdict:
     """Time the placement end to end beside every single-backend build; ship the fastest.
 
     Builds: "tvm-only" (TVM's own fusion); "<lib>+tvm" for each external op library (its
@@ -91,6 +92,8 @@ def never_slower(graph, placement: Placement, backends: dict, target,
     ``scheduled``: the placement with concurrent stages (``Placement.stages``), timed as
     ``CONCURRENT`` (here only, not by a ``judge`` elsewhere); ``force_schedule``: it ships
     whenever its outputs match (the others timed beside it for the report).
+    ``crashed``: backend -> why, libraries that crashed a measuring process on this model:
+    no single-backend build of theirs is run here (reported as not built).
     """
     s = final_check_settings(settings)
     accuracy = parse_accuracy(accuracy)
@@ -98,19 +101,23 @@ def never_slower(graph, placement: Placement, backends: dict, target,
     floors, others = floors or {}, others or {}
     builds, graph_of = _builds(graph, placement, backends, op_level, others, floors)
     shown, failed = {}, {}
+    for name, why in _unsafe(builds, crashed or {}).items():
+        del builds[name], graph_of[name]
+        failed[name] = Contender(error=f"not built: {why}", fate=Fate.NOT_BUILT, detail=why)
     if scheduled is not None and judge is None:
-        backends, failed = _add_scheduled(builds, graph_of, shown, graph, scheduled,
-                                          backends, target)
+        backends, unbuilt = _add_scheduled(builds, graph_of, shown, graph, scheduled,
+                                           backends, target)
+        failed.update(unbuilt)
     if judge is None:
         results, share = judge_builds(builds, graph_of, floors, backends, target, accuracy,
                                       alone_ms, s, shown)
-        results.update(failed)
         # The builds timed are garbage now: their pages go back before what ships is built
         # (ViT-L/32 under bf16 held 22 GB of them, and the next step added 2 GB more).
         release_memory()
     else:
         results, share = judge(builds, floors)
         results = from_records(results)
+    results.update(failed)
     verdict = Verdict(placement, "collage", results, time.perf_counter() - t0, graph,
                       other_load=share)
     if verdict.unsure:
@@ -142,6 +149,17 @@ def never_slower(graph, placement: Placement, backends: dict, target,
     verdict.alternates = alternates(verdict.shipped, ok, same_file_runs(
         builds, graph_of, floors, backends), s.at_load_share)
     return verdict
+
+
+def _unsafe(builds: dict, crashed: dict) -> dict:
+    """name -> why, of the single-backend builds of a library in ``crashed`` (the placement
+    and its variants keep the regions of it that were measured without a crash)."""
+    out = {}
+    for name in builds:
+        lib = name[:-len("+tvm")] if name.endswith("+tvm") else name
+        if lib in crashed:
+            out[name] = crashed[lib]
+    return out
 
 
 def _add_scheduled(builds, graph_of, shown, graph, scheduled, backends, target):

@@ -26,6 +26,7 @@ from . import builds, side_by_side, switch, verdicts
 from .db import CostDB
 from .keys import CALL_OVERHEAD_KEY, COLD_KEY, WHOLE_KEY
 from .progress import progress_bar
+from .records import crash_signal
 from .timers import choose, has_call
 
 logger = logging.getLogger("collage_tvm")
@@ -100,6 +101,9 @@ class Measurer:
         self.measured = 0
         self.hits = 0
         self.failures: list = []  # (backend, label, reason)
+        # backend -> why: a library that crashed its measuring process on a candidate of this
+        # model (``records.crash_signal``), now or in the cost DB's records
+        self.crashed: dict = {}
         self.retried = 0  # earlier failures of the moment measured again (``CostRecord.retry``)
         self._func_of: dict = {}  # candidate -> (DB key, standalone function), from costs()
         self.side_by_side = 0  # sets of candidates re-timed side by side (retime)
@@ -166,6 +170,7 @@ class Measurer:
         rec = self.db.get(name, version, key, self.device)
         if rec is not None and not rec.retry:
             self.hits += 1
+            self._note_crash(name, label, rec.reason if math.isinf(rec.cost_ms) else None)
             return rec.cost_ms
         if self.deadline is not None and time.perf_counter() > self.deadline:
             if rec is not None:  # a failure of the moment, not retried this run
@@ -179,11 +184,19 @@ class Measurer:
         if math.isinf(cost):
             self.failures.append((name, label, reason))
             logger.info("%s %s failed: %s", name, label, reason)
+            self._note_crash(name, label, reason)
         kept = {"label": label, **{k: v for k, v in extra.items() if k != "traceback"}}
         if rec is not None and math.isinf(cost):
             kept["retried"] = True  # failed twice: it stays a failure
         self.db.put(name, version, key, self.device, cost, reason, kept)
         return cost
+
+    def _note_crash(self, name: str, label: str, reason) -> None:
+        sig = crash_signal(reason)
+        if sig is not None and name not in self.crashed:
+            self.crashed[name] = f"{name} crashed ({sig}) measuring {label} of this model"
+            logger.warning("%s: it runs no whole build, graph-level region or model file in "
+                           "this process", self.crashed[name])
 
     def epsilon(self, backends) -> dict:
         """Measured call overhead of each backend (ms): the paper's epsilon, which the DP

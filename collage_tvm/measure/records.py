@@ -60,6 +60,20 @@ def failure_kind(reason: str | None) -> str:
     return "cannot-run"
 
 
+# Signals that say the library itself crashed on the candidate (not the machine killing a
+# process short of memory, SIGKILL): that library is not run on this model in the search's
+# own process (``Measurer.crashed``), where the same crash would take the search down.
+CRASH_SIGNALS = ("SIGSEGV", "SIGABRT", "SIGBUS", "SIGILL", "SIGFPE")
+
+
+def crash_signal(reason: str | None) -> str | None:
+    """The signal of a measuring process the library crashed (``CRASH_SIGNALS``), or None."""
+    text = reason or ""
+    if not text.startswith("measurement process died"):
+        return None
+    return next((s for s in CRASH_SIGNALS if s in text), None)
+
+
 def check_cost(cost_ms) -> float:
     try:
         cost = float(cost_ms)

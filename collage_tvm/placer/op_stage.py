@@ -76,6 +76,7 @@ def record(report, measurer, work: OpLevel, dp_s: float, t0: float) -> None:
     report.side_by_side = measurer.side_by_side
     report.failures, report.call_overhead, report.switch_cost = (measurer.failures, work.eps,
                                                                  work.switch)
+    report.crashed = dict(measurer.crashed)
     report.estimated_ms = work.placement.cost
 
 
