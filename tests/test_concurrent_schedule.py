@@ -223,6 +223,8 @@ def test_optimize_ships_a_forced_schedule_and_saves_logs_and_reloads_it(tmp_path
     stage = [e for e in loaded.manifest["regions"] if e.get("format") == "stage"]
     assert len(stage) == len(result.placement.stages)
     assert all(p["share"] == 1 for p in stage[0]["parts"])
+    assert loaded.manifest["placement"]["concurrent_stages"] == [
+        [len(chain) for chain in s] for s in result.placement.stages]
     np.testing.assert_allclose(np.asarray(loaded(x)), want, rtol=1e-5, atol=1e-5)
     # ``collage-tvm show`` boxes the stage around its groups
     from collage_tvm.placement import placement_record

@@ -329,6 +329,9 @@ def _placement_summary(result) -> dict:
     if result.graph is not None:
         out["groups"] = [{"backend": g.backend, "label": g.label, "ops": len(g.nodes)}
                          for g in result.placement.groups]
+        if result.placement.stages:  # run concurrently (``collage_tvm.schedule``)
+            out["concurrent_stages"] = [[len(chain) for chain in stage]
+                                        for stage in result.placement.stages]
     return out
 
 
