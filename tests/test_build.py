@@ -117,20 +117,27 @@ def test_backend_for_another_device_is_skipped_with_the_reason():
     assert "gpu_only_lib" not in found and "cuda" in skipped["gpu_only_lib"]
 
 
-def test_backend_that_segfaults_costs_inf_and_the_search_goes_on(tmp_path, monkeypatch):
-    """Measurement runs in a child process: a crashing library is an infinite cost with the
-    signal as its reason, and the build goes on without it."""
+def _crashing_build(name, tmp_path, monkeypatch, compare: bool):
+    """``optimize`` on a conv block with ``name``, a library that segfaults on anything it
+    compiles (its relu pattern), beside TVM, measured in a child process."""
     import os
 
     from collage_tvm.registry import add_backend_pattern_rule, register_backend
     from test_patterns_and_graph import _conv_block
 
     monkeypatch.setenv("PYTHONPATH", os.path.dirname(os.path.abspath(__file__)))
-    register_backend("crashlib", lowering="_crashing_lowering:SegfaultingLowering")
-    add_backend_pattern_rule("crashlib", lambda n: n.op_name == "relax.nn.relu")
+    register_backend(name, lowering="_crashing_lowering:SegfaultingLowering")
+    add_backend_pattern_rule(name, lambda n: n.op_name == "relax.nn.relu")
     mod = tvm.IRModule({"main": _conv_block()})
-    res = collage_tvm.optimize(mod, "llvm", ["tvm", "crashlib"], db=str(tmp_path / "c.db"),
-                               isolate=True, progress=False, graph_level=False, compare=False)
+    res = collage_tvm.optimize(mod, "llvm", ["tvm", name], db=str(tmp_path / "c.db"),
+                               isolate=True, progress=False, graph_level=False, compare=compare)
+    return mod, res
+
+
+def test_backend_that_segfaults_costs_inf_and_the_search_goes_on(tmp_path, monkeypatch):
+    """Measurement runs in a child process: a crashing library is an infinite cost with the
+    signal as its reason, and the build goes on without it."""
+    mod, res = _crashing_build("crashlib", tmp_path, monkeypatch, compare=False)
     assert {g.backend for g in res.placement.groups} == {"tvm"}
     crashes = [r for b, _, r in res.report.failures if b == "crashlib"]
     assert crashes and all("SIGSEGV" in r or "signal" in r for r in crashes), crashes
@@ -143,18 +150,9 @@ def test_a_library_that_crashed_measuring_is_not_run_in_the_search_s_process(tmp
     """The final check builds in the search's own process: a library that crashed a
     measuring child on this model runs no single-backend build there (it would take the
     search down: OpenVINO on densenet121's QDQ file), reported as not built and why."""
-    import os
-
     from collage_tvm.check.contender import Fate
-    from collage_tvm.registry import add_backend_pattern_rule, register_backend
-    from test_patterns_and_graph import _conv_block
 
-    monkeypatch.setenv("PYTHONPATH", os.path.dirname(os.path.abspath(__file__)))
-    register_backend("crashlib3", lowering="_crashing_lowering:SegfaultingLowering")
-    add_backend_pattern_rule("crashlib3", lambda n: n.op_name == "relax.nn.relu")
-    mod = tvm.IRModule({"main": _conv_block()})
-    res = collage_tvm.optimize(mod, "llvm", ["tvm", "crashlib3"], db=str(tmp_path / "c.db"),
-                               isolate=True, progress=False, graph_level=False, compare=True)
+    _, res = _crashing_build("crashlib3", tmp_path, monkeypatch, compare=True)
     assert "SIGSEGV" in res.report.crashed["crashlib3"]
     built = res.report.comparison["crashlib3+tvm"]
     assert built.fate is Fate.NOT_BUILT and "crashed" in built.error
