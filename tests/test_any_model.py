@@ -482,7 +482,7 @@ def test_a_placement_that_fails_to_compile_ships_tvm_alone_with_the_reason(tmp_p
     m, x = Relu6CNN().eval(), torch.randn(1, 3, 16, 16)
     path = str(tmp_path / "m.onnx")
     torch.onnx.export(m, (x,), path, dynamo=False, opset_version=17)
-    monkeypatch.setattr(build, "compile_placement", broken)  # (the shipped build's compile)
+    monkeypatch.setattr(build, "compile_staged", broken)  # (the shipped build's compile)
     res = collage_tvm.optimize(path, "llvm", ["tvm"], db=str(tmp_path / "c.db"), isolate=False,
                                progress=False, calibrate_rounds=0, refine_rounds=0,
                                graph_level=False, compare=False)
