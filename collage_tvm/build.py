@@ -102,7 +102,8 @@ def _int8(model, target, options, db, placement_log, tuning_db, input_shapes) ->
         options, accuracy=parse_accuracy(budget.tolerance)), **common)
     info = {"budget": budget.tolerance, "calibration": source, "quantize_s": round(quantize_s, 1),
             "quantizable": quantized["quantizable"], "in_float": quantized["excluded"],
-            "tries": quantized["tries"], "error_quantized_file": quantized["error"]}
+            "tries": quantized["tries"], "error_quantized_file": quantized["error"],
+            "compute_only": quantized.get("compute_only", False)}
     contenders = {"float": floating}
     if quantized["model"] is not None and len(quantized["excluded"]) < quantized["quantizable"]:
         contenders["int8"] = optimize(quantized["model"], options=dataclasses.replace(

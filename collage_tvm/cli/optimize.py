@@ -82,6 +82,9 @@ def _print_int8(d: dict) -> None:
     print(f"  quantized in {d['quantize_s']:.0f} s: {d['quantizable'] - len(d['in_float'])} of "
           f"{d['quantizable']} operators int8" + (f"; in float: {', '.join(d['in_float'])}"
                                                    if d["in_float"] else ""))
+    if d.get("compute_only"):
+        print("  only convolutions and matrix products quantized: with every one of them in "
+              "float, the quantized operations between them still broke the budget")
     if d.get("why_no_int8"):
         print(f"  no int8 build: {d['why_no_int8']}")
     for label, err in d.get("error", {}).items():
