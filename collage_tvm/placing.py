@@ -164,7 +164,7 @@ def _scheduled(p: Placing, placement):
         report.times["schedule"] = time.perf_counter() - t0
     report.schedule = {"mode": mode, **found.summary()}
     if not found.concurrent_stages:
-        report.schedule["why_not"] = ("no concurrent stage: " + (
+        report.schedule["why_not"] = found.skipped or ("no concurrent stage: " + (
             "no group is on a branch" if not found.branches
             else "none measured faster than its groups in turn"))
         return None

@@ -140,6 +140,17 @@ def test_the_measured_plan_is_a_valid_schedule_and_its_build_matches():
     np.testing.assert_allclose(_run(executable, x), _run(seq, x), rtol=1e-5, atol=1e-5)
 
 
+def test_a_placement_with_too_many_branches_is_not_timed(monkeypatch):
+    import collage_tvm.schedule.plan as plan_module
+
+    target = make_target("llvm")
+    graph, groups, backends = _placed_block()
+    monkeypatch.setattr(plan_module, "MAX_BRANCHES", 2)
+    p = plan(graph, groups, backends, target, cores=2)
+    assert p.skipped.startswith("3 groups on branches") and not p.group_ms
+    assert not p.concurrent_stages and p.summary()["skipped"] == p.skipped
+
+
 def test_a_chain_has_nothing_to_schedule_and_measures_nothing():
     graph = _inception_block()
     # one group for the whole block: a chain of one

@@ -36,6 +36,9 @@ log = logging.getLogger("collage_tvm")
 MAX_PART = 48
 #: Rounds of "schedule on estimates, measure its concurrent stages" at most.
 MAX_REFINE = 6
+#: Groups on branches the plan times at most (each is built and timed alone on every share):
+#: a placement with more is run in turn, the plan saying why.
+MAX_BRANCHES = 64
 #: A concurrent schedule is worth building when its measured cost is this much under the
 #: sequential one's (what the estimate cannot see, the final check's timing does).
 WORTH = 0.03
@@ -55,6 +58,7 @@ class Plan:
     handoff_ms: dict = field(default_factory=dict)  # groups in a stage -> ms to hand off
     rounds: int = 0
     seconds: float = 0.0
+    skipped: str = ""  # why nothing was timed, where the plan gave up before measuring
 
     @property
     def concurrent_stages(self) -> list:
@@ -71,7 +75,8 @@ class Plan:
                 "concurrent_stages": [s.key for s in self.concurrent_stages],
                 "sequential_ms": round(self.sequential_ms, 4),
                 "scheduled_ms": round(self.scheduled_ms, 4),
-                "rounds": self.rounds, "seconds": round(self.seconds, 2)}
+                "rounds": self.rounds, "seconds": round(self.seconds, 2),
+                **({"skipped": self.skipped} if self.skipped else {})}
 
 
 def branch_groups(succ) -> list[int]:
@@ -143,9 +148,12 @@ def plan(graph, groups, backends: dict, target, cores: int | None = None,
     ordered, succ = group_dag(graph, groups)
     branches = branch_groups(succ)
     width = max(2, min(cores, max_groups or cores))
-    if not branches or cores < 2:
+    if not branches or cores < 2 or len(branches) > MAX_BRANCHES:
         seq = sequential(succ)
-        return Plan(ordered, succ, seq, 0.0, 0.0, branches, seconds=time.perf_counter() - start)
+        why = (f"{len(branches)} groups on branches, more than the {MAX_BRANCHES} the plan "
+               "times" if len(branches) > MAX_BRANCHES else "")
+        return Plan(ordered, succ, seq, 0.0, 0.0, branches, seconds=time.perf_counter() - start,
+                    skipped=why)
     shares = sorted({s for m in range(2, width + 1) for s in split_cores(cores, m)} | {cores})
     group_ms: dict = {}
     for n, k in enumerate(branches):
