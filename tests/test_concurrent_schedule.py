@@ -293,3 +293,34 @@ def test_ios_models_have_independent_branches(tmp_path, name):
     graph = DataflowGraph.from_module(load_model(path))
     _, succ = group_dag(graph, single_ops(graph))
     assert len(branch_groups(succ)) > len(graph) // 4
+
+
+def test_a_stage_with_a_library_part_saves_and_loads(tmp_path):
+    """A stage whose parts include an ONNX Runtime region: each part saved as a build of its
+    own (the region as its ONNX file, made for the part's thread share) and loaded back."""
+    from types import SimpleNamespace
+
+    import collage_tvm
+    from collage_tvm.byoc import compile_placement
+    from collage_tvm.placement import Placement
+    from collage_tvm.report import BuildReport
+    from collage_tvm.schedule.concurrent import chains_of, compile_staged
+
+    target = make_target("llvm")
+    graph, groups, backends = _placed_block()
+    ordered, succ = group_dag(graph, groups)
+    best = schedule(succ, lambda s: 0.01 + max(len(g) for g in s.groups) * (
+        1 + 0.2 * (len(s.groups) - 1)), max_groups=3)
+    stages = chains_of(ordered, best)
+    assert any(g.backend == "onnxruntime" for st in stages for ch in st for g in ch)
+    executable, lowered = compile_staged(graph, ordered, stages, backends, target, keep=True)
+    result = SimpleNamespace(executable=executable, module=lowered, graph=graph,
+                             placement=Placement(ordered, 1.0, stages=stages), target=target,
+                             report=BuildReport(backends=list(backends)), model_file=None)
+    loaded = collage_tvm.load(collage_tvm.save(result, tmp_path / "built"))
+    entry = next(e for e in loaded.manifest["regions"] if e.get("format") == "stage")
+    assert entry["libraries"] == ["onnxruntime"]
+    x = np.random.default_rng(3).standard_normal((1, 8, 16, 16)).astype("float32")
+    seq, _ = compile_placement(graph, ordered, backends, target, keep=True)
+    np.testing.assert_allclose(np.asarray(loaded(x)), _run(seq, tvm.runtime.tensor(x)),
+                               rtol=1e-5, atol=1e-5)
