@@ -247,6 +247,9 @@ def _print_conditions(rep) -> None:
         print(f"  backend {name} skipped: {why}")
     for backend, label, reason in rep.failures[:10]:
         print(f"  {backend} {label}: {reason}")
+    for name, why in rep.crashed.items():
+        print(f"  {why}: no whole build, graph-level region or model file of {name} is run "
+              "in this process")
     if rep.kept_on_tvm:
         print(f"  kept on TVM (nothing else could run or time them): "
               f"{', '.join(sorted(set(rep.kept_on_tvm)))}")
