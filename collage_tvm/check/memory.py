@@ -10,6 +10,7 @@ from ..byoc import forget_lowered
 from ..graph.subgraph import constant_bytes
 from .contender import Fate
 from .reference import reference
+from ..precision import INT8_MODEL
 from .runoff import time_again
 
 logger = logging.getLogger("collage_tvm")
@@ -67,7 +68,7 @@ def narrow(runs: dict, results: dict, outputs: dict, builds: dict, accuracy, tar
     are timed side by side now, and all but the fastest correct one are freed. A freed
     build keeps its times and has lost (``Fate.LOST``) to the one kept (it cannot be
     shipped); the one kept meets the next builds side by side as usual."""
-    ref = reference(results, builds, floors)
+    ref = reference(results, builds, floors, quantized=accuracy.name == INT8_MODEL)
     for name in runs:
         results[name].judged(accuracy.check_seeds(outputs[name], outputs[ref]))
     correct = {n: runs[n] for n in runs if results[n].match}

@@ -29,7 +29,7 @@ from ..measure.estimate import node_flops
 from ..measure.other_load import BUSY_SHARE, OtherLoad
 from ..options import final_check_settings
 from ..placement import Placement
-from ..precision import CHECK_SEEDS, parse_accuracy
+from ..precision import CHECK_SEEDS, INT8_MODEL, parse_accuracy
 from . import memory, runoff
 from .baselines import single_backend_builds
 from .contender import Contender, Fate, from_records
@@ -209,7 +209,7 @@ def judge_builds(builds: dict, graph_of: dict, floors: dict, backends: dict, tar
 def _check_outputs(results, outputs, builds, floors, accuracy) -> None:
     """Each build's outputs checked against the reference's (``reference.reference``),
     within its budget (a floor's own where it has one)."""
-    ref = reference(results, builds, floors)
+    ref = reference(results, builds, floors, quantized=accuracy.name == INT8_MODEL)
     for name, out in outputs.items():
         results[name].judged(_budget_of(name, floors, accuracy).check_seeds(out, outputs[ref]))
     results[ref].reference = True  # what the others' outputs were checked against
