@@ -1,4 +1,5 @@
 """Models with dynamic dimensions (issue #77): one build serves every shape of a range."""
+import importlib
 import json
 
 import numpy as np
@@ -322,3 +323,33 @@ def test_the_decode_step_takes_eight_caches_of_one_past_length_and_batch():
     assert {s[2] for s in case["shapes"][-1][1:]} == {512}
     out = case["model"](*case["inputs"])
     assert out[0].shape == (1, 1, 1000) and out[1].shape[2] == 17  # the cache, one longer
+
+
+def test_a_points_runoff_ends_once_the_rounds_settle_and_runs_on_while_they_do_not(
+        monkeypatch):
+    from collage_tvm.dynamic import search
+
+    assert search.runoff_settled([1.0] * 10, [1.1] * 10)  # b slower in every round
+    assert search.runoff_settled([1.0] * 10, [1.005] * 10)  # a tie: either will do
+    assert not search.runoff_settled([1.0] * 4, [1.1] * 4)  # too few rounds to pair
+    swing = [1.0, 1.1] * 5  # each ahead in half the rounds, 5% apart by the median
+    assert not search.runoff_settled(swing, [1.05] * 10)
+
+    def timed(batches):
+        """An ``interleaved`` whose batches come from ``batches`` (name -> ms, a round)."""
+        def interleaved(calls, rounds, min_ms, samples):
+            for _ in range(rounds):
+                for name in calls:
+                    samples.setdefault(name, []).append(batches[name][len(samples[name])])
+        return interleaved
+
+    timing = importlib.import_module("collage_tvm.measure.timing")
+    pair = {"ref": lambda: None, "other": lambda: None}
+    monkeypatch.setattr(timing, "interleaved", timed({"ref": [2.0] * 25, "other": [1.0] * 25}))
+    chose, record = search.runoff(pair, [])
+    assert (chose, record["rounds"]) == ("other", search.RUNOFF_MIN)
+    unsure = {"ref": [1.0, 1.1] * 13, "other": [1.05] * 26}
+    monkeypatch.setattr(timing, "interleaved", timed(unsure))
+    chose, record = search.runoff(pair, [])
+    assert record["rounds"] == search.POINT_RUNOFF_ROUNDS
+    assert chose == "ref"  # no lead beyond the margin: the first stays

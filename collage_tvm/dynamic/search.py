@@ -36,11 +36,21 @@ logger = logging.getLogger("collage_tvm")
 POINT_ROUNDS = 9
 POINT_BATCH_MS = 40.0
 # Where the two fastest at a point are within this share of each other, they are timed
-# again, the two alone, for ``POINT_RUNOFF_ROUNDS`` rounds (a shared 2-core VM swings by
-# more than that between batches: bert's 4x128, 3.9 against 4.0 ms at the point, then
+# again, the two alone, for up to ``POINT_RUNOFF_ROUNDS`` rounds (a shared 2-core VM swings
+# by more than that between batches: bert's 4x128, 3.9 against 4.0 ms at the point, then
 # 15% apart the other way in the bench's 45 rounds)
 POINT_CLOSE = 0.05
 POINT_RUNOFF_ROUNDS = 25
+# The runoff goes in chunks of ``RUNOFF_CHUNK`` rounds and ends, from ``RUNOFF_MIN`` rounds
+# on, once it has settled (``runoff_settled``): one of the two faster in ``RUNOFF_SURE`` of
+# the rounds (paired by round), or the two within ``RUNOFF_TIE`` of each other by the
+# paired median, where either choice costs less than the noise of the bench that judges
+# it. Each of resnet50's three batch points ran all 25 rounds of large batches before
+# (100 s of its 142 s search; 3.46x the static search).
+RUNOFF_CHUNK = 5
+RUNOFF_MIN = 10
+RUNOFF_SURE = 0.8
+RUNOFF_TIE = 0.015
 REFERENCE = "onnxruntime"  # whose f32 outputs the others' are checked against
 
 
@@ -142,13 +152,53 @@ def _choose_at(point: dict, contenders: dict, args: list, accuracy) -> dict:
     close = sorted(ms, key=ms.get)[:2]
     if len(close) == 2 and ms[close[1]] <= ms[close[0]] * (1 + POINT_CLOSE):
         pair = {n: f for n, f in contenders.items() if n in close}  # (reference first)
-        chose, again = decide(pair, args, accuracy, rounds=POINT_RUNOFF_ROUNDS,
-                              batch_ms=POINT_BATCH_MS)
-        ms = {**ms, **(again.get("ms") or {})}
-        record["runoff"] = again.get("ms")
+        chose, again = runoff(pair, args)
+        ms = {**ms, **again["ms"]}
+        record["runoff"] = again
     return {"point": point, "chose": chose, "ms": ms,
             "left_out": {**failed, **record.get("left_out", {})},
-            **({"runoff": True} if "runoff" in record else {})}
+            **({"runoff": True, "runoff_rounds": record["runoff"]["rounds"]}
+               if "runoff" in record else {})}
+
+
+def runoff(pair: dict, args: list) -> tuple:
+    """The faster of ``pair`` (name -> a callable on ``args``, whose outputs were checked
+    already; the one the point keeps on a lead within ``check.fastest.MARGIN`` first), timed
+    alone side by side in chunks of ``RUNOFF_CHUNK`` rounds until ``runoff_settled`` or
+    ``POINT_RUNOFF_ROUNDS``: (its name, {"ms": name -> ms, round by round, "rounds"})."""
+    from ..check.fastest import MARGIN
+    from ..measure.timing import by_round, interleaved
+
+    calls = {n: (lambda f=f: f(*args)) for n, f in pair.items()}
+    samples: dict = {}
+    rounds = 0
+    while rounds < POINT_RUNOFF_ROUNDS:
+        step = min(RUNOFF_CHUNK, POINT_RUNOFF_ROUNDS - rounds)
+        interleaved(calls, rounds=step, min_ms=POINT_BATCH_MS, samples=samples)
+        rounds += step
+        if rounds >= RUNOFF_MIN and runoff_settled(*samples.values()):
+            break
+    ms = by_round(samples) or {n: sorted(s)[len(s) // 2] for n, s in samples.items()}
+    first = next(iter(pair))
+    chose = min(ms, key=ms.get)
+    if ms[chose] > ms[first] * (1 - MARGIN):
+        chose = first  # (a lead within the noise: the point keeps the first)
+    return chose, {"ms": {n: round(v, 4) for n, v in ms.items()}, "rounds": rounds}
+
+
+def runoff_settled(a: list, b: list) -> bool:
+    """Whether two functions' batches (one a round, ``interleaved``) say which is faster:
+    one of them faster in ``RUNOFF_SURE`` of the rounds, or the paired median ratio within
+    ``RUNOFF_TIE`` of 1."""
+    from ..measure.timing import round_log_ratios
+
+    logs = round_log_ratios(a, b)
+    if not logs:
+        return False
+    ahead = sum(x > 0 for x in logs) / len(logs)
+    middle = sorted(logs)[len(logs) // 2]
+    return (ahead >= RUNOFF_SURE or ahead <= 1 - RUNOFF_SURE
+            or abs(middle) <= math.log1p(RUNOFF_TIE))
 
 
 def narrowed(ranges: ShapeRanges, err: Unservable) -> ShapeRanges:
