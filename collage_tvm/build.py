@@ -106,8 +106,11 @@ def _int8(model, target, options, db, placement_log, tuning_db, input_shapes) ->
             "compute_only": quantized.get("compute_only", False)}
     contenders = {"float": floating}
     if quantized["model"] is not None and len(quantized["excluded"]) < quantized["quantizable"]:
+        # (its float parts in bf16 where the budget allows, as the float build's: a region
+        # left in float by the control, or one the quantizer does not touch, runs as fast as
+        # it does there, and the int8 regions add their gain to that)
         contenders["int8"] = optimize(quantized["model"], options=dataclasses.replace(
-            options, accuracy=parse_accuracy("f32")), **common)
+            options, accuracy=int8_contender_budget(budget)), **common)
     else:
         info["why_no_int8"] = ("no operator stays int8 within the budget"
                                if quantized["model"] is None or quantized["quantizable"] else
@@ -118,6 +121,19 @@ def _int8(model, target, options, db, placement_log, tuning_db, input_shapes) ->
     logger.warning("--accuracy int8: shipped the %s build (%s)", chose, ", ".join(
         f"{n} {ms:.3f} ms" for n, ms in info.get("ms", {}).items()) or "nothing timed")
     return result
+
+
+def int8_contender_budget(budget):
+    """The budget the model Collage quantized under ``budget`` (``--accuracy int8``) is
+    searched by: its own int8 precision (``precision.INT8_MODEL``), its float parts in bf16
+    where ``budget`` allows bf16 (the whole build is then judged against the f32 model
+    within ``budget``, ``_judge_int8``)."""
+    from .precision import int8_model_budget
+
+    out = int8_model_budget(reduced=budget.allows("bf16"))
+    return dataclasses.replace(out, why=(
+        "the model Collage quantized: judged within its int8 precision"
+        + (", its float parts may run in bf16" if out.reduced else "")))
 
 
 def _ranges(model, options, input_shapes):

@@ -28,6 +28,19 @@ def test_int8_budgets_parse_and_allow_bf16_regions_too():
     b = parse_accuracy("int8:0.02")
     assert b.quantizes and b.tolerance == 0.02 and str(b) == "int8:0.02"
     assert not parse_accuracy("bf16").quantizes and not parse_accuracy("int8-model").quantizes
+
+
+def test_the_model_collage_quantized_may_run_its_float_parts_in_bf16_a_users_file_not():
+    from collage_tvm.build import int8_contender_budget
+    from collage_tvm.precision import INT8_MODEL, int8_model_budget
+
+    ours = int8_contender_budget(parse_accuracy("int8"))
+    assert ours.name == INT8_MODEL and ours.allows("bf16") and "bf16" in ours.why
+    users = int8_model_budget()  # a QDQ file built with no flags: f32 beyond its int8 layers
+    assert users.name == INT8_MODEL and not users.allows("bf16")
+    assert ours.key() != users.key()  # (their placements are logged apart)
+    tight = int8_contender_budget(parse_accuracy("int8:0.005"))  # below bf16's floor
+    assert not tight.allows("bf16") and "bf16" not in tight.why
     with pytest.raises(ValueError, match="int8:TOL, TOL in"):
         parse_accuracy("int8:2")
 
