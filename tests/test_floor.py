@@ -528,3 +528,43 @@ def test_a_library_that_reads_no_files_is_handed_the_model_not_the_users_file(mo
     assert isinstance(seen[0], onnx.ModelProto)
     x = np.random.default_rng(2).standard_normal((1, 3, 16, 16)).astype("float32")
     _assert_runs_like_the_file(mod, model_path, x)
+
+
+def test_a_build_dropped_at_its_best_cannot_undercut_a_leader_timed_on_into_a_slow_stretch(
+        monkeypatch):
+    """timm's repvgg_a0 int8 file on the Zen 4: "ov" was faster than "ort" in each of the
+    four rounds both were timed in, and "ort" was dropped; "ov" and its twin were timed on
+    while the host turned twice as slow. "ort"'s figure follows the leader's (its ratio to
+    it in the rounds they shared) instead of the median of its own fast rounds, so "ov"
+    stays the fastest."""
+    def clock(fns, rounds=7, samples=None, dropped=None, **kw):
+        samples.update({"ov": [4.33, 4.37, 4.51, 4.50, 11.9, 10.6, 9.5],
+                        "ov2": [4.43, 4.41, 4.62, 9.15, 9.35, 10.3, 9.13],
+                        "ort": [5.39, 5.82, 5.70, 10.4]})
+        dropped.add("ort")
+        return {n: statistics.median(samples[n]) for n in fns}
+
+    monkeypatch.setattr(runoff, "interleaved", clock)
+    results = {n: {"ms": 5.0, "match": True} for n in ("ov", "ov2", "ort")}
+    _on_records(runoff.retime, results, {n: None for n in results}, set(),
+                tvm.target.Target("llvm"), TESTS)
+    assert results["ort"]["settled_against"] in ("ov", "ov2")
+    assert min(results, key=lambda n: results[n]["ms"]) != "ort"
+    leader = results[results["ort"]["settled_against"]]["ms"]
+    assert results["ort"]["ms"] > 1.2 * leader  # ~1.29x it in the rounds they shared
+    # with no drop the figures are the medians as before
+    assert statistics.median([5.39, 5.82, 5.70, 10.4]) < leader
+
+
+def test_the_fastest_of_a_few_is_never_one_dropped_at_its_best(monkeypatch):
+    from collage_tvm.check import fastest
+
+    def clock(fns, rounds, min_ms, samples, drop, dropped):
+        samples.update({"a": [4.3, 4.4, 4.5, 9.5, 10.6, 11.9], "b": [5.4, 5.8, 5.7, 5.9]})
+        dropped.add("b")
+        return {n: statistics.median(s) for n, s in samples.items()}
+
+    monkeypatch.setattr(fastest, "interleaved", clock)
+    one = lambda: np.zeros(2, "float32")  # noqa: E731
+    chose, record = fastest.decide({"b": one, "a": one}, [])
+    assert chose == "a" and record["ms"]["b"] < record["ms"]["a"]  # (b's own median is lower)

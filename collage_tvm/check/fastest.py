@@ -71,8 +71,11 @@ def decide(fns: dict, args: list, accuracy="f32", rounds: int = ROUNDS,
                               drop=DROP, dropped=dropped)
         # (the ones timed in every round, round by round; one dropped lost by its median)
         ms = {**medians, **by_round({n: s for n, s in samples.items() if n not in dropped})}
-        chose = min(ms, key=ms.get)
-        if names[0] in ms and ms[chose] > ms[names[0]] * (1 - MARGIN):
+        # (one dropped lost to the leader in every round both were timed in: it cannot
+        # win on the median of its few rounds against a leader timed on into a slow
+        # stretch, ``runoff._tie_dropped``)
+        chose = min((n for n in ms if n not in dropped), key=ms.get)
+        if names[0] in ms and names[0] not in dropped and ms[chose] > ms[names[0]] * (1 - MARGIN):
             chose = names[0]  # a lead within the noise: the final check's verdict stands
         record.update(chose=chose, ms={n: round(v, 4) for n, v in ms.items()},
                       rounds=max((len(s) for s in samples.values()), default=0))
