@@ -229,7 +229,8 @@ def from_log(state: SearchState) -> None:
     report.alternates = list((logged or {}).get("alternates", []))
     if logged and logged.get("unrewritten") and state.unrewritten is not None:
         state.graph, state.mod = state.unrewritten, state.original  # it beat the rewritten graph
-    state.recheck = bool(logged and logged.get("unsure") and state.options.compare)
+    state.recheck = bool(logged and (logged.get("unsure") or shipped_dropped(logged))
+                         and state.options.compare)
     if logged and logged.get("whole_model") and not state.recheck:
         whole = floor_module(logged["whole_model"], state.user_file, state.input_shapes,
                               state.graph)
@@ -272,14 +273,24 @@ def search_placement(state: SearchState) -> None:
     _log_verdict(state, placement, shipped_graph)
 
 
+def shipped_dropped(logged: dict) -> bool:
+    """Whether a logged verdict shipped a build the final check had dropped (it lost to the
+    leader at its best in every round both were timed in): before ``runoff._tie_dropped``,
+    such a build could ship on the median of its few rounds against a leader timed on into
+    a slow stretch; its verdict is checked again like an unsure one."""
+    shipped = (logged.get("comparison") or {}).get(logged.get("shipped", ""))
+    return bool(isinstance(shipped, dict) and shipped.get("dropped"))
+
+
 def recheck(state: SearchState) -> None:
     """A placement the log holds with an unsure verdict (the final check ran beside other
     work): the final check runs again on it, and the log keeps the new verdict."""
     if not state.recheck or state.placement is None:
         return
     report = state.report
-    logger.warning("the placement log's verdict on this model was timed beside other work: "
-                   "checking it again")
+    logger.warning("the placement log's verdict on this model was %s: checking it again",
+                   "timed beside other work" if (state.log.get(state.key) or {}).get("unsure")
+                   else "a build dropped while timed (it lost in every round)")
     floors = floors_for(state.user_file, state.backends, state.target, state.options.accuracy,
                      state.input_shapes, state.graph.func, report)
     remote = bool(state.options.rpc_tracker)  # judged where the search measured

@@ -4,6 +4,7 @@ placement log remembers that verdict. Which build is fastest is the machine's ca
 tests that need a winner fix the timings (a fake clock); the builds and outputs are real."""
 import importlib
 import importlib.util
+import json
 import statistics
 from dataclasses import replace
 
@@ -191,6 +192,29 @@ def test_a_verdict_timed_beside_other_work_is_checked_again_at_the_next_build(
     third = _search(model_path, tmp_path)
     assert third.report.placement_from_log and not third.report.rechecked
     assert third.report.shipped == "collage"
+
+
+def test_a_logged_verdict_that_shipped_a_dropped_build_is_checked_again(model_path, tmp_path,
+                                                                         monkeypatch):
+    from collage_tvm.stages import shipped_dropped
+
+    _fixed_clock(monkeypatch, "onnxruntime (model file)")
+    first = _search(model_path, tmp_path)
+    assert first.report.shipped == "onnxruntime (model file)" and not first.report.rechecked
+    # a log written before dropped builds were tied to the leader: the one shipped was dropped
+    log = tmp_path / "c.db.placements.json"
+    doc = json.loads(log.read_text())
+    (key, record), = doc["placements"].items()
+    assert not shipped_dropped(record)
+    record["comparison"]["onnxruntime (model file)"]["dropped"] = True
+    assert shipped_dropped(record)
+    log.write_text(json.dumps(doc))
+    monkeypatch.undo()
+    _fixed_clock(monkeypatch, "collage")
+    again = _search(model_path, tmp_path)
+    assert again.report.placement_from_log and again.report.rechecked
+    assert again.report.shipped == "collage"
+    assert not _search(model_path, tmp_path).report.rechecked  # the new verdict stands
 
 
 def test_a_final_check_short_of_memory_keeps_the_fastest_build_so_far_and_frees_the_rest(
