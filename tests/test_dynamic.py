@@ -13,7 +13,7 @@ from tvm import relax
 
 import collage_tvm
 from collage_tvm.dynamic import ShapeError, dynamic_model, parse_shapes, shape_ranges
-from collage_tvm.dynamic.dispatch import Dispatch
+from collage_tvm.dynamic.dispatch import Dispatch, point_key
 from collage_tvm.dynamic.shapes import Axis, ShapeRanges, symbol_points
 from collage_tvm.options import SearchOptions
 from collage_tvm.tools.suites import matches
@@ -353,3 +353,59 @@ def test_a_points_runoff_ends_once_the_rounds_settle_and_runs_on_while_they_do_n
     chose, record = search.runoff(pair, [])
     assert record["rounds"] == search.POINT_RUNOFF_ROUNDS
     assert chose == "ref"  # no lead beyond the margin: the first stays
+
+
+def test_points_between_corners_one_library_won_clearly_go_to_it_untimed(monkeypatch):
+    from collage_tvm.dynamic import search
+    from collage_tvm.dynamic.weights import expected_ms
+
+    ranges = ShapeRanges([("x", "float32", ["batch", "seq"])],
+                         {"batch": Axis("batch", 1, 1, 8), "seq": Axis("seq", 1, 16, 64)})
+    todo = ranges.points()
+    assert len(todo) > search.CORNERS_FROM
+    corner_keys = {point_key(p) for p in search.corners(ranges, todo)}
+    assert corner_keys == {"batch=1,seq=16", "batch=1,seq=1", "batch=1,seq=64",
+                           "batch=8,seq=1", "batch=8,seq=64"}
+    timed = []
+
+    def at(point, contenders, args, accuracy, lead):
+        timed.append(point_key(point))
+        slow = 1.0 + lead(point)
+        return {"point": point, "chose": "a" if slow > 1 else "b",
+                "ms": {"a": 1.0, "b": slow} if slow > 1 else {"a": 2.0 - slow, "b": 1.0},
+                "left_out": {}}
+
+    def lib(x):
+        return [x]
+    lib.numpy_call = lib
+    fns = {"a": lib, "b": lib}
+    f32 = collage_tvm.precision.parse_accuracy("f32")
+    # "a" leads by 30% at every corner: the 10 points between are its, untimed
+    monkeypatch.setattr(search, "_choose_at", lambda p, c, a, acc: at(p, c, a, acc,
+                                                                       lambda q: 0.3))
+    chosen = search.choose(ranges, fns, f32)
+    assert set(timed) == corner_keys and len(chosen["points"]) == len(todo)
+    assert [point_key(r["point"]) for r in chosen["points"]] == [point_key(p) for p in todo]
+    assert set(chosen["table"].values()) == {"a"}
+    assert sum(bool(r.get("inferred")) for r in chosen["points"]) == len(todo) - len(timed)
+    over = expected_ms(ranges, chosen, None)
+    assert over["over"] == f"the {len(timed)} points timed, equally weighted"
+    assert over["ms"]["collage"] == 1.0
+    # a lead under CORNER_LEAD at one corner: every point is timed
+    timed.clear()
+    monkeypatch.setattr(search, "_choose_at", lambda p, c, a, acc: at(
+        p, c, a, acc, lambda q: 0.05 if q == {"batch": 8, "seq": 64} else 0.3))
+    assert not any(r.get("inferred") for r in search.choose(ranges, fns, f32)["points"])
+    assert len(timed) == len(todo)
+    # corners won by different libraries: every point is timed too
+    timed.clear()
+    monkeypatch.setattr(search, "_choose_at", lambda p, c, a, acc: at(
+        p, c, a, acc, lambda q: -0.3 if q["batch"] == 8 else 0.3))
+    chosen = search.choose(ranges, fns, f32)
+    assert len(timed) == len(todo) and chosen["table"]["batch=8,seq=64"] == "b"
+    # observed shape weights: nothing inferred
+    timed.clear()
+    monkeypatch.setattr(search, "_choose_at", lambda p, c, a, acc: at(p, c, a, acc,
+                                                                       lambda q: 0.3))
+    search.choose(ranges, fns, f32, infer=False)
+    assert len(timed) == len(todo)

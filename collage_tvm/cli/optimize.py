@@ -109,7 +109,10 @@ def _print_dynamic(rep) -> None:
         point = ",".join(f"{s}={v}" for s, v in sorted(p["point"].items()))
         figures = ", ".join(f"{n} {v:.3f}" for n, v in sorted(p["ms"].items(),
                                                               key=lambda kv: kv[1]))
-        print(f"    {point:<28} {p['chose']:<14}" + (f" ({figures} ms)" if figures else ""))
+        print(f"    {point:<28} {p['chose']:<14}" + (
+            f" ({figures} ms)" if figures else
+            " (untimed: it led clearly at every corner of the ranges)" if p.get("inferred")
+            else ""))
         for n, why in p.get("left_out", {}).items():
             print(f"      {n} left out: {why}")
     if d.get("special"):

@@ -198,9 +198,10 @@ def expected_ms(ranges: ShapeRanges, chosen: dict, weights: ShapeWeights | None)
     bucket the weights reach). ``chosen``: ``search.choose``'s record."""
     records = {point_key(r["point"]): r for r in chosen["points"]}
     values = {s: sorted({int(r["point"][s]) for r in chosen["points"]}) for s in ranges.axes}
-    if weights is None:
-        pairs = [(r["point"], 1.0) for r in chosen["points"]]
-        over = f"the {len(pairs)} points, equally weighted"
+    if weights is None:  # (a point served untimed, ``search.clear_winner``, has no figures)
+        pairs = [(r["point"], 1.0) for r in chosen["points"] if not r.get("inferred")]
+        over = (f"the {len(pairs)} points" + (" timed" if len(pairs) < len(chosen["points"])
+                                               else "") + ", equally weighted")
     else:
         pairs = observed_points(ranges, weights, check=False)
         inside = [(p, w) for p, w in pairs if all(
