@@ -17,6 +17,9 @@ setup(
         "onnxruntime==1.31.1",
         "torch==2.13.0",  # CPU build; the dnnl backend uses its oneDNN (docs/DNNL_BINDING.md)
         "openvino==2026.4.1",  # the openvino graph backend
+        # --accuracy int8's second quantizer (its QDQ placement is OpenVINO's own: on the Zen
+        # 4 its int8 file ran 8-42% under OpenVINO's bf16 default, ONNX Runtime's not at all)
+        "nncf==3.4.0",
         "mkl==2026.2.0",  # libmkl_rt for the mkl backend (docs/DNNL_BINDING.md, "MKL binding")
         "deap==1.4.4",
         "z3-solver==5.4.0.0",

@@ -93,34 +93,66 @@ def _int8(model, target, options, db, placement_log, tuning_db, input_shapes) ->
                   f"output scale (aimed at {budget.tolerance * q.CONTROL_SHARE:.2g} of the "
                   f"{budget.tolerance:g} budget)", flush=True)
 
-    quantized = q.controlled(proto, feeds, validation, budget.tolerance * q.CONTROL_SHARE,
-                             progress)
+    found = {}
+    for method, (ok, why) in q.quantizers().items():
+        label = INT8_LABELS[method]
+        if not ok:
+            logger.warning("%s is not quantized with %s: %s", label, method, why)
+            continue
+        if options.progress:
+            print(f"  quantizing with {QUANTIZER_NAMES[method]}:", flush=True)
+        t1 = time.perf_counter()
+        found[label] = q.controlled(proto, feeds, validation,
+                                    budget.tolerance * q.CONTROL_SHARE, progress, method)
+        found[label]["quantize_s"] = round(time.perf_counter() - t1, 1)
+        found[label]["quantizer"] = QUANTIZER_NAMES[method]
     quantize_s = time.perf_counter() - t0
     common = dict(target=target, db=db, placement_log=placement_log, tuning_db=tuning_db,
                   input_shapes=input_shapes)
     floating = optimize(model, options=dataclasses.replace(
         options, accuracy=parse_accuracy(budget.tolerance)), **common)
     info = {"budget": budget.tolerance, "calibration": source, "quantize_s": round(quantize_s, 1),
-            "quantizable": quantized["quantizable"], "in_float": quantized["excluded"],
-            "tries": quantized["tries"], "error_quantized_file": quantized["error"],
-            "compute_only": quantized.get("compute_only", False)}
+            "quantized": {label: {"quantizer": f["quantizer"], "in_float": f["excluded"],
+                                  "quantizable": f["quantizable"], "error_file": f["error"],
+                                  "compute_only": f.get("compute_only", False),
+                                  "tries": f["tries"], "quantize_s": f["quantize_s"]}
+                          for label, f in found.items()}}
     contenders = {"float": floating}
-    if quantized["model"] is not None and len(quantized["excluded"]) < quantized["quantizable"]:
-        # (its float parts in bf16 where the budget allows, as the float build's: a region
-        # left in float by the control, or one the quantizer does not touch, runs as fast as
-        # it does there, and the int8 regions add their gain to that)
-        contenders["int8"] = optimize(quantized["model"], options=dataclasses.replace(
-            options, accuracy=int8_contender_budget(budget)), **common)
-    else:
-        info["why_no_int8"] = ("no operator stays int8 within the budget"
-                               if quantized["model"] is None or quantized["quantizable"] else
-                               "the model has no operator to quantize")
+    for label, quantized in found.items():
+        if quantized["model"] is not None and \
+                len(quantized["excluded"]) < quantized["quantizable"]:
+            # (its float parts in bf16 where the budget allows, as the float build's: a
+            # region left in float by the control, or one the quantizer does not touch,
+            # runs as fast as it does there, and the int8 regions add their gain to that)
+            contenders[label] = optimize(quantized["model"], options=dataclasses.replace(
+                options, accuracy=int8_contender_budget(budget)), **common)
+        else:
+            info["quantized"][label]["why_not"] = (
+                "no operator stays int8 within the budget"
+                if quantized["model"] is None or quantized["quantizable"] else
+                "the model has no operator to quantize")
     chose = _judge_int8(contenders, proto, validation, budget, info, decide)
+    # (the fields of one quantized file at the top, as before: the shipped one's, else
+    # ONNX Runtime's)
+    top = info["quantized"].get(chose) or info["quantized"].get("int8") or next(
+        iter(info["quantized"].values()), {})
+    info.update(in_float=top.get("in_float", []), quantizable=top.get("quantizable", 0),
+                tries=top.get("tries", []), error_quantized_file=top.get("error_file"),
+                compute_only=top.get("compute_only", False))
+    whys = [f"{label}: {q_['why_not']}" for label, q_ in info["quantized"].items()
+            if q_.get("why_not")]
+    if whys and chose == "float":
+        info["why_no_int8"] = "; ".join(whys)
     result = contenders[chose]
     result.report.precision = {**result.report.precision, "int8": info}
     logger.warning("--accuracy int8: shipped the %s build (%s)", chose, ", ".join(
         f"{n} {ms:.3f} ms" for n, ms in info.get("ms", {}).items()) or "nothing timed")
     return result
+
+
+# The int8 contender of each quantizer (``quantize.quantizers``), and its name in the output
+INT8_LABELS = {"ort": "int8", "nncf": "int8-nncf"}
+QUANTIZER_NAMES = {"ort": "ONNX Runtime's quantize_static", "nncf": "NNCF"}
 
 
 def int8_contender_budget(budget):
@@ -183,8 +215,9 @@ def _judge_int8(contenders: dict, proto, validation: list, budget, info: dict, d
         if errors[label] <= budget.tolerance or label == "float":
             runs[label] = main
         else:
-            info["why_no_int8"] = (f"the int8 build's error ({errors[label]:.2e} of the "
-                                   f"output scale) is outside the {budget.tolerance:g} budget")
+            why = (f"the {label} build's error ({errors[label]:.2e} of the output scale) is "
+                   f"outside the {budget.tolerance:g} budget")
+            info.setdefault("quantized", {}).setdefault(label, {})["why_not"] = why
     info["error"] = {k: float(f"{v:.3g}") for k, v in errors.items()}
     args = [tvm.runtime.tensor(validation[0][n]) for n in names]
     # (each judged against the f32 model above; the timing compares, not judges)

@@ -146,11 +146,29 @@ def named(proto):
     return out
 
 
-def quantize(proto, feeds: list, exclude=(), op_types=None) -> object:
+def quantizers() -> dict:
+    """name -> (available, why not) of the quantizers ``quantize`` can use: ``ort`` (ONNX
+    Runtime's ``quantize_static``) and ``nncf`` (NNCF's post-training quantization on its
+    ONNX backend: the QDQ placement OpenVINO's own tools make, with its hardware-aware
+    patterns and fast bias correction)."""
+    out = {"ort": (True, "")}
+    try:
+        import nncf  # noqa: F401
+
+        out["nncf"] = (True, "")
+    except Exception as err:  # noqa: BLE001 - left out, with the reason
+        out["nncf"] = (False, f"{type(err).__name__}: {err}")
+    return out
+
+
+def quantize(proto, feeds: list, exclude=(), op_types=None, method: str = "ort") -> object:
     """``proto`` (f32, named) quantized by ONNX Runtime's ``quantize_static`` (QDQ, u8
     activations, s8 weights per channel, MinMax on ``feeds``), the nodes named in
     ``exclude`` left in float; ``op_types``: only operators of these types quantized
-    (default: every type the quantizer knows). The int8 ModelProto."""
+    (default: every type the quantizer knows). ``method`` "nncf": by NNCF instead
+    (``_nncf``). The int8 ModelProto."""
+    if method == "nncf":
+        return _nncf(proto, feeds, exclude, op_types)
     import onnx
     from onnxruntime.quantization import (CalibrationDataReader, QuantFormat, QuantType,
                                           quantize_static)
@@ -176,6 +194,37 @@ def quantize(proto, feeds: list, exclude=(), op_types=None) -> object:
         finally:
             root.setLevel(level)
         return onnx.load(dst)
+
+
+def _nncf(proto, feeds: list, exclude=(), op_types=None):
+    """``proto`` quantized by NNCF (``nncf.quantize`` on the ModelProto: QDQ, its default
+    mixed preset, calibration on ``feeds``), the nodes named in ``exclude`` left in float;
+    ``op_types``: operators of other types ignored. A model with Softmax and MatMul is
+    quantized as a transformer (``ModelType.TRANSFORMER``), as NNCF's docs ask."""
+    import contextlib
+    import io
+
+    import nncf
+
+    types = {n.op_type for n in proto.graph.node}
+    ignored = {}
+    if exclude:
+        ignored["names"] = list(exclude)
+    if op_types:
+        ignored["types"] = sorted(types - set(op_types))
+    kw = {}
+    if ignored:
+        kw["ignored_scope"] = nncf.IgnoredScope(**ignored, validate=False)
+    if {"Softmax", "MatMul"} <= types:
+        kw["model_type"] = nncf.ModelType.TRANSFORMER
+    nncf_log = logging.getLogger("nncf")
+    level = nncf_log.level
+    nncf_log.setLevel(logging.ERROR)
+    try:  # (its progress bars go to stdout: the control prints its own line a try)
+        with contextlib.redirect_stdout(io.StringIO()):
+            return nncf.quantize(proto, nncf.Dataset(feeds), subset_size=len(feeds), **kw)
+    finally:
+        nncf_log.setLevel(level)
 
 
 def outputs_on(proto, feeds: list, extra: list = ()) -> list:
@@ -225,15 +274,23 @@ def _dequantized(int8, tensor: str) -> str:
     return tensor
 
 
-def _f32_name(tensor: str, f32_tensors: set) -> str | None:
-    """The f32 model's tensor a quantized model's ``tensor`` stands for: the same name, or
-    the name the quantizer derived it from (``X_DequantizeLinear_Output``,
-    ``X_QuantizeLinear_Input``)."""
+def _f32_name(tensor: str, f32_tensors: set, int8=None) -> str | None:
+    """The f32 model's tensor a quantized model's ``tensor`` stands for: the same name, the
+    name the quantizer derived it from (``X_DequantizeLinear_Output``,
+    ``X_QuantizeLinear_Input``), or (``int8`` given) the tensor a DequantizeLinear <-
+    QuantizeLinear pair producing it took (NNCF names its pairs' tensors otherwise)."""
     if tensor in f32_tensors:
         return tensor
     for suffix in ("_DequantizeLinear_Output", "_QuantizeLinear_Input"):
         if tensor.endswith(suffix) and tensor[:-len(suffix)] in f32_tensors:
             return tensor[:-len(suffix)]
+    if int8 is not None:
+        made = {o: n for n in int8.graph.node for o in n.output}
+        dq = made.get(tensor)
+        q = made.get(dq.input[0]) if dq is not None and dq.op_type == "DequantizeLinear" \
+            else None
+        if q is not None and q.op_type == "QuantizeLinear" and q.input[0] in f32_tensors:
+            return q.input[0]
     return None
 
 
@@ -255,7 +312,7 @@ def local_errors(f32, int8, feeds: list) -> list:
         order.append(node.name)
         out_q = _dequantized(int8, mine.output[0])
         out_f = _f32_name(mine.output[0], f32_tensors) or _f32_name(out_q, f32_tensors)
-        in_f = _f32_name(mine.input[0], f32_tensors)
+        in_f = _f32_name(mine.input[0], f32_tensors, int8)
         if out_f is None:
             continue
         pairs[node.name] = ((out_q, out_f), (mine.input[0], in_f) if in_f else None)
@@ -288,7 +345,8 @@ def local_errors(f32, int8, feeds: list) -> list:
     return ranked + [(n, 0.0) for n in order if n not in pairs]
 
 
-def controlled(proto, feeds: list, validation: list, tolerance: float, progress=None) -> dict:
+def controlled(proto, feeds: list, validation: list, tolerance: float, progress=None,
+               method: str = "ort") -> dict:
     """``proto`` quantized within ``tolerance`` on ``validation`` (module docstring, step 2):
     {"model": the int8 ModelProto (None: no operator could stay int8), "error", "excluded":
     node names left in float, "quantizable", "tries": [(excluded count, error)],
@@ -307,7 +365,7 @@ def controlled(proto, feeds: list, validation: list, tolerance: float, progress=
     out = None
     for op_types in (None, QUANTIZABLE):
         found = _control(proto, feeds, validation, reference, tolerance, tries, progress,
-                         quantizable, op_types)
+                         quantizable, op_types, method)
         found["compute_only"] = op_types is not None
         out = out or found  # (what the first pass tried is the report's, where none fits)
         if found["model"] is not None:
@@ -316,11 +374,11 @@ def controlled(proto, feeds: list, validation: list, tolerance: float, progress=
 
 
 def _control(proto, feeds, validation, reference, tolerance, tries, progress, quantizable,
-             op_types) -> dict:
+             op_types, method="ort") -> dict:
     """One pass of ``controlled`` quantizing ``op_types`` (None: every type)."""
 
     def attempt(exclude):
-        model = quantize(proto, feeds, exclude, op_types)
+        model = quantize(proto, feeds, exclude, op_types, method)
         err = error(outputs_on(model, validation), reference)
         tries.append((len(exclude), err))
         if progress:
@@ -361,4 +419,5 @@ def _control(proto, feeds, validation, reference, tolerance, tries, progress, qu
 
 
 __all__ = ["CALIBRATION_SAMPLES", "INT8_TOLERANCE", "QuantizeError", "calibration_feeds",
-           "controlled", "error", "input_specs", "local_errors", "quantize", "random_feeds"]
+           "controlled", "error", "input_specs", "local_errors", "quantize", "quantizers",
+           "random_feeds"]

@@ -136,8 +136,11 @@ def test_optimize_under_int8_ships_a_build_within_budget_and_says_what_it_did(tm
                  "--calibration", str(calibration), "--export", str(out)]) == 0
     text = capsys.readouterr().out
     assert "int8 (budget 0.05 of the output scale; calibrated on 4 inputs from" in text
-    assert "of 4 operators int8" in text and "float  build: error" in text
-    assert "int8   build: error" in text and "shipped: the " in text
+    assert "int8 (ONNX Runtime's quantize_static, " in text and "of 4 operators int8" in text
+    assert "float     build: error" in text and "int8      build: error" in text
+    assert "shipped: the " in text
+    if q.quantizers()["nncf"][0]:  # NNCF's int8 file competes too
+        assert "int8-nncf (NNCF, " in text and "int8-nncf build: error" in text
     import collage_tvm
 
     loaded = collage_tvm.load(out)
@@ -192,3 +195,32 @@ def test_the_int8_suite_summary_counts_each_kind_and_the_float_left_in():
     text = int8_suite.markdown("torchvision", [qdq, mixed])
     assert "| b | f32, --accuracy int8 | int8 build, 1 of 20 in float | 1.000 |" in text
     assert "0.800 (err 1.0e-02)" in text and "Operators left in float (int8 shipped) in 1" in text
+
+
+@pytest.mark.skipif(not q.quantizers()["nncf"][0], reason="NNCF is not installed")
+def test_nncf_quantizes_leaves_named_operators_in_float_and_is_ranked_by_the_control(tmp_path):
+    path = str(tmp_path / "cnn.onnx")
+    _cnn(path)
+    proto = q.named(onnx.load(path))
+    specs = q.input_specs(proto)
+    feeds, _ = q.calibration_feeds(specs)
+    convs = [n.name for n in proto.graph.node if n.op_type == "Conv"]
+
+    def float_weights(model):
+        """The Conv/Gemm nodes whose weight is read as a float initializer (not int8)."""
+        inits = {i.name for i in model.graph.initializer}
+        return {n.name for n in model.graph.node if n.op_type in ("Conv", "Gemm", "MatMul")
+                and n.input[1] in inits}
+
+    whole = q.quantize(proto, feeds, method="nncf")
+    assert quantized_ops(whole).get("QuantizeLinear") and not float_weights(whole) & set(convs)
+    kept = q.quantize(proto, feeds, exclude=[convs[1]], method="nncf")
+    assert convs[1] in float_weights(kept) and convs[0] not in float_weights(kept)
+    # the control's ranking reads NNCF's tensors too (its own names for the Q/DQ pairs)
+    ranked = dict(q.local_errors(proto, whole, feeds[:2]))
+    assert set(convs) <= set(ranked) and any(v != 0.0 for v in ranked.values())
+    validation = feeds + q.random_feeds(specs, q.VALIDATION_SEEDS)
+    whole_err = q.error(q.outputs_on(whole, validation), q.outputs_on(proto, validation))
+    tight = q.controlled(proto, feeds, validation, whole_err * 0.5, method="nncf")
+    assert tight["model"] is None or tight["error"] <= whole_err * 0.5
+    assert tight["excluded"]  # (the budget below the whole model's error: some in float)

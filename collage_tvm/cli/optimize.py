@@ -79,17 +79,24 @@ def _print_int8(d: dict) -> None:
     build against the f32 model and which shipped."""
     print(f"\nint8 (budget {d['budget']:g} of the output scale; calibrated on "
           f"{d['calibration']}):")
-    print(f"  quantized in {d['quantize_s']:.0f} s: {d['quantizable'] - len(d['in_float'])} of "
-          f"{d['quantizable']} operators int8" + (f"; in float: {', '.join(d['in_float'])}"
-                                                   if d["in_float"] else ""))
-    if d.get("compute_only"):
-        print("  only convolutions and matrix products quantized: with every one of them in "
-              "float, the quantized operations between them still broke the budget")
+    quantized = d.get("quantized") or {"int8": {
+        "quantizer": "ONNX Runtime's quantize_static", "in_float": d["in_float"],
+        "quantizable": d["quantizable"], "compute_only": d.get("compute_only"),
+        "quantize_s": d["quantize_s"]}}
+    for label, f in quantized.items():
+        if "quantizable" not in f:
+            continue
+        print(f"  {label} ({f['quantizer']}, {f.get('quantize_s', 0):.0f} s): "
+              f"{f['quantizable'] - len(f['in_float'])} of {f['quantizable']} operators int8"
+              + (f"; in float: {', '.join(f['in_float'])}" if f["in_float"] else ""))
+        if f.get("compute_only"):
+            print("    only convolutions and matrix products quantized: with every one of them "
+                  "in float, the quantized operations between them still broke the budget")
     if d.get("why_no_int8"):
         print(f"  no int8 build: {d['why_no_int8']}")
     for label, err in d.get("error", {}).items():
         ms = d.get("ms", {}).get(label)
-        print(f"  {label:<6} build: error {err:.2e} of the f32 model's output scale"
+        print(f"  {label:<9} build: error {err:.2e} of the f32 model's output scale"
               + (f", {ms:.3f} ms" if ms is not None else ""))
     print(f"  shipped: the {d.get('chose', 'float')} build")
 
