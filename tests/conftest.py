@@ -18,8 +18,10 @@ def _short_timing():
       the runoff (the product: 15 of 200 ms, 45), enough for a paired ratio
       (``timing.PAIRED_MIN_ROUNDS``) of figures nobody reads.
     - A timing found noisy (other load, an A/A control astray) is timed again after half a
-      second, not ten (the retries themselves are tested with a clock of their own)."""
+      second, not ten (the retries themselves are tested with a clock of their own), a
+      dynamic model's shape point too."""
     from collage_tvm import options
+    from collage_tvm.dynamic import search
     from collage_tvm.tools import bench, suites
 
     with pytest.MonkeyPatch.context() as mp:
@@ -31,4 +33,5 @@ def _short_timing():
         mp.setattr(bench, "ROW_RUNOFF_ROUNDS", timing.PAIRED_MIN_ROUNDS + 3)
         mp.setattr(bench, "FRAMEWORK_BATCH_MS", 20.0)
         mp.setattr(suites, "BUSY_PAUSE_S", 0.5)
+        mp.setattr(search, "BUSY_WAIT_S", 0.5)
         yield

@@ -409,3 +409,27 @@ def test_points_between_corners_one_library_won_clearly_go_to_it_untimed(monkeyp
                                                                        lambda q: 0.3))
     search.choose(ranges, fns, f32, infer=False)
     assert len(timed) == len(todo)
+
+
+def test_a_point_timed_beside_other_work_is_timed_again(monkeypatch):
+    from collage_tvm.dynamic import search
+    from collage_tvm.measure import other_load
+
+    shares = iter([0.6, 0.02])
+
+    def exit_(self, *exc):
+        self.share = next(shares)
+
+    monkeypatch.setattr(other_load.OtherLoad, "__exit__", exit_)
+    monkeypatch.setattr(search, "BUSY_WAIT_S", 0.0)
+    timed = []
+
+    def at(point, contenders, args, accuracy):
+        timed.append(dict(contenders))
+        contenders.pop("b")  # (a contender left out at the first timing is back at the next)
+        return {"point": point, "chose": "a", "ms": {"a": 1.0}, "left_out": {}}
+
+    monkeypatch.setattr(search, "_timed_at", at)
+    record = search._choose_at({"batch": 1}, {"a": 1, "b": 2}, [], "f32")
+    assert len(timed) == 2 and set(timed[1]) == {"a", "b"}
+    assert record["busy_before"] == 0.6 and record["other_load"] == 0.02
