@@ -350,7 +350,8 @@ def controlled(proto, feeds: list, validation: list, tolerance: float, progress=
     """``proto`` quantized within ``tolerance`` on ``validation`` (module docstring, step 2):
     {"model": the int8 ModelProto (None: no operator could stay int8), "error", "excluded":
     node names left in float, "quantizable", "tries": [(excluded count, error)],
-    "compute_only": whether only the ``QUANTIZABLE`` operators are quantized}.
+    "compute_only": whether only the ``QUANTIZABLE`` operators are quantized,
+    "whole_model", "whole_error": the first try, every operator int8}.
 
     First every operator type the quantizer knows is quantized; where even every
     ``QUANTIZABLE`` operator left in float breaks the budget, the error lies in the others
@@ -369,7 +370,10 @@ def controlled(proto, feeds: list, validation: list, tolerance: float, progress=
         found["compute_only"] = op_types is not None
         out = out or found  # (what the first pass tried is the report's, where none fits)
         if found["model"] is not None:
-            return {**found, "tries": tries}
+            # (every operator int8, as the first pass quantized it: a contender of its own
+            # where it is within the whole budget, ``build._int8``)
+            return {**found, "tries": tries, "whole_model": out["whole_model"],
+                    "whole_error": out["whole_error"]}
     return {**out, "tries": tries}
 
 
@@ -386,7 +390,8 @@ def _control(proto, feeds, validation, reference, tolerance, tries, progress, qu
         return model, err
 
     model, err = attempt(())
-    out = {"model": model, "error": err, "excluded": [], "quantizable": len(quantizable)}
+    out = {"model": model, "error": err, "excluded": [], "quantizable": len(quantizable),
+           "whole_model": model, "whole_error": err}
     if err <= tolerance:
         return out
     ranked = [name for name, _ in local_errors(proto, model, validation[:2])]

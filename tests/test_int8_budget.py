@@ -2,6 +2,8 @@
 Collage quantizes the f32 model itself (ONNX Runtime's ``quantize_static``, QDQ), leaves
 the operators that break the budget in float, and ships the quantized build only where it
 is within the budget and faster than the float one."""
+import re
+
 import numpy as np
 import onnx
 import pytest
@@ -137,10 +139,10 @@ def test_optimize_under_int8_ships_a_build_within_budget_and_says_what_it_did(tm
     text = capsys.readouterr().out
     assert "int8 (budget 0.05 of the output scale; calibrated on 4 inputs from" in text
     assert "int8 (ONNX Runtime's quantize_static, " in text and "of 4 operators int8" in text
-    assert "float     build: error" in text and "int8      build: error" in text
+    assert re.search(r"float +build: error", text) and re.search(r"int8 +build: error", text)
     assert "shipped: the " in text
     if q.quantizers()["nncf"][0]:  # NNCF's int8 file competes too
-        assert "int8-nncf (NNCF, " in text and "int8-nncf build: error" in text
+        assert "int8-nncf (NNCF, " in text and re.search(r"int8-nncf +build: error", text)
     import collage_tvm
 
     loaded = collage_tvm.load(out)
@@ -224,3 +226,24 @@ def test_nncf_quantizes_leaves_named_operators_in_float_and_is_ranked_by_the_con
     tight = q.controlled(proto, feeds, validation, whole_err * 0.5, method="nncf")
     assert tight["model"] is None or tight["error"] <= whole_err * 0.5
     assert tight["excluded"]  # (the budget below the whole model's error: some in float)
+
+
+def test_the_file_with_every_operator_int8_competes_where_within_the_whole_budget(
+        tmp_path, monkeypatch):
+    """The control aims each file at a share of the budget; the file it started from, every
+    operator int8, competes as a build of its own where its error is within the whole
+    budget (its build judged against the f32 model like the others)."""
+    import collage_tvm
+
+    path = str(tmp_path / "cnn.onnx")
+    _cnn(path)
+    monkeypatch.setattr(q, "CONTROL_SHARE", 0.05)  # aim far below the whole file's error
+    monkeypatch.setattr(q, "quantizers", lambda: {"ort": (True, "")})
+    res = collage_tvm.optimize(path, "llvm", ["tvm", "onnxruntime"], db=str(tmp_path / "c.db"),
+                               progress=False, graph_level=False, accuracy="int8")
+    info = res.report.precision["int8"]
+    assert info["quantized"]["int8"]["in_float"]  # the control left some in float ...
+    whole = info["quantized"]["int8-whole"]  # ... and the whole file competed beside it
+    assert whole["in_float"] == [] and whole["error_file"] <= 0.05
+    assert "int8-whole" in info["error"] and info["chose"] in info["error"]
+    assert info["error"][info["chose"]] <= 0.05

@@ -94,9 +94,10 @@ def _print_int8(d: dict) -> None:
                   "in float, the quantized operations between them still broke the budget")
     if d.get("why_no_int8"):
         print(f"  no int8 build: {d['why_no_int8']}")
+    width = max((len(n) for n in d.get("error", {})), default=5)
     for label, err in d.get("error", {}).items():
         ms = d.get("ms", {}).get(label)
-        print(f"  {label:<9} build: error {err:.2e} of the f32 model's output scale"
+        print(f"  {label:<{width}} build: error {err:.2e} of the f32 model's output scale"
               + (f", {ms:.3f} ms" if ms is not None else ""))
     print(f"  shipped: the {d.get('chose', 'float')} build")
 
