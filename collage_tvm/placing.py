@@ -12,8 +12,8 @@ import time
 import tvm
 
 from .byoc import candidate_vm_for, compile_placement, placement_runner
-from .check import (first_line, latency_evaluator, never_slower, outputs_on,
-                    single_backend_builds, tvm_reference)
+from .check import (first_line, graph_lib_groups, latency_evaluator, never_slower,
+                    outputs_on, single_backend_builds, tvm_reference)
 from .check.contender import Contender, Fate
 from .measure.measurer import Measurer
 from .graph import DataflowGraph
@@ -75,6 +75,33 @@ def search_new(p: Placing, unrewritten=None, floors: dict | None = None) -> tupl
     if _reduced(placement, p.backends):
         return _within_budget(p, placement, floors)
     return placement, p.graph
+
+
+def _probe_libraries(p: Placing) -> None:
+    """Each graph library's single-backend build runs its regions in the final check's own
+    process, and the lean search leaves most of them unmeasured. Those regions are measured
+    first, in a child process as every candidate is (the cost DB's record where it has
+    one): a library that crashes on one (OpenVINO 2026.4.1 segfaults compiling densenet121
+    quantized, where its bf16 variant had crashed on a smaller region) is marked in
+    ``report.crashed`` and runs nothing in this process, instead of taking the search down.
+    Nothing is probed where candidates are measured in this process anyway
+    (``SearchOptions.isolate`` off) or on RPC servers."""
+    if not p.options.isolate or p.options.rpc_tracker:
+        return
+    regions = [g for name, b in p.backends.items()
+               if b.kind == "graph" and name not in p.report.crashed
+               for g in graph_lib_groups(p.graph, b) if g.backend == name]
+    if not regions:
+        return
+    measurer = Measurer.from_options(p.target, p.cost_db, candidate_vm_for(None), p.options,
+                                     progress=False)
+    measurer.second_pass = False
+    try:  # (timed in full: the DB keeps a cost a later search may use)
+        measurer.costs(p.graph, regions, p.backends)
+    finally:
+        measurer.close()
+    for name, why in measurer.crashed.items():
+        p.report.crashed.setdefault(name, why)
 
 
 def _unjudged(p: Placing, placement):
@@ -184,6 +211,7 @@ def final_check(p: Placing, placement, floors: dict, op_level=None, others=None,
     concurrent stages, ``_scheduled``). Returns (the placement to ship, the graph its groups
     refer to)."""
     report = p.report
+    _probe_libraries(p)
     unsafe = {n: f for n, f in floors.items() if f.backend in report.crashed}
     floors = {n: f for n, f in floors.items() if n not in unsafe}
     verdict = never_slower(p.graph, placement, p.backends, p.target, op_level,

@@ -159,6 +159,40 @@ def test_a_library_that_crashed_measuring_is_not_run_in_the_search_s_process(tmp
     assert {g.backend for g in res.placement.groups} == {"tvm"}
 
 
+def test_a_library_region_the_search_left_unmeasured_is_probed_before_the_final_check(
+        tmp_path, monkeypatch):
+    """The final check runs each graph library's single-backend build in the search's own
+    process; a region of it the search never measured is measured first in a child, so a
+    library that crashes there is marked crashed instead of taking the search down
+    (OpenVINO on densenet121 quantized, found only by its bf16 variant)."""
+    import os
+
+    from collage_tvm.graph import DataflowGraph
+    from collage_tvm.measure.db import CostDB
+    from collage_tvm.options import SearchOptions
+    from collage_tvm.placing import Placing, _probe_libraries
+    from collage_tvm.registry import add_backend_pattern_rule, register_backend, resolve_backends
+    from collage_tvm.report import BuildReport
+    from collage_tvm.target import make_target
+    from test_patterns_and_graph import _conv_block
+
+    monkeypatch.setenv("PYTHONPATH", os.path.dirname(os.path.abspath(__file__)))
+    register_backend("crashgraph", kind="graph",
+                     lowering="_crashing_lowering:SegfaultingLowering")
+    add_backend_pattern_rule("crashgraph", lambda n: n.op_name == "relax.nn.relu")
+    target = make_target("llvm")
+    backends, _ = resolve_backends(["tvm", "crashgraph"], target)
+    report = BuildReport(backends=list(backends))
+    p = Placing(DataflowGraph(_conv_block()), backends, target, CostDB(str(tmp_path / "c.db")),
+                SearchOptions(progress=False, isolate=True), report)
+    _probe_libraries(p)
+    assert "SIGSEGV" in report.crashed["crashgraph"]
+    unprobed = BuildReport(backends=list(backends))  # measured in this process: not probed
+    _probe_libraries(p.on(report=unprobed, options=SearchOptions(progress=False,
+                                                                  isolate=False)))
+    assert unprobed.crashed == {}
+
+
 def test_never_slower_compares_every_build_and_times_hopeless_ones_once(small_onnx, tmp_path,
                                                                         monkeypatch):
     import importlib
