@@ -114,6 +114,7 @@ def _int8(model, target, options, db, placement_log, tuning_db, input_shapes) ->
         options, accuracy=parse_accuracy(budget.tolerance)), **common)
     info = {"budget": budget.tolerance, "calibration": source, "quantize_s": round(quantize_s, 1),
             "quantized": {label: {"quantizer": f["quantizer"], "in_float": f["excluded"],
+                                  "returned": f.get("returned", []),
                                   "quantizable": f["quantizable"], "error_file": f["error"],
                                   "compute_only": f.get("compute_only", False),
                                   "tries": f["tries"], "quantize_s": f["quantize_s"]}
@@ -133,8 +134,8 @@ def _int8(model, target, options, db, placement_log, tuning_db, input_shapes) ->
                                        "excluded": [], "error": whole_err,
                                        "compute_only": False}
             info["quantized"][f"{label}-whole"] = {
-                **info["quantized"][label], "in_float": [], "error_file": whole_err,
-                "compute_only": False}
+                **info["quantized"][label], "in_float": [], "returned": [],
+                "error_file": whole_err, "compute_only": False}
     for label, quantized in found.items():
         if quantized["model"] is not None and \
                 len(quantized["excluded"]) < quantized["quantizable"]:

@@ -15,9 +15,12 @@ report):
    are ranked by the error each adds (its output's error against the f32 model's, less its
    input's: ``local_errors``), and the worst are left in float, 1, 2, 4, ... of them, then
    halved back to the fewest that fit, as NNCF's accuracy control reverts layers in order
-   of their error. Where even all of them in float break the budget (the error is in the
-   quantized products and sums between them), the control runs again quantizing only the
-   quantizable operators, which all in float is the f32 model.
+   of their error. Then the costliest of those (ONNX Runtime's profile of the f32 model,
+   ``node_costs``) go back to int8, half of them first, then fewer, wherever the budget
+   still holds (``_back_to_int8``): the error ranking is a guess, and the operators that
+   cost most are where int8 saves most. Where even all of them in float break the budget
+   (the error is in the quantized products and sums between them), the control runs again
+   quantizing only the quantizable operators, which all in float is the f32 model.
 3. Then ``build.optimize`` searches the quantized file as any int8 model (its regions on
    the libraries that run it fastest, judged in its own precision) beside the f32 model
    under the same tolerance (bf16 regions allowed), both judged against the f32 model,
@@ -47,6 +50,9 @@ VALIDATION_SEEDS = (101, 102)
 CONTROL_SHARE = 0.6
 # The operators whose outputs are ranked and left in float by the accuracy control
 QUANTIZABLE = ("Conv", "ConvTranspose", "MatMul", "Gemm")
+# Tries the control may spend sending operators it left in float back to int8, the costliest
+# first (``_back_to_int8``)
+RETURN_TRIES = 10
 
 
 class QuantizeError(ValueError):
@@ -420,9 +426,87 @@ def _control(proto, feeds, validation, reference, tolerance, tries, progress, qu
             hi, best = mid, (model, err)
         else:
             lo = mid
-    return {**out, "model": best[0], "error": best[1], "excluded": ranked[:hi]}
+    excluded, returned = ranked[:hi], []
+    if hi > 1:
+        costs = node_costs(proto, validation[:1])
+        excluded, found = _back_to_int8(excluded, costs, attempt, tolerance)
+        if found is not None:
+            best = found
+            returned = [n for n in ranked[:hi] if n not in excluded]
+    return {**out, "model": best[0], "error": best[1], "excluded": excluded,
+            "returned": returned}
+
+
+def _back_to_int8(excluded: list, costs: dict, attempt, tolerance: float,
+                  tries: int = RETURN_TRIES) -> tuple:
+    """The operators of ``excluded`` (the fewest of the error ranking that fit the budget)
+    sent back to int8 where the budget still holds, those that cost most in f32 first
+    (``costs``: ONNX Runtime's measured profile, ``node_costs``; int8 saves most where f32
+    spends most): the costliest half first, then smaller chunks where a chunk breaks the
+    budget (twice as many after one that fits), within ``tries`` tries of ``attempt``. The
+    error ranking is a guess (regnety_002: 53 of 64 convolutions in float before the error
+    dropped, one of them the cause). Returns (those left in float, in ``excluded``'s
+    order; (model, error) of the last try that fit, or None where none did)."""
+    pending = sorted(excluded, key=lambda n: -costs.get(n, 0.0))
+    keep, best = set(excluded), None
+    size = max(1, len(pending) // 2)
+    while pending and tries > 0:
+        chunk = pending[:min(size, len(pending))]
+        trial = [n for n in excluded if n in keep and n not in chunk]
+        if not trial:  # (every one back: the whole model int8, which broke the budget)
+            size = max(1, len(chunk) // 2)
+            if len(chunk) == 1:
+                pending = pending[1:]
+            continue
+        model, err = attempt(trial)
+        tries -= 1
+        if err <= tolerance:
+            keep -= set(chunk)
+            best = (model, err)
+            pending = pending[len(chunk):]
+            size = 2 * len(chunk)  # (the next ones may go back together too)
+        elif len(chunk) > 1:
+            size = len(chunk) // 2
+        else:
+            pending = pending[1:]  # (it stays in float)
+    return [n for n in excluded if n in keep], best
+
+
+def node_costs(proto, feeds: list, runs: int = 5) -> dict:
+    """node name -> ms per run of each node of ``proto`` (named: ``named``) in ONNX
+    Runtime's profile of ``runs`` runs on ``feeds`` (no graph optimization, so the nodes
+    profiled are the file's own). {} where the profile cannot be read."""
+    import json
+
+    import onnxruntime as ort
+
+    from .target import host_cores
+
+    with tempfile.TemporaryDirectory() as tmp:
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = host_cores()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        so.enable_profiling = True
+        so.profile_file_prefix = os.path.join(tmp, "profile")
+        try:
+            sess = ort.InferenceSession(proto.SerializeToString(), so,
+                                        providers=["CPUExecutionProvider"])
+            for k in range(runs):
+                sess.run(None, feeds[k % len(feeds)])
+            with open(sess.end_profiling()) as f:
+                events = json.load(f)
+        except Exception as err:  # noqa: BLE001 - the control goes on in its error order
+            logger.info("no profile of the f32 model: %s", err)
+            return {}
+    suffix = "_kernel_time"
+    out: dict = {}
+    for ev in events:
+        name = ev.get("name", "")
+        if ev.get("cat") == "Node" and name.endswith(suffix):
+            out[name[:-len(suffix)]] = out.get(name[:-len(suffix)], 0.0) + ev["dur"] / 1e3 / runs
+    return out
 
 
 __all__ = ["CALIBRATION_SAMPLES", "INT8_TOLERANCE", "QuantizeError", "calibration_feeds",
-           "controlled", "error", "input_specs", "local_errors", "quantize", "quantizers",
-           "random_feeds"]
+           "controlled", "error", "input_specs", "local_errors", "node_costs", "quantize",
+           "quantizers", "random_feeds"]

@@ -247,3 +247,41 @@ def test_the_file_with_every_operator_int8_competes_where_within_the_whole_budge
     assert whole["in_float"] == [] and whole["error_file"] <= 0.05
     assert "int8-whole" in info["error"] and info["chose"] in info["error"]
     assert info["error"][info["chose"]] <= 0.05
+
+
+def test_operators_left_in_float_go_back_to_int8_the_costliest_first_while_within_budget():
+    """The error ranking's guess (a fake error: only 'e' in float keeps it within budget)
+    is trimmed: the costliest operators are tried back in int8 first, in halving chunks,
+    within RETURN_TRIES tries."""
+    excluded = list("abcdefgh")
+    costs = {n: float(c) for n, c in zip(excluded, (1, 2, 3, 4, 5, 6, 7, 8))}
+    tried = []
+
+    def attempt(trial):
+        tried.append(list(trial))
+        return f"model{len(tried)}", 0.01 if "e" in trial else 0.09
+
+    kept, best = q._back_to_int8(excluded, costs, attempt, 0.05)
+    fitting = [k for k, t in enumerate(tried, 1) if "e" in t]
+    assert kept == ["e"] and best == (f"model{fitting[-1]}", 0.01)
+    assert len(tried) <= q.RETURN_TRIES
+    assert set(tried[0]) == set("abcd")  # (h, g, f, e back first: the costliest half)
+    # two operators both needed in float: neither goes back, and no try fit
+    kept, best = q._back_to_int8(["a", "b"], costs,
+                                 lambda t: ("m", 0.01 if set(t) >= {"a", "b"} else 0.09), 0.05)
+    assert kept == ["a", "b"] and best is None
+
+
+def test_each_node_of_the_f32_model_has_its_measured_cost(tmp_path):
+    path = str(tmp_path / "cnn.onnx")
+    _cnn(path)
+    proto = q.named(onnx.load(path))
+    feeds, _ = q.calibration_feeds(q.input_specs(proto))
+    costs = q.node_costs(proto, feeds[:1])
+    assert set(costs) == {n.name for n in proto.graph.node}
+    assert all(ms > 0 for ms in costs.values())
+    # the control reports what went back to int8 (nothing where one operator fits)
+    validation = feeds + q.random_feeds(q.input_specs(proto), q.VALIDATION_SEEDS)
+    whole = q.controlled(proto, feeds, validation, 0.5)
+    tight = q.controlled(proto, feeds, validation, whole["error"] * 0.9)
+    assert not set(tight["returned"]) & set(tight["excluded"])

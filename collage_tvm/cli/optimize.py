@@ -89,6 +89,9 @@ def _print_int8(d: dict) -> None:
         print(f"  {label} ({f['quantizer']}, {f.get('quantize_s', 0):.0f} s): "
               f"{f['quantizable'] - len(f['in_float'])} of {f['quantizable']} operators int8"
               + (f"; in float: {', '.join(f['in_float'])}" if f["in_float"] else ""))
+        if f.get("returned"):
+            print(f"    {len(f['returned'])} more back in int8 (the costliest first, where the "
+                  f"error ranking had left them in float): {', '.join(f['returned'])}")
         if f.get("compute_only"):
             print("    only convolutions and matrix products quantized: with every one of them "
                   "in float, the quantized operations between them still broke the budget")
