@@ -104,7 +104,8 @@ def _int8(model, target, options, db, placement_log, tuning_db, input_shapes) ->
             print(f"  quantizing with {QUANTIZER_NAMES[method]}:", flush=True)
         t1 = time.perf_counter()
         found[label] = q.controlled(proto, feeds, validation,
-                                    budget.tolerance * q.CONTROL_SHARE, progress, method)
+                                    budget.tolerance * q.CONTROL_SHARE, progress, method,
+                                    hint=None if budget.allows("bf16") else "f32")
         found[label]["quantize_s"] = round(time.perf_counter() - t1, 1)
         found[label]["quantizer"] = QUANTIZER_NAMES[method]
     quantize_s = time.perf_counter() - t0
@@ -115,6 +116,7 @@ def _int8(model, target, options, db, placement_log, tuning_db, input_shapes) ->
     info = {"budget": budget.tolerance, "calibration": source, "quantize_s": round(quantize_s, 1),
             "quantized": {label: {"quantizer": f["quantizer"], "in_float": f["excluded"],
                                   "returned": f.get("returned", []),
+                                  "unpaid": f.get("unpaid", []), "timed_on": f.get("timed_on"),
                                   "quantizable": f["quantizable"], "error_file": f["error"],
                                   "compute_only": f.get("compute_only", False),
                                   "tries": f["tries"], "quantize_s": f["quantize_s"]}
@@ -134,7 +136,7 @@ def _int8(model, target, options, db, placement_log, tuning_db, input_shapes) ->
                                        "excluded": [], "error": whole_err,
                                        "compute_only": False}
             info["quantized"][f"{label}-whole"] = {
-                **info["quantized"][label], "in_float": [], "returned": [],
+                **info["quantized"][label], "in_float": [], "returned": [], "unpaid": [],
                 "error_file": whole_err, "compute_only": False}
     for label, quantized in found.items():
         if quantized["model"] is not None and \

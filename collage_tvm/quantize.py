@@ -9,18 +9,25 @@ report):
    channel, MinMax calibration on the calibration inputs), as its docs show: the int8 file
    both graph libraries fuse into int8 kernels (OpenVINO reads the QDQ pairs as its own
    FakeQuantize).
-2. **Within the budget.** The quantized model's outputs on the validation inputs (the
-   calibration inputs and ``VALIDATION_SEEDS`` random ones) are compared with the f32
-   model's on ONNX Runtime. Where the error breaks the budget, the quantizable operators
-   are ranked by the error each adds (its output's error against the f32 model's, less its
-   input's: ``local_errors``), and the worst are left in float, 1, 2, 4, ... of them, then
-   halved back to the fewest that fit, as NNCF's accuracy control reverts layers in order
-   of their error. Then the costliest of those (ONNX Runtime's profile of the f32 model,
-   ``node_costs``) go back to int8, half of them first, then fewer, wherever the budget
-   still holds (``_back_to_int8``): the error ranking is a guess, and the operators that
-   cost most are where int8 saves most. Where even all of them in float break the budget
-   (the error is in the quantized products and sums between them), the control runs again
-   quantizing only the quantizable operators, which all in float is the f32 model.
+2. **Where it pays, within the budget.** The quantized model's outputs on the validation
+   inputs (the calibration inputs and ``VALIDATION_SEEDS`` random ones) are compared with
+   the f32 model's on ONNX Runtime.
+   - The operators int8 made slower where it runs stay in float first (``int8_gain``:
+     OpenVINO's per-layer profile of the f32 model and of the quantized one; resnet18's
+     convolutions before its residual adds ran in f32 there, 2-3x slower with their inputs
+     quantized).
+   - Where the error breaks the budget, the quantizable operators are ranked by the error
+     each adds (its output's error against the f32 model's, less its input's:
+     ``local_errors``), and the worst are left in float, 1, 2, 4, ... of them, then halved
+     back to the fewest that fit, as NNCF's accuracy control reverts layers in order of
+     their error.
+   - The error ranking is a guess: those left in float go back to int8 where the budget
+     still holds, those int8 saves most on first (``int8_gain``; ONNX Runtime's profile of
+     the f32 model where OpenVINO's cannot be taken, ``node_costs``), half of them at once,
+     then fewer (``_back_to_int8``).
+   - Where even all of them in float break the budget (the error is in the quantized
+     products and sums between them), the control runs again quantizing only the
+     quantizable operators, which all in float is the f32 model.
 3. Then ``build.optimize`` searches the quantized file as any int8 model (its regions on
    the libraries that run it fastest, judged in its own precision) beside the f32 model
    under the same tolerance (bf16 regions allowed), both judged against the f32 model,
@@ -34,6 +41,7 @@ import tempfile
 
 import numpy as np
 
+from . import int8_gain
 from .precision import INT8_TOLERANCE  # noqa: F401 (the budget's default, re-exported)
 
 logger = logging.getLogger("collage_tvm")
@@ -352,12 +360,17 @@ def local_errors(f32, int8, feeds: list) -> list:
 
 
 def controlled(proto, feeds: list, validation: list, tolerance: float, progress=None,
-               method: str = "ort") -> dict:
+               method: str = "ort", hint=None) -> dict:
     """``proto`` quantized within ``tolerance`` on ``validation`` (module docstring, step 2):
     {"model": the int8 ModelProto (None: no operator could stay int8), "error", "excluded":
     node names left in float, "quantizable", "tries": [(excluded count, error)],
     "compute_only": whether only the ``QUANTIZABLE`` operators are quantized,
-    "whole_model", "whole_error": the first try, every operator int8}.
+    "whole_model", "whole_error": the first try, every operator int8, "unpaid": operators
+    left in float because int8 ran them slower on OpenVINO (``int8_gain``), "returned":
+    operators the error ranking left in float that went back to int8}.
+
+    ``hint``: the precision the float parts run in where OpenVINO's per-operator times are
+    taken (None: its default, bf16 on CPUs with bf16; "f32"), False: none taken.
 
     First every operator type the quantizer knows is quantized; where even every
     ``QUANTIZABLE`` operator left in float breaks the budget, the error lies in the others
@@ -372,7 +385,7 @@ def controlled(proto, feeds: list, validation: list, tolerance: float, progress=
     out = None
     for op_types in (None, QUANTIZABLE):
         found = _control(proto, feeds, validation, reference, tolerance, tries, progress,
-                         quantizable, op_types, method)
+                         quantizable, op_types, method, hint)
         found["compute_only"] = op_types is not None
         out = out or found  # (what the first pass tried is the report's, where none fits)
         if found["model"] is not None:
@@ -384,7 +397,7 @@ def controlled(proto, feeds: list, validation: list, tolerance: float, progress=
 
 
 def _control(proto, feeds, validation, reference, tolerance, tries, progress, quantizable,
-             op_types, method="ort") -> dict:
+             op_types, method="ort", hint=None) -> dict:
     """One pass of ``controlled`` quantizing ``op_types`` (None: every type)."""
 
     def attempt(exclude):
@@ -397,15 +410,28 @@ def _control(proto, feeds, validation, reference, tolerance, tries, progress, qu
 
     model, err = attempt(())
     out = {"model": model, "error": err, "excluded": [], "quantizable": len(quantizable),
-           "whole_model": model, "whole_error": err}
+           "whole_model": model, "whole_error": err, "unpaid": [], "returned": []}
+    times = int8_gain.timed(proto, model, validation[0], quantizable, hint) \
+        if hint is not False else {}
+    unpaid = int8_gain.unpaid(times)
+    out.update(timed_on="openvino" if times else None, unpaid=unpaid)
+    if unpaid:  # (int8 made them slower where it runs: they stay in float from the start)
+        paid, paid_err = attempt(unpaid)
+        if paid_err <= tolerance:
+            return {**out, "model": paid, "error": paid_err, "excluded": list(unpaid)}
     if err <= tolerance:
         return out
-    ranked = [name for name, _ in local_errors(proto, model, validation[:2])]
-    ranked += [n for n in quantizable if n not in ranked]
+
+    def with_unpaid(exclude):
+        return attempt(unpaid + [n for n in exclude if n not in unpaid])
+
+    ranked = [name for name, _ in local_errors(proto, model, validation[:2])
+              if name not in unpaid]
+    ranked += [n for n in quantizable if n not in ranked and n not in unpaid]
     fits, fails, best = None, 0, None
     k = 1
     while k <= len(ranked):
-        model, err = attempt(ranked[:k])
+        model, err = with_unpaid(ranked[:k])
         if err <= tolerance:
             fits, best = k, (model, err)
             break
@@ -413,36 +439,36 @@ def _control(proto, feeds, validation, reference, tolerance, tries, progress, qu
         k *= 2
     if fits is None:
         if len(ranked) and fails < len(ranked):
-            model, err = attempt(ranked)
+            model, err = with_unpaid(ranked)
             if err <= tolerance:
                 fits, best = len(ranked), (model, err)
         if fits is None:
-            return {**out, "model": None, "excluded": ranked}
+            return {**out, "model": None, "excluded": unpaid + ranked}
     lo, hi = fails, fits  # (lo fails, hi fits): the fewest that fit, halving the gap
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        model, err = attempt(ranked[:mid])
+        model, err = with_unpaid(ranked[:mid])
         if err <= tolerance:
             hi, best = mid, (model, err)
         else:
             lo = mid
     excluded, returned = ranked[:hi], []
     if hi > 1:
-        costs = node_costs(proto, validation[:1])
-        excluded, found = _back_to_int8(excluded, costs, attempt, tolerance)
+        costs = int8_gain.saved(times) or node_costs(proto, validation[:1])
+        excluded, found = _back_to_int8(excluded, costs, with_unpaid, tolerance)
         if found is not None:
             best = found
             returned = [n for n in ranked[:hi] if n not in excluded]
-    return {**out, "model": best[0], "error": best[1], "excluded": excluded,
+    return {**out, "model": best[0], "error": best[1], "excluded": unpaid + excluded,
             "returned": returned}
 
 
 def _back_to_int8(excluded: list, costs: dict, attempt, tolerance: float,
                   tries: int = RETURN_TRIES) -> tuple:
     """The operators of ``excluded`` (the fewest of the error ranking that fit the budget)
-    sent back to int8 where the budget still holds, those that cost most in f32 first
-    (``costs``: ONNX Runtime's measured profile, ``node_costs``; int8 saves most where f32
-    spends most): the costliest half first, then smaller chunks where a chunk breaks the
+    sent back to int8 where the budget still holds, those ``costs`` ranks highest first
+    (what int8 saves per operator, ``int8_gain.saved``, or its f32 time, ``node_costs``):
+    the costliest half first, then smaller chunks where a chunk breaks the
     budget (twice as many after one that fits), within ``tries`` tries of ``attempt``. The
     error ranking is a guess (regnety_002: 53 of 64 convolutions in float before the error
     dropped, one of them the cause). Returns (those left in float, in ``excluded``'s

@@ -73,14 +73,14 @@ def test_the_accuracy_control_leaves_the_worst_operators_in_float_until_within_b
     specs = q.input_specs(proto)
     feeds, _ = q.calibration_feeds(specs)
     validation = feeds + q.random_feeds(specs, q.VALIDATION_SEEDS)
-    whole = q.controlled(proto, feeds, validation, 0.5)  # a wide budget: all int8
+    whole = q.controlled(proto, feeds, validation, 0.5, hint=False)  # wide: all int8
     assert whole["excluded"] == [] and whole["quantizable"] == 4
     assert quantized_ops(whole["model"]).get("QuantizeLinear")
     full_err = whole["error"]
     assert 0 < full_err < 0.5
     # a budget below the whole model's error: operators go back to float, worst first, and
     # the result is within it (the fewest that fit, found by halving)
-    tight = q.controlled(proto, feeds, validation, full_err * 0.9)
+    tight = q.controlled(proto, feeds, validation, full_err * 0.9, hint=False)
     assert tight["error"] <= full_err * 0.9 and 1 <= len(tight["excluded"]) <= 4
     assert [k for k, _ in tight["tries"]][:2] == [0, 1]
     names = {n.name for n in q.named(proto).graph.node}
@@ -115,9 +115,9 @@ def test_where_the_error_is_outside_the_convolutions_only_they_are_quantized(tmp
     specs = q.input_specs(proto)
     feeds, _ = q.calibration_feeds(specs)
     validation = feeds + q.random_feeds(specs, q.VALIDATION_SEEDS)
-    first = q.controlled(proto, feeds, validation, 0.5)
+    first = q.controlled(proto, feeds, validation, 0.5, hint=False)
     assert not first["compute_only"] and first["excluded"] == []
-    out = q.controlled(proto, feeds, validation, 1e-9)
+    out = q.controlled(proto, feeds, validation, 1e-9, hint=False)
     assert out["compute_only"] and out["model"] is not None and out["error"] <= 1e-9
     # every convolution in float did not fit while the products were quantized
     assert any(k == 2 and err > 1e-9 for k, err in out["tries"][:3])
@@ -159,7 +159,7 @@ def test_an_int8_budget_refuses_what_it_cannot_quantize(tmp_path):
     path = str(tmp_path / "cnn.onnx")
     _cnn(path)
     whole = q.controlled(onnx.load(path), *([q.calibration_feeds(q.input_specs(
-        onnx.load(path)))[0]] * 2), 0.5)["model"]
+        onnx.load(path)))[0]] * 2), 0.5, hint=False)["model"]
     with pytest.raises(q.QuantizeError, match="quantized already"):
         collage_tvm.optimize(whole, "llvm", ["tvm"], accuracy="int8", progress=False,
                              db=str(tmp_path / "c.db"))
@@ -223,7 +223,8 @@ def test_nncf_quantizes_leaves_named_operators_in_float_and_is_ranked_by_the_con
     assert set(convs) <= set(ranked) and any(v != 0.0 for v in ranked.values())
     validation = feeds + q.random_feeds(specs, q.VALIDATION_SEEDS)
     whole_err = q.error(q.outputs_on(whole, validation), q.outputs_on(proto, validation))
-    tight = q.controlled(proto, feeds, validation, whole_err * 0.5, method="nncf")
+    tight = q.controlled(proto, feeds, validation, whole_err * 0.5, method="nncf",
+                         hint=False)
     assert tight["model"] is None or tight["error"] <= whole_err * 0.5
     assert tight["excluded"]  # (the budget below the whole model's error: some in float)
 
@@ -282,6 +283,57 @@ def test_each_node_of_the_f32_model_has_its_measured_cost(tmp_path):
     assert all(ms > 0 for ms in costs.values())
     # the control reports what went back to int8 (nothing where one operator fits)
     validation = feeds + q.random_feeds(q.input_specs(proto), q.VALIDATION_SEEDS)
-    whole = q.controlled(proto, feeds, validation, 0.5)
-    tight = q.controlled(proto, feeds, validation, whole["error"] * 0.9)
+    whole = q.controlled(proto, feeds, validation, 0.5, hint=False)
+    tight = q.controlled(proto, feeds, validation, whole["error"] * 0.9, hint=False)
     assert not set(tight["returned"]) & set(tight["excluded"])
+
+
+def test_openvino_s_profile_is_read_per_onnx_node_with_its_input_quantization(tmp_path):
+    """``int8_gain``: OpenVINO's layers map back to the ONNX nodes they came from (a layer
+    named after the node, or the node's name and "/..."); a QuantizeLinear's own layer is
+    shared among the operators that read it; the real profile of a quantized file (in a
+    child process) names its convolutions."""
+    from collage_tvm import int8_gain
+
+    path = str(tmp_path / "cnn.onnx")
+    _cnn(path)
+    f32 = q.named(onnx.load(path))
+    feeds, _ = q.calibration_feeds(q.input_specs(f32))
+    int8 = q.quantize(f32, feeds)
+    qname = next(n.name for n in int8.graph.node if n.op_type == "QuantizeLinear"
+                 and n.input[0] == "x")
+    layers = {"/0/Conv/WithoutBiases": [0.5, "brgconv_avx512_I8"], "/0/Conv": [0.1, "x"],
+              qname: [0.2, "jit_avx512_f32"], "unrelated_u8_f32_layer": [9.0, "reorder"]}
+    times = int8_gain.node_times(layers, int8)
+    assert times["/0/Conv"] == pytest.approx(0.8)  # its layers and the input's quantization
+    assert "unrelated_u8_f32_layer" not in times
+    real = int8_gain.layer_times(int8, feeds[0])
+    assert real and {"/0/Conv", "/2/Conv", "/4/Conv"} <= set(int8_gain.node_times(real, int8))
+    slow = {"a": (1.0, 3.0), "b": (1.0, 0.5), "c": (0.001, 0.005), "d": (1.0, 1.1)}
+    assert int8_gain.unpaid(slow) == ["a"]  # (c: too small to tell, d: within the margin)
+    assert int8_gain.saved(slow) == {"b": 0.5}
+
+
+def test_operators_int8_makes_slower_where_it_runs_stay_in_float(tmp_path, monkeypatch):
+    """The control leaves in float from the start the operators OpenVINO ran slower
+    quantized (a fake table of per-operator times): they are "unpaid", not quantized, and
+    the rest stays int8 where the budget holds."""
+    from collage_tvm import int8_gain
+
+    path = str(tmp_path / "cnn.onnx")
+    _cnn(path)
+    proto = q.named(onnx.load(path))
+    feeds, _ = q.calibration_feeds(q.input_specs(proto))
+    validation = feeds + q.random_feeds(q.input_specs(proto), q.VALIDATION_SEEDS)
+    table = {"/0/Conv": (1.0, 0.4), "/2/Conv": (1.0, 2.5), "/4/Conv": (1.0, 0.5),
+             "/6/Gemm": (1.0, 0.9)}
+    monkeypatch.setattr(int8_gain, "timed", lambda f32, int8, feed, nodes, hint: {
+        n: t for n, t in table.items() if n in nodes})
+    out = q.controlled(proto, feeds, validation, 0.5)
+    assert out["unpaid"] == ["/2/Conv"] and out["excluded"] == ["/2/Conv"]
+    assert out["timed_on"] == "openvino"
+    conv_inputs = {n.name: n.input for n in out["model"].graph.node if n.op_type == "Conv"}
+    made = {o: n.op_type for n in out["model"].graph.node for o in n.output}
+    assert made.get(conv_inputs["/0/Conv"][1]) == "DequantizeLinear"  # (int8 weights)
+    assert made.get(conv_inputs["/2/Conv"][1]) != "DequantizeLinear"  # (f32 weights)
+    assert out["error"] <= 0.5 and out["whole_error"] <= 0.5

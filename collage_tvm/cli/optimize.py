@@ -89,6 +89,9 @@ def _print_int8(d: dict) -> None:
         print(f"  {label} ({f['quantizer']}, {f.get('quantize_s', 0):.0f} s): "
               f"{f['quantizable'] - len(f['in_float'])} of {f['quantizable']} operators int8"
               + (f"; in float: {', '.join(f['in_float'])}" if f["in_float"] else ""))
+        if f.get("unpaid"):
+            print(f"    {len(f['unpaid'])} in float because int8 ran them slower on "
+                  f"{f.get('timed_on') or 'OpenVINO'}: {', '.join(f['unpaid'])}")
         if f.get("returned"):
             print(f"    {len(f['returned'])} more back in int8 (the costliest first, where the "
                   f"error ranking had left them in float): {', '.join(f['returned'])}")
