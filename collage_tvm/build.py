@@ -156,7 +156,8 @@ def _int8(model, target, options, db, placement_log, tuning_db, input_shapes) ->
     # ONNX Runtime's)
     top = info["quantized"].get(chose) or info["quantized"].get("int8") or next(
         iter(info["quantized"].values()), {})
-    info.update(in_float=top.get("in_float", []), quantizable=top.get("quantizable", 0),
+    info.update(in_float=top.get("in_float", []), unpaid=top.get("unpaid", []),
+                quantizable=top.get("quantizable", 0),
                 tries=top.get("tries", []), error_quantized_file=top.get("error_file"),
                 compute_only=top.get("compute_only", False))
     whys = [f"{label}: {q_['why_not']}" for label, q_ in info["quantized"].items()

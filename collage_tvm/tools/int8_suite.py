@@ -256,6 +256,7 @@ def run_model(suite: str, name: str, out_dir: str, options, db, log=print) -> li
         info = res.report.precision.get("int8", {})
         row.update(search_s=round(time.perf_counter() - t0, 1), shipped=res.report.shipped,
                    chose=info.get("chose"), in_float=info.get("in_float", []),
+                   unpaid=info.get("unpaid", []),
                    quantizable=info.get("quantizable"), calibration=info.get("calibration"))
         module = _loaded(res, os.path.join(folder, "int8.collage"))
         del res
@@ -363,7 +364,7 @@ def markdown(suite: str, rows: list, machine: dict | None = None) -> str:
         if r.get("chose"):
             shipped = f"{r['chose']} build" + (
                 f", {len(r['in_float'])} of {r['quantizable']} in float" if r.get("in_float")
-                else "")
+                else "") + (f" ({len(r['unpaid'])} slower in int8)" if r.get("unpaid") else "")
         lines.append(f"| {r['model']} | {r['kind']} | {shipped} | {cell('collage')} | "
                      + " | ".join(cell(c) for c in cols[1:]) + " | "
                      + (f"{r['vs_best']:.3f}x" if r.get("vs_best") else "-") + " |")
