@@ -37,9 +37,9 @@ UNPAID_MS = 0.01
 
 
 def layer_times(proto, feed: dict, hint: str | None = None) -> dict | None:
-    """OpenVINO layer name -> [ms of its fastest run, how it ran] of ``proto`` on ``feed`` (``hint``:
-    its INFERENCE_PRECISION_HINT, None for its default), profiled in a child process; None
-    where OpenVINO failed or crashed there (logged)."""
+    """OpenVINO layer name -> [ms of its fastest run, how it ran] of ``proto`` on ``feed``
+    (``hint``: its INFERENCE_PRECISION_HINT, None for its default), profiled in a child
+    process; None where OpenVINO failed or crashed there (logged)."""
     with tempfile.TemporaryDirectory() as tmp:
         model, inputs = os.path.join(tmp, "model.onnx"), os.path.join(tmp, "feed.npz")
         with open(model, "wb") as f:
@@ -94,17 +94,16 @@ def _node_of(layer: str, names: set) -> str | None:
     return None
 
 
-def timed(f32, int8, feed: dict, nodes: list, hint: str | None = None) -> dict:
+def timed(f32, f32_layers: dict, int8, feed: dict, nodes: list, hint: str | None = None) -> dict:
     """name -> (ms in ``f32``, ms in ``int8``) per run on OpenVINO, of each of ``nodes`` (the
     quantizable operators of ``f32``; ``int8``: the model with them quantized): its time in
-    ``f32``'s profile at ``hint``, and its time with its input's quantization in ``int8``'s
-    profile (at the same hint: its float parts). {} where either profile could not be
-    taken."""
-    before = layer_times(f32, feed, hint)
-    after = layer_times(int8, feed, hint) if before is not None else None
-    if before is None or after is None:
+    ``f32_layers`` (``layer_times`` of ``f32`` at ``hint``, taken once for every quantized
+    model compared with it), and its time with its input's quantization in ``int8``'s
+    profile (at the same hint: its float parts). {} where that profile could not be taken."""
+    after = layer_times(int8, feed, hint)
+    if after is None:
         return {}
-    t_f32, t_int8 = node_times(before, f32), node_times(after, int8)
+    t_f32, t_int8 = node_times(f32_layers, f32), node_times(after, int8)
     return {n: (t_f32[n], t_int8[n]) for n in nodes if n in t_f32 and n in t_int8}
 
 

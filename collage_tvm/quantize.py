@@ -382,10 +382,13 @@ def controlled(proto, feeds: list, validation: list, tolerance: float, progress=
     reference = outputs_on(proto, validation)
     tries = []
     quantizable = [n.name for n in proto.graph.node if n.op_type in QUANTIZABLE]
+    # (the f32 model's OpenVINO profile, once for both passes)
+    f32_layers = int8_gain.layer_times(proto, validation[0], hint) if hint is not False \
+        else None
     out = None
     for op_types in (None, QUANTIZABLE):
         found = _control(proto, feeds, validation, reference, tolerance, tries, progress,
-                         quantizable, op_types, method, hint)
+                         quantizable, op_types, method, hint, f32_layers)
         found["compute_only"] = op_types is not None
         out = out or found  # (what the first pass tried is the report's, where none fits)
         if found["model"] is not None:
@@ -397,8 +400,10 @@ def controlled(proto, feeds: list, validation: list, tolerance: float, progress=
 
 
 def _control(proto, feeds, validation, reference, tolerance, tries, progress, quantizable,
-             op_types, method="ort", hint=None) -> dict:
-    """One pass of ``controlled`` quantizing ``op_types`` (None: every type)."""
+             op_types, method="ort", hint=None, f32_layers=None) -> dict:
+    """One pass of ``controlled`` quantizing ``op_types`` (None: every type); ``f32_layers``:
+    OpenVINO's profile of ``proto`` at ``hint`` (``int8_gain.layer_times``), None: no
+    per-operator times."""
 
     def attempt(exclude):
         model = quantize(proto, feeds, exclude, op_types, method)
@@ -411,8 +416,8 @@ def _control(proto, feeds, validation, reference, tolerance, tries, progress, qu
     model, err = attempt(())
     out = {"model": model, "error": err, "excluded": [], "quantizable": len(quantizable),
            "whole_model": model, "whole_error": err, "unpaid": [], "returned": []}
-    times = int8_gain.timed(proto, model, validation[0], quantizable, hint) \
-        if hint is not False else {}
+    times = {} if f32_layers is None else int8_gain.timed(
+        proto, f32_layers, model, validation[0], quantizable, hint)
     unpaid = int8_gain.unpaid(times)
     out.update(timed_on="openvino" if times else None, unpaid=unpaid)
     if unpaid:  # (int8 made them slower where it runs: they stay in float from the start)
@@ -479,7 +484,7 @@ def _back_to_int8(excluded: list, costs: dict, attempt, tolerance: float,
     while pending and tries > 0:
         chunk = pending[:min(size, len(pending))]
         trial = [n for n in excluded if n in keep and n not in chunk]
-        if not trial:  # (every one back: the whole model int8, which broke the budget)
+        if not trial:  # (every one back: the first try of the control, which broke it)
             size = max(1, len(chunk) // 2)
             if len(chunk) == 1:
                 pending = pending[1:]

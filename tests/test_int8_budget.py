@@ -327,7 +327,8 @@ def test_operators_int8_makes_slower_where_it_runs_stay_in_float(tmp_path, monke
     validation = feeds + q.random_feeds(q.input_specs(proto), q.VALIDATION_SEEDS)
     table = {"/0/Conv": (1.0, 0.4), "/2/Conv": (1.0, 2.5), "/4/Conv": (1.0, 0.5),
              "/6/Gemm": (1.0, 0.9)}
-    monkeypatch.setattr(int8_gain, "timed", lambda f32, int8, feed, nodes, hint: {
+    monkeypatch.setattr(int8_gain, "layer_times", lambda proto, feed, hint=None: {})
+    monkeypatch.setattr(int8_gain, "timed", lambda f32, f32_layers, int8, feed, nodes, hint: {
         n: t for n, t in table.items() if n in nodes})
     out = q.controlled(proto, feeds, validation, 0.5)
     assert out["unpaid"] == ["/2/Conv"] and out["excluded"] == ["/2/Conv"]
