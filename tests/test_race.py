@@ -81,6 +81,7 @@ def test_the_faster_serves_once_decided_and_only_past_the_margin(monkeypatch, ot
     assert record["shipped"] == "a" and record["chose"] == chose and record["left_out"] == {}
     assert record["ms"]["a"] == 1.0 and record["ms"]["b"] == other_ms
     assert record["rounds"] <= RACE_ROUNDS and record["calls"] == len(outs)
+    assert len(record["turns"]["a"]) == record["rounds"] and record["turns"]["a"][0] == 1.0
     if other_ms > 1.1:  # slower in every round: outrun before the last round
         assert record["rounds"] < RACE_ROUNDS and "b" in race.outrun
     # decided: every later call goes to the winner alone

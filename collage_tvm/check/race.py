@@ -139,12 +139,14 @@ class Race:
     def record(self) -> dict:
         """{"shipped": the search's choice, "chose": the one serving (None while racing),
         "ms": label -> its figure, "rounds", "calls" (raced), "seconds" (from the first
-        raced call to the decision), "left_out": label -> why}."""
+        raced call to the decision), "left_out": label -> why, "turns": label -> the figure
+        of each of its turns, in order (whether a lead held from the first round on)}."""
         return {"shipped": self.first, "chose": self.chose, "ms": dict(self._figures()),
                 **({"other_load": round(self.busy_share, 3)}
                    if self.busy_share == self.busy_share else {}),
                 "rounds": self._round, "calls": self.calls, "seconds": round(self.seconds, 3),
-                "left_out": dict(self.left_out)}
+                "left_out": dict(self.left_out),
+                "turns": {n: [round(v, 4) for v in s] for n, s in self.samples.items() if s}}
 
     def __call__(self, *args):
         winner = self._winner
