@@ -355,17 +355,16 @@ def test_a_points_runoff_ends_once_the_rounds_settle_and_runs_on_while_they_do_n
     assert chose == "ref"  # no lead beyond the margin: the first stays
 
 
-def test_points_between_corners_one_library_won_clearly_go_to_it_untimed(monkeypatch):
+def test_points_inside_a_box_one_library_won_clearly_go_to_it_untimed(monkeypatch):
     from collage_tvm.dynamic import search
     from collage_tvm.dynamic.weights import expected_ms
 
     ranges = ShapeRanges([("x", "float32", ["batch", "seq"])],
                          {"batch": Axis("batch", 1, 1, 8), "seq": Axis("seq", 1, 16, 64)})
     todo = ranges.points()
-    assert len(todo) > search.CORNERS_FROM
-    corner_keys = {point_key(p) for p in search.corners(ranges, todo)}
-    assert corner_keys == {"batch=1,seq=16", "batch=1,seq=1", "batch=1,seq=64",
-                           "batch=8,seq=1", "batch=8,seq=64"}
+    assert len(todo) == 16 > search.CORNERS_FROM
+    corner_keys = {"batch=1,seq=16", "batch=1,seq=1", "batch=1,seq=64", "batch=8,seq=1",
+                   "batch=8,seq=64"}
     timed = []
 
     def at(point, contenders, args, accuracy, lead):
@@ -380,34 +379,39 @@ def test_points_between_corners_one_library_won_clearly_go_to_it_untimed(monkeyp
     lib.numpy_call = lib
     fns = {"a": lib, "b": lib}
     f32 = collage_tvm.precision.parse_accuracy("f32")
-    # "a" leads by 30% at every corner: the 10 points between are its, untimed
-    monkeypatch.setattr(search, "_choose_at", lambda p, c, a, acc: at(p, c, a, acc,
-                                                                       lambda q: 0.3))
-    chosen = search.choose(ranges, fns, f32)
-    assert set(timed) == corner_keys and len(chosen["points"]) == len(todo)
+
+    def run(lead, **kw):
+        timed.clear()
+        monkeypatch.setattr(search, "_choose_at", lambda p, c, a, acc: at(p, c, a, acc, lead))
+        return search.choose(ranges, fns, f32, **kw)
+
+    # "a" leads by 30% at every corner: the 11 points between are its, untimed
+    chosen = run(lambda q: 0.3)
+    assert timed[0] == "batch=1,seq=16"  # (the optimum first: the static build is timed there)
+    assert set(timed) == corner_keys and len(timed) == len(corner_keys)
     assert [point_key(r["point"]) for r in chosen["points"]] == [point_key(p) for p in todo]
     assert set(chosen["table"].values()) == {"a"}
     assert sum(bool(r.get("inferred")) for r in chosen["points"]) == len(todo) - len(timed)
     over = expected_ms(ranges, chosen, None)
     assert over["over"] == f"the {len(timed)} points timed, equally weighted"
     assert over["ms"]["collage"] == 1.0
-    # a lead under CORNER_LEAD at one corner: every point is timed
-    timed.clear()
-    monkeypatch.setattr(search, "_choose_at", lambda p, c, a, acc: at(
-        p, c, a, acc, lambda q: 0.05 if q == {"batch": 8, "seq": 64} else 0.3))
-    assert not any(r.get("inferred") for r in search.choose(ranges, fns, f32)["points"])
-    assert len(timed) == len(todo)
-    # corners won by different libraries: every point is timed too
-    timed.clear()
-    monkeypatch.setattr(search, "_choose_at", lambda p, c, a, acc: at(
-        p, c, a, acc, lambda q: -0.3 if q["batch"] == 8 else 0.3))
-    chosen = search.choose(ranges, fns, f32)
-    assert len(timed) == len(todo) and chosen["table"]["batch=8,seq=64"] == "b"
+    # a lead under CORNER_LEAD at one corner: the boxes around it are timed, not the rest
+    chosen = run(lambda q: 0.05 if q == {"batch": 8, "seq": 64} else 0.3)
+    assert "batch=8,seq=64" in timed and corner_keys < set(timed)
+    assert len(set(timed)) == len(timed) < len(todo)  # (none timed twice)
+    assert set(chosen["table"].values()) == {"a"}
+    # one crossover (b ahead from batch x seq = T on, a below it): every point gets the
+    # library that is faster there, most of them untimed
+    for threshold in (2, 16, 64, 128, 256, 512):
+        chosen = run(lambda q: -0.3 if q["batch"] * q["seq"] >= threshold else 0.3)
+        truth = {point_key(p): "b" if p["batch"] * p["seq"] >= threshold else "a"
+                 for p in todo}
+        assert chosen["table"] == truth, threshold
+        assert len(set(timed)) == len(timed) < len(todo), threshold
+        for r in chosen["points"]:
+            assert bool(r.get("inferred")) == (point_key(r["point"]) not in timed)
     # observed shape weights: nothing inferred
-    timed.clear()
-    monkeypatch.setattr(search, "_choose_at", lambda p, c, a, acc: at(p, c, a, acc,
-                                                                       lambda q: 0.3))
-    search.choose(ranges, fns, f32, infer=False)
+    run(lambda q: 0.3, infer=False)
     assert len(timed) == len(todo)
 
 

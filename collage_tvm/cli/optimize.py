@@ -125,7 +125,7 @@ def _print_dynamic(rep) -> None:
                                                               key=lambda kv: kv[1]))
         print(f"    {point:<28} {p['chose']:<14}" + (
             f" ({figures} ms)" if figures else
-            " (untimed: it led clearly at every corner of the ranges)" if p.get("inferred")
+            " (untimed: it led clearly at every corner of a box around it)" if p.get("inferred")
             else ""))
         for n, why in p.get("left_out", {}).items():
             print(f"      {n} left out: {why}")

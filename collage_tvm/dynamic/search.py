@@ -27,7 +27,7 @@ import time
 from .._errors import first_line
 from .dispatch import (STATIC, Dispatch, StaticBuild, dynamic_module, library_call,
                        output_types, point_key)
-from .shapes import ShapeRanges
+from .shapes import ShapeRanges, symbol_points
 from .weights import expected_ms
 
 logger = logging.getLogger("collage_tvm")
@@ -52,13 +52,12 @@ RUNOFF_MIN = 10
 RUNOFF_SURE = 0.8
 RUNOFF_TIE = 0.015
 REFERENCE = "onnxruntime"  # whose f32 outputs the others' are checked against
-# Where the ranges have more than ``CORNERS_FROM`` points, their corners (each axis at its
-# min or max) and the optimum are timed first; where one library won each of them by
-# ``CORNER_LEAD`` or more over the next, the points between go to it untimed ("inferred"):
-# a library that leads at both ends of every axis by that much does not fall behind in
-# between (gpt2's 24 points took 47 s of its 61 s search, 4.5x the search at one shape,
-# its largest points the dearest and all of them corners). Observed shape weights
-# (``--shape-weights``) time every point: the expected ms needs each one's figures.
+# Where the ranges have more than ``CORNERS_FROM`` points, the optimum is timed first, then
+# the grid's corners (each axis at its min or max); where one library won each of them by
+# ``CORNER_LEAD`` or more over the next, the points between go to it untimed ("inferred"),
+# else the grid is halved and each half judged the same way (``subdivide``). Observed
+# shape weights (``--shape-weights``) time every point: the expected ms needs each one's
+# figures.
 CORNERS_FROM = 8
 CORNER_LEAD = 0.10
 # How long a point timed beside other work waits before it is timed again (``_choose_at``)
@@ -116,63 +115,109 @@ def choose(ranges: ShapeRanges, fns: dict, accuracy, static=None, progress=None,
     as a user calls the saved build: numpy arrays in and out (``numpy_call``); one that
     fails at a point is left out there, and a point where all fail raises ``Unservable``.
     ``done``: point key -> an earlier record of this point (kept, not timed again).
-    ``infer``: the points between the corners may go untimed to a library that won every
-    corner clearly (``CORNERS_FROM``); their records say "inferred"."""
-    points, table, special = [], {}, None
+    ``infer``: where the ranges have more than ``CORNERS_FROM`` points, the points inside a
+    box of the grid whose corners one library won clearly go to it untimed (``subdivide``);
+    their records say "inferred"."""
+    points, table = {}, {}
     opt = ranges.opt()
     todo = ranges.points()
     done = done if done is not None else {}
-    first = corners(ranges, todo) if infer and len(todo) > CORNERS_FROM else todo
-    order = first + [p for p in todo if p not in first]
     index = {point_key(p): k for k, p in enumerate(todo)}
-    inferred = None
-    for point in order:
+
+    def record_of(point: dict) -> dict:
         key = point_key(point)
-        k = index[key]
-        if key not in done and inferred is None and len(first) < len(todo) \
-                and all(point_key(p) in done for p in first):
-            inferred = clear_winner([done[point_key(p)] for p in first])
-            if inferred is None:
-                first = todo  # (no clear winner at the corners: every point is timed)
-        if key not in done and inferred is not None and point not in first:
-            record = {"point": point, "chose": inferred, "ms": {}, "left_out": {},
-                      "inferred": True}
-            table[key] = inferred
-            points.append((k, record))
-            if progress is not None:
-                progress(len(points), len(todo), point, inferred, {})
-            continue
         if key not in done:
             contenders = {n: f.numpy_call for n, f in fns.items()}
             if static is not None and point == opt:
                 contenders[STATIC] = static.numpy_call
-            done[key] = _choose_at(point, contenders, point_inputs(ranges, point, seed=k),
-                                   accuracy)
-        record = done[key]
+            done[key] = _choose_at(point, contenders,
+                                   point_inputs(ranges, point, seed=index[key]), accuracy)
+        if key not in points:
+            record = done[key]
+            points[key] = record
+            if progress is not None:
+                progress(len(points), len(todo), point, record["chose"], record["ms"])
+        return done[key]
+
+    record_of(opt)  # (first: the static build is a contender there)
+    inferred = subdivide(ranges, record_of) if infer and len(todo) > CORNERS_FROM else {}
+    for point in todo:
+        key = point_key(point)
+        if key not in points and key in inferred and key not in done:
+            points[key] = {"point": point, "chose": inferred[key], "ms": {},
+                           "left_out": {}, "inferred": True}
+            if progress is not None:
+                progress(len(points), len(todo), point, inferred[key], {})
+        else:
+            record_of(point)
+    special = None
+    for key, record in points.items():
         chose, ms = record["chose"], record["ms"]
-        library = chose
         if chose == STATIC:
-            special = point
-            library = min((n for n in ms if n != STATIC), key=ms.get, default=next(iter(fns)))
-        table[key] = library
-        points.append((k, record))
-        if progress is not None:
-            progress(len(points), len(todo), point, chose, ms)
-    return {"points": [r for _, r in sorted(points, key=lambda kr: kr[0])], "table": table,
+            special = record["point"]
+            chose = min((n for n in ms if n != STATIC), key=ms.get, default=next(iter(fns)))
+        table[key] = chose
+    return {"points": [points[point_key(p)] for p in todo],
+            "table": {point_key(p): table[point_key(p)] for p in todo},
             "special": special, "ranges": ranges.to_json()}
 
 
-def corners(ranges: ShapeRanges, todo: list) -> list:
-    """The optimum and the corners of ``ranges`` (each axis at its min or max) among the
-    points ``todo``, the optimum first."""
-    ends = {s: (a.min, a.max) for s, a in ranges.axes.items()}
-    opt = ranges.opt()
-    return [opt] + [p for p in todo if p != opt
-                    and all(v in ends[s] for s, v in p.items())]
+def subdivide(ranges: ShapeRanges, record_of) -> dict:
+    """The points of ``ranges`` that go untimed: point key -> the library. The grid of the
+    points (each symbol's ``symbol_points``) is a box; its corners are timed
+    (``record_of(point)`` -> the point's record); where one library won every corner by
+    ``CORNER_LEAD`` or more (``clear_winner``), the points inside go to it untimed, else the
+    box is halved along its longest side and each half is judged the same way, down to boxes
+    with nothing between their corners. A library that leads at every corner of a box does
+    not fall behind inside it where the libraries' crossover moves one way along each axis
+    (ONNX Runtime ahead at few tokens and small batches, OpenVINO at many): gpt2's 24 points,
+    split at one crossover, were all timed when only the whole grid's corners could decide,
+    47 s of its 61 s search. A point inside two boxes won by different libraries is timed."""
+    per = {s: symbol_points(a) for s, a in ranges.axes.items()}
+    symbols = list(per)
+    inferred: dict = {}
+    timed: set = set()
+
+    def grid(box: dict, ends: bool) -> list:
+        out = [{}]
+        for s in symbols:
+            lo, hi = box[s]
+            picks = sorted({lo, hi}) if ends else range(lo, hi + 1)
+            out = [{**p, s: per[s][i]} for p in out for i in picks]
+        return out
+
+    def measure(point: dict) -> dict:
+        timed.add(point_key(point))
+        inferred.pop(point_key(point), None)
+        return record_of(point)
+
+    def visit(box: dict) -> None:
+        inside, ends = grid(box, False), grid(box, True)
+        records = [measure(p) for p in ends]
+        if len(inside) == len(ends):
+            return
+        winner = clear_winner(records)
+        if winner is None:
+            s = max(symbols, key=lambda s: box[s][1] - box[s][0])
+            lo, hi = box[s]
+            visit({**box, s: (lo, (lo + hi) // 2)})
+            visit({**box, s: ((lo + hi) // 2, hi)})
+            return
+        for p in inside:
+            key = point_key(p)
+            if key in timed:
+                continue
+            if inferred.get(key, winner) != winner:
+                measure(p)  # (two boxes disagree about it)
+            else:
+                inferred[key] = winner
+
+    visit({s: (0, len(v) - 1) for s, v in per.items()})
+    return inferred
 
 
 def clear_winner(records: list) -> str | None:
-    """The library that won each of ``records`` (the corners' choices) by ``CORNER_LEAD``
+    """The library that won each of ``records`` (a box's corners) by ``CORNER_LEAD``
     or more over the next one timed there (the static build aside: it serves the optimum
     alone), else None."""
     winner = None
