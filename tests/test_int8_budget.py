@@ -2,6 +2,7 @@
 Collage quantizes the f32 model itself (ONNX Runtime's ``quantize_static``, QDQ), leaves
 the operators that break the budget in float, and ships the quantized build only where it
 is within the budget and faster than the float one."""
+import math
 import re
 
 import numpy as np
@@ -197,6 +198,20 @@ def test_the_int8_suite_summary_counts_each_kind_and_the_float_left_in():
     text = int8_suite.markdown("torchvision", [qdq, mixed])
     assert "| b | f32, --accuracy int8 | int8 build, 1 of 20 in float | 1.000 |" in text
     assert "0.800 (err 1.0e-02)" in text and "Operators left in float (int8 shipped) in 1" in text
+    # the best framework's A/A (its second instance): a row below the goal within it
+    # cannot tell Collage from that framework; one below by more is counted apart
+    near = int8_suite._versus({"model": "d", "kind": "qdq file", "frameworks": {
+        "collage": fw(1.0), "onnxruntime": fw(0.95), "onnxruntime (A/A)": fw(0.9),
+        "openvino": fw(2.0), "openvino (A/A)": fw(2.1)}}, ("onnxruntime", "openvino"))
+    assert near["best"] == "onnxruntime" and "onnxruntime (A/A)" not in near["vs"]
+    assert abs(near["aa_spread"] - math.log(0.95 / 0.9)) < 1e-4
+    far = int8_suite._versus({"model": "e", "kind": "qdq file", "frameworks": {
+        "collage": fw(1.0), "onnxruntime": fw(0.8), "onnxruntime (A/A)": fw(0.81)}},
+        ("onnxruntime", "openvino"))
+    s = int8_suite.summary([qdq, near, far])["qdq file"]
+    assert s["below_goal"] == 2 and s["below_beyond_aa"] == 1
+    text = int8_suite.markdown("torchvision", [near, far])
+    assert "0.950x (A/A 5%)" in text and "2 below 0.97x (1 by more than the row's A/A)" in text
 
 
 @pytest.mark.skipif(not q.quantizers()["nncf"][0], reason="NNCF is not installed")
