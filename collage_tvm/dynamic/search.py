@@ -118,7 +118,7 @@ def choose(ranges: ShapeRanges, fns: dict, accuracy, static=None, progress=None,
     ``infer``: where the ranges have more than ``CORNERS_FROM`` points, the points inside a
     box of the grid whose corners one library won clearly go to it untimed (``subdivide``);
     their records say "inferred"."""
-    points, table = {}, {}
+    points: dict = {}
     opt = ranges.opt()
     todo = ranges.points()
     done = done if done is not None else {}
@@ -150,15 +150,15 @@ def choose(ranges: ShapeRanges, fns: dict, accuracy, static=None, progress=None,
                 progress(len(points), len(todo), point, inferred[key], {})
         else:
             record_of(point)
-    special = None
-    for key, record in points.items():
+    special, table = None, {}
+    for point in todo:
+        record = points[point_key(point)]
         chose, ms = record["chose"], record["ms"]
         if chose == STATIC:
-            special = record["point"]
+            special = point
             chose = min((n for n in ms if n != STATIC), key=ms.get, default=next(iter(fns)))
-        table[key] = chose
-    return {"points": [points[point_key(p)] for p in todo],
-            "table": {point_key(p): table[point_key(p)] for p in todo},
+        table[point_key(point)] = chose
+    return {"points": [points[point_key(p)] for p in todo], "table": table,
             "special": special, "ranges": ranges.to_json()}
 
 

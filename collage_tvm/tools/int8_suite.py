@@ -300,7 +300,8 @@ def _versus(row: dict, others: tuple) -> dict:
         row["best"], row["vs_best"] = best, round(vs[best], 4)
         twin = fw.get(f"{best} {AA}", {})
         if twin.get("match") and math.isfinite(twin.get("ms", math.nan)):
-            row["aa_spread"] = round(abs(math.log(twin["ms"] / fw[best]["ms"])), 4)
+            # (|ratio - 1|, as ``suites.versus``'s spreads, judged by ``within_noise``)
+            row["aa_spread"] = round(abs(twin["ms"] / fw[best]["ms"] - 1.0), 4)
     return row
 
 
@@ -317,6 +318,8 @@ def summary(rows: list) -> dict:
     """Per kind: the rows timed, Collage over the best correct framework (median, worst,
     below ``GOAL``), over each framework (median), and (f32 under int8) the rows where
     Collage left operators in float, and where it beats the whole-model int8 file."""
+    from .suites import within_noise
+
     out = {}
     for kind in ("qdq file", "f32, --accuracy int8"):
         mine = [r for r in rows if r.get("kind") == kind]
@@ -328,8 +331,7 @@ def summary(rows: list) -> dict:
                      worst=(worst["model"], worst["vs_best"]),
                      below_goal=sum(r["vs_best"] < GOAL for r in timed_rows),
                      below_beyond_aa=sum(r["vs_best"] < GOAL
-                                         and ("aa_spread" not in r
-                                              or math.log(r["vs_best"]) < -r["aa_spread"])
+                                         and not within_noise(r, "vs_best")
                                          for r in timed_rows))
             names = sorted({n for r in timed_rows for n in r.get("vs", {})})
             s["per_framework"] = {n: statistics.median(r["vs"][n] for r in timed_rows
