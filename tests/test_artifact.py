@@ -266,6 +266,33 @@ def test_the_model_file_that_won_the_final_check_saves_and_loads(model_path, tmp
     _timed_as_a_user_calls_it(module, [X], [ref], "numpy, the library's own call")
 
 
+def test_the_direct_call_takes_the_short_way_only_with_arrays_it_can_hand_over():
+    from collage_tvm.artifact.loaded import _fast_direct
+
+    calls = []
+
+    def direct(*arrays):
+        calls.append(arrays)
+        return ["out"]
+
+    f32 = np.dtype("float32")
+    fast = _fast_direct(direct, [(f32, (2, 3))], False)
+    x = np.zeros((2, 3), "float32")
+    assert fast((x,)) == ["out"] and calls[-1][0] is x  # handed over as it is
+    frozen = x.copy()
+    frozen.flags.writeable = False
+    for other in [(x.astype("float64"),), (np.zeros((3, 3), "float32"),), (frozen,),
+                  (np.zeros((2, 6), "float32")[:, ::2],), (x, x), ([[0.0] * 3] * 2,), ()]:
+        assert fast(other) is None  # the full check's turn: it converts or names the error
+    assert len(calls) == 1
+    # a dynamic model's shapes are its dispatch's to check; several inputs
+    ranged = _fast_direct(direct, [(f32, None), (np.dtype("int64"), None)], True)
+    assert ranged((np.zeros((5, 3), "float32"), np.zeros(4, "int64"))) == ["out"]
+    assert ranged((np.zeros((5, 3), "float32"), np.zeros(4, "int32"))) is None
+    assert _fast_direct(direct, [(f32, None)], False) is None  # (a shape nobody checks)
+    assert _fast_direct(None, [(f32, (1,))], False) is None
+
+
 def _timed_as_a_user_calls_it(module, arrays, expected, call):
     from collage_tvm.tools import bench
 

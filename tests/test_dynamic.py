@@ -187,6 +187,9 @@ def test_a_dynamic_batch_model_is_searched_and_serves_every_batch_in_its_range(t
     assert set(record["ms"]) == {"onnxruntime", "openvino"} and record["chose"] in record["ms"]
     assert raced.dispatch.label_for([x.shape]) == record["chose"]
     assert matches([raced(x.numpy())], [want], 1e-3, 1e-4)
+    # decided, a numpy call of that shape goes to the chosen library's own call
+    chosen = raced.dispatch.fns[record["chose"]].numpy_call
+    assert raced.dispatch._numpy_by_shapes[(tuple(x.shape),)] == chosen
     assert collage_tvm.load(saved, decide=False).dispatch.race_at([x.shape]) is None
     again = collage_tvm.optimize(path, "llvm", LIBS, **kw)  # a warm rebuild
     assert again.report.placement_from_log

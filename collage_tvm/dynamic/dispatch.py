@@ -69,6 +69,7 @@ class Dispatch:
                   for key in self.table]
         self.values = {s: sorted({int(p[s]) for p in points if s in p}) for s in ranges.axes}
         self._by_shapes: dict = {}  # input shapes -> callable (bounded: ``_pick``)
+        self._numpy_by_shapes: dict = {}  # input shapes -> the numpy_call serving them
         self.races: dict = {}       # input shapes -> its ``Race``
 
     def _pick(self, shapes: tuple):
@@ -136,7 +137,26 @@ class Dispatch:
 
     def numpy_call(self, *arrays):
         """numpy in, numpy out (a list), as the libraries' own ``numpy_call``."""
-        return self._pick(tuple(a.shape for a in arrays)).numpy_call(*arrays)
+        shapes = tuple([a.shape for a in arrays])
+        call = self._numpy_by_shapes.get(shapes)
+        if call is None:
+            call = self._numpy_call_for(shapes)
+        return call(*arrays)
+
+    def _numpy_call_for(self, shapes: tuple):
+        """The ``numpy_call`` serving ``shapes``: the library's own once a race there is
+        decided (kept, so that later calls skip the race's and this dispatch's steps; see
+        ``artifact.loaded._fast_direct``), the race's while it is not."""
+        from ..check.race import Race
+
+        fn = self._pick(shapes)
+        if isinstance(fn, Race):
+            if not fn.settled:
+                return fn.numpy_call
+            fn = fn.fns[fn.chose]
+        if len(self._numpy_by_shapes) < 4096:
+            self._numpy_by_shapes[shapes] = fn.numpy_call
+        return fn.numpy_call
 
 
 class StaticBuild:
