@@ -138,6 +138,84 @@ def test_the_dispatch_sends_each_shape_to_its_points_choice_and_the_optimum_to_t
         d.numpy_call(np.zeros((9, 2), "float32"))
 
 
+def test_a_calls_exact_shapes_go_to_the_fixed_contender_once_it_is_made():
+    from collage_tvm.check.race import Making
+
+    ranges = ShapeRanges([("x", "float32", ["batch", 2])], {"batch": Axis("batch", 1, 1, 8)})
+
+    def fn(label):
+        def call(*args):
+            return label
+        call.numpy_call = call
+        return call
+
+    gate = __import__("threading").Event()
+
+    def make():
+        gate.wait(30)
+        return fn("fixed4")
+
+    table = {"batch=1": "a", "batch=2": "a", "batch=4": "b", "batch=8": "b"}
+    fixed = Making(make)
+    d = Dispatch(ranges, table, {"a": fn("a"), "b": fn("b")},
+                 exact={"batch=4": ("openvino", fixed), "batch=1": ("openvino", fn("fixed1"))})
+    assert d.making_at([(4, 2)]) is fixed and d.making_at([(3, 2)]) is None
+    # while it is made, the table's choice serves its point (and nothing is kept)
+    assert d.numpy_call(np.zeros((4, 2), "float32")) == "b"
+    gate.set()
+    fixed.wait(30)
+    got = [d.numpy_call(np.zeros((b, 2), "float32")) for b in (1, 2, 3, 4, 5, 8)]
+    assert got == ["fixed1", "a", "b", "fixed4", "b", "b"]  # exact shapes only
+    assert d.label_for([(4, 2)]) == "openvino@fixed" and d.label_for([(3, 2)]) == "b"
+    assert d.making_at([(4, 2)]) is None
+    # one its library failed to make: the table's choice serves, from then on
+    broken = Making(lambda: 1 / 0)
+    broken.wait(30)
+    d = Dispatch(ranges, table, {"a": fn("a"), "b": fn("b")}, exact={"batch=8": ("ov", broken)})
+    assert d.numpy_call(np.zeros((8, 2), "float32")) == "b" and not d.exact
+
+
+def test_fixed_contenders_serve_the_points_they_win_and_are_dropped_where_they_never_pay(
+        monkeypatch):
+    from collage_tvm.dynamic import search
+
+    ranges = ShapeRanges([("x", "float32", ["batch", 2])], {"batch": Axis("batch", 1, 1, 8)})
+    figures = {}  # point key -> label -> ms
+
+    def at(point, contenders, args, accuracy):
+        ms = {n: figures[point_key(point)][n] for n in contenders}
+        return {"point": point, "chose": min(ms, key=ms.get), "ms": ms, "left_out": {}}
+
+    monkeypatch.setattr(search, "_choose_at", at)
+    made = []
+
+    def maker(lib):
+        def make(point):
+            made.append((lib, point_key(point)))
+            f = (lambda *a: [a[0]])
+            f.numpy_call = f
+            return f
+        return make
+
+    def lib(*a):
+        return [a[0]]
+    lib.numpy_call = lib
+    f32 = collage_tvm.precision.parse_accuracy("f32")
+    # "ov@fixed" 20% ahead at batch 1 and 8, 1% at batch 4 (too close: the session serves);
+    # "slow@fixed" never ahead: tried at the first two points only
+    for b, gain in ((1, 0.2), (2, 0.2), (4, 0.01), (8, 0.2)):
+        figures[f"batch={b}"] = {"ort": 1.0, "ov": 1.1, "ov@fixed": 1.0 - gain,
+                                 "slow@fixed": 1.5}
+    chosen = search.choose(ranges, {"ort": lib, "ov": lib}, f32,
+                           fixed={"ov": maker("ov"), "slow": maker("slow")})
+    assert chosen["exact"] == {"batch=1": "ov", "batch=2": "ov", "batch=8": "ov"}
+    assert set(chosen["table"].values()) == {"ort"}  # (every other shape: the best session)
+    assert [k for lib_, k in made if lib_ == "slow"] == ["batch=1", "batch=2"]
+    assert len([k for lib_, k in made if lib_ == "ov"]) == 4
+    record = next(r for r in chosen["points"] if point_key(r["point"]) == "batch=4")
+    assert record["chose"] == "ort"
+
+
 # ---------------------------------------------------------------------------- builds
 
 def _vm_run(res, *arrays):
@@ -191,6 +269,22 @@ def test_a_dynamic_batch_model_is_searched_and_serves_every_batch_in_its_range(t
     chosen = raced.dispatch.fns[record["chose"]].numpy_call
     assert raced.dispatch._numpy_by_shapes[(tuple(x.shape),)] == chosen
     assert collage_tvm.load(saved, decide=False).dispatch.race_at([x.shape]) is None
+    # a point served by the file compiled for its exact shapes (OpenVINO; the manifest
+    # edited): made in a thread at load, right outputs, the other shapes as before
+    entry.pop("close")
+    entry["exact"] = {"batch=4": "openvino"}
+    manifest["backends"].setdefault("openvino", {**manifest["backends"][entry["libraries"][0]],
+                                                 "version": collage_tvm.registry.get_backend(
+                                                     "openvino").version()})
+    (saved / "manifest.json").write_text(json.dumps(manifest))
+    fixed = collage_tvm.load(saved)
+    x4 = torch.randn(4, 3, 8, 8)
+    fixed.settle(x4.numpy())
+    assert fixed.dispatch.label_for([x4.shape]) == "openvino@fixed"
+    assert fixed.dispatch.label_for([x.shape]) in entry["libraries"]
+    with torch.no_grad():
+        assert matches([fixed(x4.numpy())], [m(x4).numpy()], 1e-3, 1e-4)
+        assert matches([fixed(x.numpy())], [want], 1e-3, 1e-4)
     again = collage_tvm.optimize(path, "llvm", LIBS, **kw)  # a warm rebuild
     assert again.report.placement_from_log
     if not again.report.rechecked:  # (a verdict timed beside other work is checked again)

@@ -196,13 +196,13 @@ def _lower_dynamic(manifest: dict, entry: dict, path: Path, backends: dict, deci
     file = path / entry["file"]
     outs = [tuple(t) for t in entry["outputs"]]
 
-    def call(backend):
+    def call(backend, shapes=None):
         proto = None
         if not getattr(backend.get_lowering(), "reads_files", False):
             import onnx
 
             proto = onnx.load(str(file))
-        return library_call(backend, proto, str(file), entry["inputs"], outs)
+        return library_call(backend, proto, str(file), entry["inputs"], outs, shapes)
 
     fns = {}
     for name in entry["libraries"]:
@@ -230,8 +230,24 @@ def _lower_dynamic(manifest: dict, entry: dict, path: Path, backends: dict, deci
             logger.info("%s does not race here: %s", name, err)
             continue
         making[name] = Making(lambda b=backend: call(b))
-    return Dispatch(ShapeRanges.from_json(entry["ranges"]), entry["table"], fns, special,
-                    close, manifest.get("accuracy", "f32"), making)
+    ranges = ShapeRanges.from_json(entry["ranges"])
+    # each point served by the file compiled for its exact shapes: compiled in a thread
+    # (one after another), so that load returns at once; ``Loaded.settle`` waits for it
+    exact = {}
+    for key, name in (entry.get("exact") or {}).items():
+        point = {s: int(v) for s, v in (kv.split("=") for kv in key.split(","))}
+        exact[key] = (name, Making(lambda b=backends[name], p=point, before=list(exact.values()):
+                                   _after(before, lambda: call(b, ranges.shapes(p)))))
+    return Dispatch(ranges, entry["table"], fns, special, close,
+                    manifest.get("accuracy", "f32"), making, exact)
+
+
+def _after(before: list, make):
+    """``make()`` once each of ``before`` ((library, ``Making``)) is done: the compiles of a
+    dynamic model's fixed contenders, one at a time."""
+    for _, made in before:
+        made.wait()
+    return make()
 
 
 def _alternate_backend(manifest: dict, name: str):

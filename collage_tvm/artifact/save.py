@@ -128,7 +128,7 @@ def _save_regions(module, folder: Path, alternates=(), model_file=None) -> tuple
         if kind == "dynamic":  # a dynamic model's dispatch (``collage_tvm.dynamic``)
             entry = _save_dynamic(symbol, made, folder)
             entries.append(entry)
-            for lib in entry["libraries"]:
+            for lib in set(entry["libraries"]) | set((entry.get("exact") or {}).values()):
                 count[lib] = count.get(lib, 0) + 1
             continue
         backend = get_backend(name)
@@ -179,7 +179,8 @@ def _save_dynamic(symbol: str, made: tuple, folder: Path) -> dict:
     _, ranges, proto, chosen, static = made
     _write_onnx(proto, folder / ALTERNATE_FILE)
     libraries = sorted(set(chosen["table"].values()))
-    for name in libraries:
+    exact = dict(chosen.get("exact") or {})
+    for name in sorted(set(libraries) | set(exact.values())):
         _save_native(get_backend(name).get_lowering(), folder / ALTERNATE_FILE)
     entry = {"symbol": symbol, "format": "dynamic", "backend": libraries[0],
              "libraries": libraries, "label": "the model file per shape",
@@ -188,7 +189,10 @@ def _save_dynamic(symbol: str, made: tuple, folder: Path) -> dict:
              "outputs": [list(t) for t in output_types(proto)],
              "ranges": ranges.to_json(), "table": chosen["table"],
              "close": close_labels(chosen["points"]),
-             "special": chosen["special"] if static is not None else None}
+             "special": chosen["special"] if static is not None else None,
+             # point key -> the library that serves its exact shapes with the file compiled
+             # for them (made in a thread at load; the table's choice serves meanwhile)
+             **({"exact": exact} if exact else {})}
     if static is not None:
         save(static, folder.parent / STATIC, input_names=entry["inputs"],
              output_names=[o.name for o in proto.graph.output])
@@ -438,7 +442,8 @@ def _manifest(result, target, regions: list, count: dict) -> dict:
 
     backends = {name: {**info(name), "regions": count[name]}
                 for name in sorted({n for e in regions
-                                    for n in e.get("libraries", [e["backend"]])})}
+                                    for n in [*e.get("libraries", [e["backend"]]),
+                                              *(e.get("exact") or {}).values()]})}
     # what the calls may choose instead (``load``: ``check.race``): not needed to load it
     alternate = {name: info(name) for name in sorted(
         {a["backend"] for e in regions for a in e.get("alternates", ())}

@@ -74,6 +74,10 @@ class GraphLibraryLowering(Lowering):
     #: ``compile`` also takes an ``OnnxFile`` (collage_tvm.export.onnx): the library reads
     #: the file itself (a saved build loads without parsing its regions first)
     reads_files = False
+    #: ``compile(..., shapes=)`` compiles a dynamic model file for one point's exact input
+    #: shapes, and that can run it faster than the one session that serves every shape
+    #: (``collage_tvm.dynamic``: a point's "fixed" contender)
+    fixes_shapes = False
 
     def export(self, func):
         from collage_tvm.export.onnx import ExportError, export_function

@@ -24,6 +24,18 @@ from .shapes import STATIC, ShapeRanges, point_key
 RACE_SHARE = 0.35
 # The most call shapes raced in one process; later new shapes go to the table's choice.
 MAX_RACES = 256
+# A point's "fixed" contender: the user's file on a library compiled for that point's exact
+# shapes (``GraphLibraryLowering.fixes_shapes``), labelled as the library with this suffix.
+FIXED = "@fixed"
+
+
+def fixed_label(library: str) -> str:
+    return library + FIXED
+
+
+def fixed_library(label: str) -> str | None:
+    """The library of a fixed contender's label, None for any other label."""
+    return label[:-len(FIXED)] if label.endswith(FIXED) else None
 
 
 def close_labels(points: list, share: float = RACE_SHARE) -> dict:
@@ -31,8 +43,9 @@ def close_labels(points: list, share: float = RACE_SHARE) -> dict:
     fastest first (``choose``'s records: {"point", "chose", "ms"}); only points where more
     than one is close."""
     out = {}
-    for record in points:
-        ms = {n: v for n, v in (record.get("ms") or {}).items() if v and v == v}
+    for record in points:  # (a fixed contender serves its point's exact shapes: no race)
+        ms = {n: v for n, v in (record.get("ms") or {}).items()
+              if v and v == v and fixed_library(n) is None}
         if len(ms) < 2:
             continue
         best = min(ms.values())
@@ -44,8 +57,8 @@ def close_labels(points: list, share: float = RACE_SHARE) -> dict:
 
 class Dispatch:
     """``Dispatch(ranges, table, fns, special=None, close=None, accuracy="f32",
-    making=None)``: a callable on TVM tensors (and ``numpy_call`` on numpy arrays) that runs
-    ``fns[table[bucket]]`` for the call's shapes.
+    making=None, exact=None)``: a callable on TVM tensors (and ``numpy_call`` on numpy
+    arrays) that runs ``fns[table[bucket]]`` for the call's shapes.
 
     ``table``: point key (``point_key``) -> label of ``fns``; ``fns``: label -> callable
     (TVM tensors in and out; with ``numpy_call``); ``special``: (point, callable) where a
@@ -54,10 +67,14 @@ class Dispatch:
     each call shape of such a point, the first calls race them (``check.race.Race``, the
     table's choice first; "collage", the static build, only at its exact point), within
     the ``accuracy`` budget; ``making``: label -> ``check.race.Making`` of libraries that
-    only race (made in a thread)."""
+    only race (made in a thread). ``exact``: point key -> (library, its callable for the
+    point's exact shapes, or the ``check.race.Making`` of it): a call of exactly those
+    shapes goes to it (once made; the table's choice serves meanwhile), any other shape of
+    its bucket to the table's choice."""
 
     def __init__(self, ranges: ShapeRanges, table: dict, fns: dict, special=None,
-                 close: dict | None = None, accuracy="f32", making: dict | None = None):
+                 close: dict | None = None, accuracy="f32", making: dict | None = None,
+                 exact: dict | None = None):
         self.ranges = ranges
         self.table = dict(table)
         self.fns = dict(fns)
@@ -65,6 +82,7 @@ class Dispatch:
         self.close = dict(close or {})
         self.accuracy = accuracy
         self.making = dict(making or {})
+        self.exact = dict(exact or {})
         points = [dict(kv.split("=") for kv in key.split(",")) if key else {}
                   for key in self.table]
         self.values = {s: sorted({int(p[s]) for p in points if s in p}) for s in ranges.axes}
@@ -79,8 +97,13 @@ class Dispatch:
         if fn is not None:
             return fn
         point = self.ranges.point_of(shapes)
-        exact = self.special is not None and point == self.special[0]
         key = point_key(self.ranges.bucket(point, self.values))
+        fixed = self._fixed(point_key(point))
+        if fixed is not None:
+            if fixed is not _PENDING and len(self._by_shapes) < 4096:
+                self._by_shapes[shapes] = fixed
+            return self.fns[self.table[key]] if fixed is _PENDING else fixed
+        exact = self.special is not None and point == self.special[0]
         fn = self.special[1] if exact else self.fns[self.table[key]]
         close = [n for n in self.close.get(key, ()) if exact or n != STATIC]
         if len(close) > 1 and len(self.races) < MAX_RACES:
@@ -88,6 +111,38 @@ class Dispatch:
         if len(self._by_shapes) < 4096:
             self._by_shapes[shapes] = fn
         return fn
+
+    def _fixed(self, key: str):
+        """The fixed contender serving point ``key`` exactly: its callable, ``_PENDING``
+        while its library still compiles it, None where there is none (or it failed to be
+        made: logged, and the table's choice serves)."""
+        entry = self.exact.get(key)
+        if entry is None:
+            return None
+        library, fn = entry
+        if hasattr(fn, "done"):  # (a ``Making``)
+            if not fn.done():
+                return _PENDING
+            try:
+                fn = fn.result()
+            except Exception as err:  # noqa: BLE001 - the table's choice serves instead
+                import logging
+
+                logging.getLogger("collage_tvm").warning(
+                    "%s could not compile the model for %s (%s): the dynamic session serves "
+                    "it", library, key, err)
+                del self.exact[key]
+                return None
+            self.exact[key] = (library, fn)
+        return fn
+
+    def making_at(self, shapes):
+        """The ``Making`` of the fixed contender for call ``shapes`` while it is made, else
+        None."""
+        point = self.ranges.point_of([tuple(int(d) for d in s) for s in shapes])
+        entry = self.exact.get(point_key(point))
+        fn = entry[1] if entry is not None else None
+        return fn if hasattr(fn, "done") and not fn.done() else None
 
     def _race(self, shapes: tuple, chosen: str, fn, close: list):
         """A ``Race`` at call ``shapes`` between the choice ``chosen`` (``fn``) and the
@@ -123,6 +178,9 @@ class Dispatch:
             return fn.chose
         if self.special is not None and fn is self.special[1]:
             return STATIC
+        fixed = next((lib for lib, f in self.exact.values() if f is fn), None)
+        if fixed is not None:
+            return fixed_label(fixed)
         return next(label for label, f in self.fns.items() if f is fn)
 
     def race_at(self, shapes):
@@ -154,9 +212,14 @@ class Dispatch:
             if not fn.settled:
                 return fn.numpy_call
             fn = fn.fns[fn.chose]
+        if shapes not in self._by_shapes:  # (a fixed contender still made: not yet)
+            return fn.numpy_call
         if len(self._numpy_by_shapes) < 4096:
             self._numpy_by_shapes[shapes] = fn.numpy_call
         return fn.numpy_call
+
+
+_PENDING = object()  # a fixed contender still being made (``Dispatch._fixed``)
 
 
 class StaticBuild:
@@ -207,16 +270,22 @@ def output_types(proto) -> list:
     return out
 
 
-def library_call(backend, proto, path: str | None, names: list, out_types: list):
+def library_call(backend, proto, path: str | None, names: list, out_types: list,
+                 shapes: dict | None = None):
     """The user's dynamic file on graph library ``backend``: one session (compiled model)
-    serving every shape; its callable on TVM tensors, with ``numpy_call``."""
+    serving every shape; its callable on TVM tensors, with ``numpy_call``. ``shapes``
+    (input name -> shape; a library that ``fixes_shapes``): compiled for those shapes
+    only, a point's fixed contender."""
     from ..export.onnx import OnnxFile
 
     lowering = backend.get_lowering()
     source = (OnnxFile(path, tuple(names))
               if path is not None and getattr(lowering, "reads_files", False) else proto)
-    return lowering.compile(source, [(None, dtype) for _, dtype in out_types], True)
+    specs = [(None, dtype) for _, dtype in out_types]
+    if shapes:
+        return lowering.compile(source, specs, True, shapes=shapes)
+    return lowering.compile(source, specs, True)
 
 
-__all__ = ["Dispatch", "RACE_SHARE", "StaticBuild", "close_labels", "dynamic_module", "library_call", "output_types",
-           "point_key"]
+__all__ = ["Dispatch", "FIXED", "RACE_SHARE", "StaticBuild", "close_labels", "dynamic_module",
+           "fixed_label", "fixed_library", "library_call", "output_types", "point_key"]

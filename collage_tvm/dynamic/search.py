@@ -8,10 +8,13 @@
    file run whole by each graph library (one session each: it serves every shape), timed
    side by side on random inputs of the point's shapes, each library's outputs checked
    against ONNX Runtime's f32 ones within the accuracy budget (``check.fastest.decide``);
-   at the optimum, Collage's static build is a contender too.
+   at the optimum, Collage's static build is a contender too, and at each timed point the
+   file compiled for the point's exact shapes by each library that ``fixes_shapes``
+   (OpenVINO: a "fixed" contender, while it pays: ``FIXED_TRIES``).
 4. The build: ``dispatch.Dispatch`` sends a call to the chosen library of its point (the
-   least point at or above each size), or to the static build at exactly its shapes.
-   Nothing is padded. A build that cannot serve the range is never shipped.
+   least point at or above each size), or, at exactly a point's shapes, to the static
+   build or the fixed contender that won there. Nothing is padded. A build that cannot
+   serve the range is never shipped.
 
 The choice per point is kept in the placement log (keyed by the file, the ranges, the
 libraries' versions and the budget): a rebuild measures nothing.
@@ -25,8 +28,8 @@ import math
 import time
 
 from .._errors import first_line
-from .dispatch import (STATIC, Dispatch, StaticBuild, dynamic_module, library_call,
-                       output_types, point_key)
+from .dispatch import (STATIC, Dispatch, StaticBuild, dynamic_module, fixed_label,
+                       fixed_library, library_call, output_types, point_key)
 from .shapes import ShapeRanges, symbol_points
 from .weights import expected_ms
 
@@ -62,6 +65,12 @@ CORNERS_FROM = 8
 CORNER_LEAD = 0.10
 # How long a point timed beside other work waits before it is timed again (``_choose_at``)
 BUSY_WAIT_S = 10.0
+# A point's fixed contender (the file compiled for its exact shapes by a library that
+# ``fixes_shapes``) serves the point only where it beat every session of the file by this
+# share; a library's fixed contenders are timed at the points after the first
+# ``FIXED_TRIES`` only where one of those won so (each is one more compile at a point).
+FIXED_GAIN = 0.03
+FIXED_TRIES = 2
 
 
 def graph_libraries(backends: dict, accuracy) -> dict:
@@ -75,15 +84,18 @@ def graph_libraries(backends: dict, accuracy) -> dict:
                                                       kv[1].precision != "f32", kv[0])))
 
 
-def table_key(proto, ranges: ShapeRanges, libs: dict, accuracy, static: str) -> str:
+def table_key(proto, ranges: ShapeRanges, libs: dict, accuracy, static: str,
+              fixed=()) -> str:
     """The placement-log key of the choice per point: the model, the ranges, each library's
-    version, the budget and what the static build is (its shipped label and placement)."""
+    version, the budget, what the static build is (its shipped label and placement) and
+    the libraries whose fixed contenders were timed."""
     digest = hashlib.sha256()
     digest.update(proto.SerializeToString(deterministic=True) if proto.ByteSize() < 2**31 - 1
                   else proto.graph.SerializeToString(deterministic=True)[:1 << 20])
     parts = ["dynamic-numpy-calls-runoff", digest.hexdigest(),
              json.dumps(ranges.to_json(), sort_keys=True),
-             *sorted(f"{n}={b.version()}" for n, b in libs.items()), accuracy.key(), static]
+             *sorted(f"{n}={b.version()}" for n, b in libs.items()), accuracy.key(), static,
+             *(["fixed:" + ",".join(sorted(fixed))] if fixed else [])]
     return "dyn-" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
 
 
@@ -107,11 +119,14 @@ class Unservable(Exception):
 
 
 def choose(ranges: ShapeRanges, fns: dict, accuracy, static=None, progress=None,
-           done: dict | None = None, infer: bool = True) -> dict:
+           done: dict | None = None, infer: bool = True, fixed: dict | None = None) -> dict:
     """The choice at each point of ``ranges``: {"points": [{"point", "chose", "ms",
     "left_out"}], "table": point key -> label, "special": the optimum's point when the
-    static build won it, else None}. ``fns``: label -> callable, the reference first;
-    ``static``: the static build's callable, a contender at the optimum only. Each is timed
+    static build won it, else None, "exact": point key -> the library whose fixed
+    contender serves the point's exact shapes}. ``fns``: label -> callable, the reference
+    first; ``static``: the static build's callable, a contender at the optimum only;
+    ``fixed``: library -> ``make(point)``, its fixed contender at a point (timed as
+    ``fixed_label(library)`` at each timed point while it pays: ``FIXED_TRIES``). Each is timed
     as a user calls the saved build: numpy arrays in and out (``numpy_call``); one that
     fails at a point is left out there, and a point where all fail raises ``Unservable``.
     ``done``: point key -> an earlier record of this point (kept, not timed again).
@@ -124,14 +139,21 @@ def choose(ranges: ShapeRanges, fns: dict, accuracy, static=None, progress=None,
     done = done if done is not None else {}
     index = {point_key(p): k for k, p in enumerate(todo)}
 
+    tries = {lib: [] for lib in (fixed or {})}  # library -> whether its fixed won, per try
+
     def record_of(point: dict) -> dict:
         key = point_key(point)
         if key not in done:
             contenders = {n: f.numpy_call for n, f in fns.items()}
             if static is not None and point == opt:
                 contenders[STATIC] = static.numpy_call
+            made = _fixed_contenders(fixed or {}, tries, point, contenders)
             done[key] = _choose_at(point, contenders,
                                    point_inputs(ranges, point, seed=index[key]), accuracy)
+            del made  # (its compiled models are not kept past the timing)
+            for lib, won in tries.items():
+                if fixed_label(lib) in done[key]["ms"]:
+                    won.append(_fixed_wins(done[key]["ms"], fixed_label(lib)))
         if key not in points:
             record = done[key]
             points[key] = record
@@ -150,16 +172,49 @@ def choose(ranges: ShapeRanges, fns: dict, accuracy, static=None, progress=None,
                 progress(len(points), len(todo), point, inferred[key], {})
         else:
             record_of(point)
-    special, table = None, {}
+    special, table, exact = None, {}, {}
     for point in todo:
         record = points[point_key(point)]
         chose, ms = record["chose"], record["ms"]
+        if fixed_library(chose) is not None and not _fixed_wins(ms, chose):
+            chose = min((n for n in ms if fixed_library(n) is None), key=ms.get)
+            record["chose"] = chose  # (too close to a session that serves every shape)
         if chose == STATIC:
             special = point
-            chose = min((n for n in ms if n != STATIC), key=ms.get, default=next(iter(fns)))
+        elif fixed_library(chose) is not None:
+            exact[point_key(point)] = fixed_library(chose)
+        if chose == STATIC or fixed_library(chose) is not None:
+            chose = min((n for n in ms if n in fns), key=ms.get, default=next(iter(fns)))
         table[point_key(point)] = chose
     return {"points": [points[point_key(p)] for p in todo], "table": table,
-            "special": special, "ranges": ranges.to_json()}
+            "special": special, "exact": exact, "ranges": ranges.to_json()}
+
+
+def _fixed_contenders(fixed: dict, tries: dict, point: dict, contenders: dict) -> list:
+    """Each library's fixed contender at ``point`` added to ``contenders`` (label ->
+    numpy call), where it is still tried (``FIXED_TRIES``): the callables made (kept alive
+    for the timing). One its library cannot compile is left out, with a log line."""
+    made = []
+    for lib, make in fixed.items():
+        if len(tries[lib]) >= FIXED_TRIES and not any(tries[lib]):
+            continue
+        try:
+            fn = make(point)
+        except Exception as err:  # noqa: BLE001 - the sessions of the file still serve
+            logger.info("%s could not compile the model for %s: %s", lib, point_key(point),
+                        first_line(err, 200))
+            continue
+        made.append(fn)
+        contenders[fixed_label(lib)] = fn.numpy_call
+    return made
+
+
+def _fixed_wins(ms: dict, label: str) -> bool:
+    """Whether fixed contender ``label`` beat every session of the file (the labels that
+    are neither fixed nor the static build) by ``FIXED_GAIN`` in figures ``ms``."""
+    mine = ms.get(label)
+    others = [v for n, v in ms.items() if fixed_library(n) is None and n != STATIC]
+    return bool(mine and others) and mine <= min(others) * (1 - FIXED_GAIN)
 
 
 def subdivide(ranges: ShapeRanges, record_of) -> dict:
@@ -222,7 +277,8 @@ def clear_winner(records: list) -> str | None:
     alone), else None."""
     winner = None
     for record in records:
-        ms = {n: v for n, v in (record.get("ms") or {}).items() if n != STATIC and v == v}
+        ms = {n: v for n, v in (record.get("ms") or {}).items()
+              if n != STATIC and fixed_library(n) is None and v == v}
         if not ms:
             return None
         ranked = sorted(ms, key=ms.get)
@@ -396,12 +452,20 @@ def optimize_dynamic(proto, path, ranges: ShapeRanges, target, options, static_b
         special_fn = StaticBuild(tvm.relax.VirtualMachine(static.executable, tvm.cpu(0))["main"],
                                  tvm.cpu(0))
         static_label = f"{static.report.shipped}|{static.placement.cost}"
-    key = table_key(proto, ranges, {n: libs[n] for n in fns}, options.accuracy, static_label)
+    def fixed_at(lib):
+        return lambda point: library_call(libs[lib], proto, path, names, outs,
+                                          shapes=ranges.shapes(point))
+
+    fixed = {lib: fixed_at(lib) for lib in fns
+             if getattr(libs[lib].get_lowering(), "fixes_shapes", False)}
+    key = table_key(proto, ranges, {n: libs[n] for n in fns}, options.accuracy, static_label,
+                    fixed)
     logged = log.get(key)
     t_points = time.perf_counter()
-    if logged and set(logged.get("table", {}).values()) <= set(fns):
+    if logged and set(logged.get("table", {}).values()) <= set(fns) and set(
+            (logged.get("exact") or {}).values()) <= set(fixed):
         # (the ranges too: a default one narrowed where the model did not run to its end)
-        chosen = {k: logged.get(k) for k in ("points", "table", "special")}
+        chosen = {k: logged.get(k) for k in ("points", "table", "special", "exact")}
         if "ranges" in logged:
             chosen["ranges"] = logged["ranges"]
         from_log = True
@@ -411,7 +475,7 @@ def optimize_dynamic(proto, path, ranges: ShapeRanges, target, options, static_b
             try:
                 chosen = choose(ranges, fns, options.accuracy, special_fn,
                                 _progress if options.progress else None, done,
-                                infer=options.shape_weights is None)
+                                infer=options.shape_weights is None, fixed=fixed)
                 break
             except Unservable as err:
                 ranges = narrowed(ranges, err)
@@ -420,7 +484,9 @@ def optimize_dynamic(proto, path, ranges: ShapeRanges, target, options, static_b
     if "ranges" in chosen:  # (narrowed where the model does not run at a default's end)
         ranges = ShapeRanges.from_json(chosen["ranges"])
     special = (chosen["special"], special_fn) if chosen["special"] and special_fn else None
-    dispatch = Dispatch(ranges, chosen["table"], fns, special)
+    exact = _exact_calls(chosen, ranges, fixed)
+    chosen["exact"] = {k: lib for k, (lib, _) in exact.items()}
+    dispatch = Dispatch(ranges, chosen["table"], fns, special, exact=exact)
     symbol = register("collage.dynamic", dispatch,
                       ("dynamic", ranges, proto, chosen, static if special else None))
     mod = dynamic_module(ranges, symbol, outs)
@@ -429,6 +495,9 @@ def optimize_dynamic(proto, path, ranges: ShapeRanges, target, options, static_b
     report.dynamic = {"ranges": ranges.to_json(), "described": ranges.describe(),
                       "flags": ranges.flags(), "points": chosen["points"],
                       "special": chosen["special"] if special else None,
+                      "exact": chosen["exact"],
+                      "fixed_timed": sum(fixed_library(n) is not None for r in chosen["points"]
+                                         for n in r.get("ms") or {}),
                       "libraries": list(fns), "skipped": skipped, "from_log": from_log,
                       "static_shipped": static.report.shipped if static is not None else "",
                       "static_s": round(static_s, 1),
@@ -440,6 +509,24 @@ def optimize_dynamic(proto, path, ranges: ShapeRanges, target, options, static_b
     return (executable, mod, static.placement if static is not None else _no_placement(),
             static.graph if static is not None else None, report, target, None,
             static if special else None)
+
+
+def _exact_calls(chosen: dict, ranges: ShapeRanges, fixed: dict) -> dict:
+    """point key -> (library, its fixed contender) for the points ``chosen["exact"]``
+    gives them (compiled again: the search's were dropped after the timing); one that
+    fails now is logged and left to the table's choice."""
+    out = {}
+    for key, lib in (chosen.get("exact") or {}).items():
+        point = next((r["point"] for r in chosen["points"] if point_key(r["point"]) == key),
+                     None)
+        if point is None or lib not in fixed:
+            continue
+        try:
+            out[key] = (lib, fixed[lib](point))
+        except Exception as err:  # noqa: BLE001 - the table's choice serves the point
+            logger.warning("%s could not compile the model for %s (%s): the session of the "
+                           "file serves it", lib, key, first_line(err, 200))
+    return out
 
 
 def _static_build(static_build, ranges):
@@ -464,7 +551,10 @@ def _shipped(chosen: dict, special: bool) -> str:
     """The report's "shipped": which library serves how many points."""
     count: dict = {}
     for p in chosen["points"]:
-        count[p["chose"]] = count.get(p["chose"], 0) + 1
+        chose = p["chose"]
+        if fixed_library(chose) is not None:  # (the file too, compiled for the point)
+            chose = f"{fixed_library(chose)} (fixed shapes)"
+        count[chose] = count.get(chose, 0) + 1
     per = ", ".join(f"{n} at {c} point{'s' if c > 1 else ''}" for n, c in sorted(
         count.items(), key=lambda kv: -kv[1]))
     return f"dynamic: the model file per shape ({per})" + (
