@@ -190,24 +190,6 @@ def _fast_direct(direct, specs: list, ranged: bool):
     if direct is None:
         return None
     ndarray, n = np.ndarray, len(specs)
-    if n == 1:
-        ((dtype, shape),) = specs
-        if shape is None and not ranged:
-            return None
-
-        def fast1(args):
-            if len(args) != 1:
-                return None
-            (a,) = args
-            if type(a) is not ndarray or a.dtype is not dtype or (
-                    shape is not None and a.shape != shape):
-                return None
-            flags = a.flags
-            if not (flags.c_contiguous and flags.writeable):
-                return None
-            return direct(a)
-
-        return fast1
     if any(shape is None for _, shape in specs) and not ranged:
         return None
 
