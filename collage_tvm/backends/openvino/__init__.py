@@ -32,8 +32,10 @@ class OpenVinoLowering(GraphLibraryLowering):
     precision = "f32"
     reads_files = True
     # OpenVINO compiles a model of static shapes into faster kernels than the same file with
-    # dynamic axes: timm's ghostnet_100 at batch 1 on the AMX Xeon 4.3 against 6.2 ms,
-    # levit_128s 4.8 against 5.6 (ONNX Runtime: the same either way). docs/BENCHMARKS.md
+    # dynamic axes: timm's ghostnet_100 with a dynamic batch on the AMX Xeon, 3.48 ms at
+    # batch 1 compiled for it against 5.24 for the dynamic file, levit_128s 3.37 against
+    # 4.23 (docs/results/suite_timm_dynamic_xeon_amx.json); ONNX Runtime ran the same
+    # either way in a side-by-side check (resnet18, ghostnet_100, levit_128s)
     fixes_shapes = True
 
     def available(self) -> tuple[bool, str]:
