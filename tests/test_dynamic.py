@@ -214,6 +214,17 @@ def test_fixed_contenders_serve_the_points_they_win_and_are_dropped_where_they_n
     assert len([k for lib_, k in made if lib_ == "ov"]) == 4
     record = next(r for r in chosen["points"] if point_key(r["point"]) == "batch=4")
     assert record["chose"] == "ort"
+    # at most ``max_fixed`` points keep one: those it gained most at
+    figures["batch=2"]["ov@fixed"] = 0.9
+    chosen = search.choose(ranges, {"ort": lib, "ov": lib}, f32, fixed={"ov": maker("ov")},
+                           max_fixed=2)
+    assert chosen["exact"] == {"batch=1": "ov", "batch=8": "ov"}
+    assert chosen["table"]["batch=2"] == "ort"
+    # a big model keeps fewer (each point is one more compiled copy of its weights)
+    proto = helper.make_model(helper.make_graph([], "g", [], [], [onnx.numpy_helper.from_array(
+        np.zeros(1000, "float32"), "w")]))
+    monkeypatch.setattr(search, "FIXED_BYTES", 3 * proto.ByteSize())
+    assert search._max_fixed(proto, None) == 3
 
 
 # ---------------------------------------------------------------------------- builds

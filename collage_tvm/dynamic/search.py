@@ -71,6 +71,11 @@ BUSY_WAIT_S = 10.0
 # ``FIXED_TRIES`` only where one of those won so (each is one more compile at a point).
 FIXED_GAIN = 0.03
 FIXED_TRIES = 2
+# Each point a fixed contender serves is one more compiled model in the serving process
+# (its weights included): at most this many, and no more than ``FIXED_BYTES`` of model
+# file in all; where more won, those with the largest gain keep it.
+MAX_FIXED = 8
+FIXED_BYTES = 2 << 30
 
 
 def graph_libraries(backends: dict, accuracy) -> dict:
@@ -119,14 +124,16 @@ class Unservable(Exception):
 
 
 def choose(ranges: ShapeRanges, fns: dict, accuracy, static=None, progress=None,
-           done: dict | None = None, infer: bool = True, fixed: dict | None = None) -> dict:
+           done: dict | None = None, infer: bool = True, fixed: dict | None = None,
+           max_fixed: int = MAX_FIXED) -> dict:
     """The choice at each point of ``ranges``: {"points": [{"point", "chose", "ms",
     "left_out"}], "table": point key -> label, "special": the optimum's point when the
     static build won it, else None, "exact": point key -> the library whose fixed
     contender serves the point's exact shapes}. ``fns``: label -> callable, the reference
     first; ``static``: the static build's callable, a contender at the optimum only;
     ``fixed``: library -> ``make(point)``, its fixed contender at a point (timed as
-    ``fixed_label(library)`` at each timed point while it pays: ``FIXED_TRIES``). Each is timed
+    ``fixed_label(library)`` at each timed point while it pays: ``FIXED_TRIES``; at most
+    ``max_fixed`` points keep one, those it gained most at). Each is timed
     as a user calls the saved build: numpy arrays in and out (``numpy_call``); one that
     fails at a point is left out there, and a point where all fail raises ``Unservable``.
     ``done``: point key -> an earlier record of this point (kept, not timed again).
@@ -173,12 +180,14 @@ def choose(ranges: ShapeRanges, fns: dict, accuracy, static=None, progress=None,
         else:
             record_of(point)
     special, table, exact = None, {}, {}
+    kept = _kept_fixed([points[point_key(p)] for p in todo], max_fixed)
     for point in todo:
         record = points[point_key(point)]
         chose, ms = record["chose"], record["ms"]
-        if fixed_library(chose) is not None and not _fixed_wins(ms, chose):
+        if fixed_library(chose) is not None and point_key(point) not in kept:
+            # (too close to a session that serves every shape, or past ``max_fixed``)
             chose = min((n for n in ms if fixed_library(n) is None), key=ms.get)
-            record["chose"] = chose  # (too close to a session that serves every shape)
+            record["chose"] = chose
         if chose == STATIC:
             special = point
         elif fixed_library(chose) is not None:
@@ -207,6 +216,18 @@ def _fixed_contenders(fixed: dict, tries: dict, point: dict, contenders: dict) -
         made.append(fn)
         contenders[fixed_label(lib)] = fn.numpy_call
     return made
+
+
+def _kept_fixed(records: list, max_fixed: int) -> set:
+    """The keys of the points whose fixed contender won (``_fixed_wins``) and keeps its
+    point: the ``max_fixed`` it gained most at over the best session."""
+    gains = {}
+    for r in records:
+        chose, ms = r["chose"], r.get("ms") or {}
+        if fixed_library(chose) is not None and _fixed_wins(ms, chose):
+            best = min(v for n, v in ms.items() if fixed_library(n) is None and n != STATIC)
+            gains[point_key(r["point"])] = best / ms[chose]
+    return set(sorted(gains, key=gains.get, reverse=True)[:max(0, max_fixed)])
 
 
 def _fixed_wins(ms: dict, label: str) -> bool:
@@ -475,7 +496,8 @@ def optimize_dynamic(proto, path, ranges: ShapeRanges, target, options, static_b
             try:
                 chosen = choose(ranges, fns, options.accuracy, special_fn,
                                 _progress if options.progress else None, done,
-                                infer=options.shape_weights is None, fixed=fixed)
+                                infer=options.shape_weights is None, fixed=fixed,
+                                max_fixed=_max_fixed(proto, path))
                 break
             except Unservable as err:
                 ranges = narrowed(ranges, err)
@@ -509,6 +531,20 @@ def optimize_dynamic(proto, path, ranges: ShapeRanges, target, options, static_b
     return (executable, mod, static.placement if static is not None else _no_placement(),
             static.graph if static is not None else None, report, target, None,
             static if special else None)
+
+
+def _max_fixed(proto, path: str | None) -> int:
+    """How many points may keep a fixed contender: ``MAX_FIXED``, fewer where that many
+    copies of the model file would pass ``FIXED_BYTES``."""
+    import os
+
+    size = proto.ByteSize() if proto.ByteSize() < 2**31 - 1 else 2**31
+    if path is not None and os.path.isfile(path):
+        folder = os.path.dirname(os.path.abspath(path))
+        files = {os.path.join(folder, e.value) for t in proto.graph.initializer
+                 for e in t.external_data if e.key == "location"}
+        size = max(size, sum(os.path.getsize(f) for f in files if os.path.isfile(f)))
+    return max(0, min(MAX_FIXED, FIXED_BYTES // max(size, 1)))
 
 
 def _exact_calls(chosen: dict, ranges: ShapeRanges, fixed: dict) -> dict:
