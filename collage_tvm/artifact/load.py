@@ -191,7 +191,7 @@ def _lower_dynamic(manifest: dict, entry: dict, path: Path, backends: dict, deci
     from .._errors import first_line
     from ..check.race import Making
     from ..dynamic.dispatch import STATIC, Dispatch, StaticBuild, library_call
-    from ..dynamic.shapes import ShapeRanges
+    from ..dynamic.shapes import ShapeRanges, key_point
 
     file = path / entry["file"]
     outs = [tuple(t) for t in entry["outputs"]]
@@ -235,7 +235,7 @@ def _lower_dynamic(manifest: dict, entry: dict, path: Path, backends: dict, deci
     # (one after another), so that load returns at once; ``Loaded.settle`` waits for it
     exact = {}
     for key, name in (entry.get("exact") or {}).items():
-        point = {s: int(v) for s, v in (kv.split("=") for kv in key.split(","))}
+        point = key_point(key)
         exact[key] = (name, Making(lambda b=backends[name], p=point, before=list(exact.values()):
                                    _after(before, lambda: call(b, ranges.shapes(p)))))
     return Dispatch(ranges, entry["table"], fns, special, close,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .shapes import STATIC, ShapeRanges, point_key
+from .shapes import STATIC, ShapeRanges, key_point, point_key
 
 
 # Where another library ran a point within this share of the chosen one's time in the
@@ -83,9 +83,8 @@ class Dispatch:
         self.accuracy = accuracy
         self.making = dict(making or {})
         self.exact = dict(exact or {})
-        points = [dict(kv.split("=") for kv in key.split(",")) if key else {}
-                  for key in self.table]
-        self.values = {s: sorted({int(p[s]) for p in points if s in p}) for s in ranges.axes}
+        points = [key_point(key) for key in self.table]
+        self.values = {s: sorted({p[s] for p in points if s in p}) for s in ranges.axes}
         self._by_shapes: dict = {}  # input shapes -> callable (bounded: ``_pick``)
         self._numpy_by_shapes: dict = {}  # input shapes -> the numpy_call serving them
         self.races: dict = {}       # input shapes -> its ``Race``

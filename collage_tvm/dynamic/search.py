@@ -30,7 +30,7 @@ import time
 from .._errors import first_line
 from .dispatch import (STATIC, Dispatch, StaticBuild, dynamic_module, fixed_label,
                        fixed_library, library_call, output_types, point_key)
-from .shapes import ShapeRanges, symbol_points
+from .shapes import ShapeRanges, key_point, symbol_points
 from .weights import expected_ms
 
 logger = logging.getLogger("collage_tvm")
@@ -553,12 +553,10 @@ def _exact_calls(chosen: dict, ranges: ShapeRanges, fixed: dict) -> dict:
     fails now is logged and left to the table's choice."""
     out = {}
     for key, lib in (chosen.get("exact") or {}).items():
-        point = next((r["point"] for r in chosen["points"] if point_key(r["point"]) == key),
-                     None)
-        if point is None or lib not in fixed:
+        if lib not in fixed:
             continue
         try:
-            out[key] = (lib, fixed[lib](point))
+            out[key] = (lib, fixed[lib](key_point(key)))
         except Exception as err:  # noqa: BLE001 - the table's choice serves the point
             logger.warning("%s could not compile the model for %s (%s): the session of the "
                            "file serves it", lib, key, first_line(err, 200))

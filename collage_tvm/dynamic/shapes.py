@@ -35,6 +35,11 @@ def point_key(point: dict) -> str:
     return ",".join(f"{s}={point[s]}" for s in sorted(point))
 
 
+def key_point(key: str) -> dict:
+    """The point of a ``point_key`` text: "batch=1,sequence=128" -> {"batch": 1, ...}."""
+    return {s: int(v) for s, v in (kv.split("=") for kv in key.split(","))} if key else {}
+
+
 class ShapeError(ValueError):
     """A shape range that does not fit the model, or a call's shapes outside the range; the
     message names the input and the fix."""
