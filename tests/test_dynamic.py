@@ -396,7 +396,7 @@ def test_the_dynamic_suites_summary_counts_wins_and_each_frameworks_mean_over_sh
         best = min(("onnxruntime", ort), ("openvino", ov), key=lambda kv: kv[1])
         return {"model": "bert", "shape": shape, "served_by": served, "frameworks": fws,
                 "best_f32": best, "vs_best_f32": best[1] / collage, "search_s": 30.0,
-                "static_s": 20.0}
+                "static_s": 20.0, "cold_db": True, "rebuild_s": 4.0, "rebuild_measured": False}
 
     rows = [row("1x8", 1.0, 1.0, 2.0, "onnxruntime"), row("1x512", 10.0, 20.0, 10.0, "openvino"),
             row("8x32", 1.0, 1.1, 1.05, "openvino"), {"model": "gpt2", "error": "export: x"}]
@@ -407,7 +407,10 @@ def test_the_dynamic_suites_summary_counts_wins_and_each_frameworks_mean_over_sh
     assert s["framework_mean_over_collage"]["onnxruntime"] == pytest.approx(2.2 ** (1 / 3))
     assert s["framework_mean_over_collage"]["openvino"] == pytest.approx(2.1 ** (1 / 3))
     assert s["search_over_static"] == {"bert": 1.5}
+    assert s["rebuild"] == {"models": 1, "max_s": 4.0, "measured": []}
     text = dynamic_suite.markdown("transformers", rows)
+    assert "inside it (from an empty cost DB): bert 1.50x" in text
+    assert "took at most 4 s and measured nothing for 1 of 1 models." in text
     assert "| bert | 1x512 | openvino | 10.000 | 20.000 | 10.000 |" in text
     assert "error: export: x" in text and "1 rows beat every f32 framework by 3%" in text
     assert "OpenVINO at its default precision" not in text  # (f32 rows)

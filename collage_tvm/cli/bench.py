@@ -102,8 +102,9 @@ def _bench_kind(args, backends, kind: str) -> int:
         names = [n for n in names if n not in {r.get("model") for r in kept}]
         print(f"resuming: {len({r['model'] for r in kept})} model(s) of {base}.json kept",
               flush=True)
-    rows = kept + module.run(args.suite, names, args.out, options,
-                             args.db or DEFAULT_DB, on_row=lambda r: save(kept + r),
+    # (a dynamic suite searches each model from an empty DB of its own unless --db is given)
+    db = args.db if kind == "dynamic" else args.db or DEFAULT_DB
+    rows = kept + module.run(args.suite, names, args.out, options, db, on_row=lambda r: save(kept + r),
                              log=lambda line: print(line, flush=True))
     save(rows)
     print(f"\nwrote {base}.json and {base}.md")
