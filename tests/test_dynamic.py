@@ -102,6 +102,35 @@ def test_given_ranges_are_checked_against_the_model(tmp_path):
         ("image", ((2, 3, 8, 8),) * 3),)
 
 
+def test_an_images_dynamic_height_and_width_are_timed_at_224_and_serve_any_size(tmp_path):
+    """A detector's or segmenter's export (dynamic batch, height and width): the file serves
+    any image size, so the build does too; only the batch has a range it refuses beyond."""
+    path = str(tmp_path / "hw.onnx")
+    torch.onnx.export(nn.Conv2d(3, 4, 3, padding=1).eval(), (torch.randn(1, 3, 8, 8),), path,
+                      dynamo=False, opset_version=17, input_names=["x"],
+                      dynamic_axes={"x": {0: "batch", 2: "height", 3: "width"}})
+    ranges = shape_ranges(onnx.load(path))
+    assert ranges.axes["height"] == Axis("height", 224, 224, 224, open=True)
+    assert "height any size (timed at 224) [default]" in ranges.describe()
+    assert ranges.point_of([(2, 3, 640, 17)]) == {"batch": 2, "height": 640, "width": 17}
+    values = {"batch": [1, 2, 4, 8], "height": [224], "width": [224]}
+    assert ranges.bucket({"batch": 3, "height": 640, "width": 17}, values) == {
+        "batch": 4, "height": 224, "width": 224}
+    with pytest.raises(ShapeError, match=r"batch = 9 is outside.*--shapes x=1x3x224x224:"
+                                         r"1x3x224x224:9x3x224x224"):
+        ranges.point_of([(9, 3, 64, 64)])
+    # the flag that refusal names keeps height and width open; a saved build keeps them open
+    wider = shape_ranges(onnx.load(path), parse_shapes(["x=1x3x224x224:1x3x224x224:9x3x224x224"]))
+    assert wider.axes["width"].open and wider.axes["batch"] == Axis("batch", 1, 1, 9)
+    back = ShapeRanges.from_json(json.loads(json.dumps(ranges.to_json())))
+    assert back.axes == ranges.axes
+    # a size the user gives closes the axis to it
+    given = shape_ranges(onnx.load(path), parse_shapes(["x=1x3x320x320:1x3x512x512:4x3x640x640"]))
+    assert given.axes["height"] == Axis("height", 320, 512, 640)
+    with pytest.raises(ShapeError, match="height = 1024 is outside"):
+        given.point_of([(1, 3, 1024, 512)])
+
+
 def test_points_cover_the_range_and_a_shape_goes_to_the_least_point_above_it():
     assert symbol_points(Axis("batch", 1, 1, 8)) == [1, 2, 4, 8]
     assert symbol_points(Axis("sequence", 1, 128, 512)) == [1, 2, 8, 32, 128, 512]

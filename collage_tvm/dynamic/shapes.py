@@ -9,7 +9,9 @@ range (``ShapeRanges.points``, powers of two).
 ``--shapes input_ids=1x1:1x128:8x512`` sets the axes of one input from three shapes (min,
 opt, max; one shape: that size alone). With no flag, ``default_ranges`` reads the model:
 a batch axis (the first) 1 to 8 around 1; another axis 1 up to the model's positions (a
-position embedding's rows) or 512, around 128.
+position embedding's rows) or 512, around 128; an image's spatial axis (a detector or
+segmentation export with dynamic height and width) timed at 224 and open: it serves any
+size, as the file does, each on the choice made at 224 (``Axis.open``).
 """
 from __future__ import annotations
 
@@ -53,9 +55,20 @@ class Axis:
     min: int
     opt: int
     max: int
+    # Served at any size, not only min..max (which are the sizes timed): a default the
+    # model gives no range for (an image's height and width), where refusing a size the
+    # user's file runs would make the build serve less than the file
+    open: bool = False
 
     def __str__(self) -> str:
+        if self.open:
+            timed = (f"{self.opt}" if self.min == self.max else
+                     f"{self.min}..{self.max}, opt {self.opt}")
+            return f"{self.symbol} any size (timed at {timed})"
         return f"{self.symbol} {self.min}..{self.max} (opt {self.opt})"
+
+    def serves(self, size: int) -> bool:
+        return size >= 1 if self.open else self.min <= size <= self.max
 
 
 @dataclass
@@ -108,7 +121,7 @@ class ShapeRanges:
                                          f"{list(got)}")
                     continue
                 a = self.axes[d]
-                if not a.min <= g <= a.max:
+                if not a.serves(g):
                     raise ShapeError(
                         f"input {name}: {d} = {g} is outside the range this build serves "
                         f"({a.min}..{a.max}); build it again with a wider range: "
@@ -153,13 +166,15 @@ class ShapeRanges:
     # ------------------------------------------------------------------ json
     def to_json(self) -> dict:
         return {"inputs": [{"name": n, "dtype": t, "dims": list(d)} for n, t, d in self.inputs],
-                "axes": {s: [a.min, a.opt, a.max] for s, a in self.axes.items()},
+                "axes": {s: [a.min, a.opt, a.max] + ([1] if a.open else [])
+                         for s, a in self.axes.items()},
                 "given": sorted(self.given)}
 
     @classmethod
     def from_json(cls, doc: dict) -> "ShapeRanges":
         return cls([(i["name"], i["dtype"], list(i["dims"])) for i in doc["inputs"]],
-                   {s: Axis(s, *map(int, v)) for s, v in doc["axes"].items()},
+                   {s: Axis(s, *map(int, v[:3]), open=bool(v[3:4] and v[3]))
+                    for s, v in doc["axes"].items()},
                    set(doc.get("given", ())))
 
 
@@ -227,13 +242,14 @@ def positions(proto) -> int | None:
 
 def default_axis(symbol: str, axis: int, rank: int, proto) -> Axis:
     """The range of an axis the user did not give: the batch (axis 0, or a symbol naming a
-    batch) 1..8 around 1; an image's spatial axis (2 or 3 of a 4-D input) fixed at 224;
-    any other (a sequence, a cache length) 1..the model's positions (or 512) around 128."""
+    batch) 1..8 around 1; an image's spatial axis (2 or 3 of a 4-D input) timed at 224 and
+    open (any size served); any other (a sequence, a cache length) 1..the model's positions
+    (or 512) around 128."""
     name = symbol.lower()
     if axis == 0 or "batch" in name:
         return Axis(symbol, *BATCH_RANGE)
     if rank == 4 and axis in (2, 3) and not re.search(r"seq|len|token|past", name):
-        return Axis(symbol, 224, 224, 224)
+        return Axis(symbol, 224, 224, 224, open=True)
     top = positions(proto) or SEQUENCE_MAX
     return Axis(symbol, 1, min(SEQUENCE_OPT, top), top)
 
@@ -297,6 +313,9 @@ def shape_ranges(proto, given: dict | None = None) -> ShapeRanges:
                 raise ShapeError(f"--shapes {name}: dimension {k} ({d}) needs min <= opt <= "
                                  f"max, got {lo}:{opt}:{hi}")
             axis = Axis(d, lo, opt, hi)
+            default = default_axis(d, k, len(dims), proto)
+            if default.open and (lo, opt, hi) == (default.min, default.opt, default.max):
+                axis = default  # (the flags a refusal names keep an open axis open)
             if d in axes and axes[d] != axis:
                 raise ShapeError(f"--shapes {name}: {d} is {lo}:{opt}:{hi} here but "
                                  f"{axes[d].min}:{axes[d].opt}:{axes[d].max} for another input")

@@ -163,7 +163,7 @@ def observed_points(ranges: ShapeRanges, weights: ShapeWeights,
         if check:
             for s, size in full.items():
                 a = ranges.axes[s]
-                if not a.min <= size <= a.max:
+                if not a.serves(size):
                     raise ShapeError(f"observed shape {text}: {s} = {size} is outside the "
                                      f"range given ({a.min}..{a.max}); widen --shapes or "
                                      "leave that axis to its default")
@@ -184,7 +184,7 @@ def weighted_ranges(ranges: ShapeRanges, weights: ShapeWeights | None) -> ShapeR
             axes[s] = a
             continue
         sizes = [p[s] for p, _ in points]
-        axes[s] = Axis(s, min(a.min, *sizes), heaviest[s], max(a.max, *sizes))
+        axes[s] = Axis(s, min(a.min, *sizes), heaviest[s], max(a.max, *sizes), a.open)
     out = ShapeRanges(ranges.inputs, axes, ranges.given)
     observed_points(out, weights)  # (an observed size outside a given range: named)
     return out
@@ -205,7 +205,7 @@ def expected_ms(ranges: ShapeRanges, chosen: dict, weights: ShapeWeights | None)
     else:
         pairs = observed_points(ranges, weights, check=False)
         inside = [(p, w) for p, w in pairs if all(
-            ranges.axes[s].min <= v <= ranges.axes[s].max for s, v in p.items())]
+            ranges.axes[s].serves(v) for s, v in p.items())]
         over = weights.describe()
         if len(inside) < len(pairs):  # (a default range narrowed where the model fails)
             over += (f"; {sum(w for _, w in pairs) - sum(w for _, w in inside):g} calls "
