@@ -264,7 +264,7 @@ def _vm_run(res, *arrays):
     return out.numpy() if isinstance(out, tvm.runtime.Tensor) else [o.numpy() for o in out]
 
 
-def test_a_dynamic_batch_model_is_searched_and_serves_every_batch_in_its_range(tmp_path):
+def test_a_dynamic_batch_model_is_searched_and_serves_every_batch_in_its_range(tmp_path, capsys):
     path = str(tmp_path / "cnn.onnx")
     m = _cnn(path)
     db = str(tmp_path / "c.db")
@@ -317,6 +317,16 @@ def test_a_dynamic_batch_model_is_searched_and_serves_every_batch_in_its_range(t
                                                  "version": collage_tvm.registry.get_backend(
                                                      "openvino").version()})
     (saved / "manifest.json").write_text(json.dumps(manifest))
+    # ``collage-tvm show DIR``: what the saved build serves at each shape, from its manifest
+    from collage_tvm.cli import main
+    assert main(["show", str(saved)]) == 0
+    shown = capsys.readouterr().out
+    assert "ranges: batch 1..4 (opt 2)" in shown and "inputs: image float32[batch, 3, 8, 8]" in shown
+    for key in entry["table"]:
+        assert f"  {key}  {entry['table'][key]}" in shown
+    assert "exactly batch=4: the file compiled by openvino for those shapes" in shown
+    assert main(["show", str(tmp_path)]) == 2
+    assert "is not a collage-tvm artifact: it has no manifest.json" in capsys.readouterr().err
     fixed = collage_tvm.load(saved)
     x4 = torch.randn(4, 3, 8, 8)
     fixed.settle(x4.numpy())

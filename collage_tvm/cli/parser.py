@@ -319,7 +319,9 @@ def _show_parser(sub) -> None:
     """The ``show`` verb."""
     s = sub.add_parser("show", help="draw a placement JSON: the dataflow graph coloured by "
                                     "backend, fused groups boxed")
-    s.add_argument("placement", help="a placement JSON written by `collage-tvm optimize -o`")
+    s.add_argument("placement", help="a placement JSON written by `collage-tvm optimize -o` "
+                                     "(drawn), or a saved build's directory (`--export DIR`): "
+                                     "what it holds and which backend serves each shape")
     s.add_argument("--output", "-o", help="the picture: .svg, .html (hover for details) or .png "
                                           "(matplotlib: pip install 'collage-tvm[plot]'; "
                                           "default: the JSON's name with .svg)")
