@@ -98,9 +98,11 @@ class LoadedModule:
         decided = self.decided
         if decided and decided["chose"] and decided["chose"] != decided["shipped"]:
             per[decided["chose"]] = per.pop(decided["shipped"], 0)
-        ops = ", ".join(f"{b} {n}" for b, n in sorted(per.items()))
+        ops = "ops: " + (", ".join(f"{b} {n}" for b, n in sorted(per.items())) or "tvm")
+        if self.dispatch is not None:  # (the counts above are the optimum's build alone)
+            ops = f"per shape: {', '.join(sorted(set(self.dispatch.table.values())))}"
         return (f"LoadedModule({str(self.path)!r}, inputs={self.input_names}, "
-                f"outputs={self.output_names}, ops: {ops or 'tvm'})")
+                f"outputs={self.output_names}, {ops})")
 
     def _arguments(self, args, kwargs) -> list:
         if kwargs:
