@@ -169,8 +169,9 @@ def _scheduled(p: Placing, placement):
     (``schedule.plan``), or None: ``options.schedule`` is "sequential", the plan found no
     concurrent stage, or (under "auto") none measured faster than its groups in turn. The
     plan's figures go into the report."""
+    from .placement import order_groups
     from .schedule.plan import plan
-    from .schedule.concurrent import chains_of
+    from .schedule.split import remerge, split_for_schedule, was_split
     from .target import host_cores
 
     mode, report = p.options.schedule, p.report
@@ -180,8 +181,11 @@ def _scheduled(p: Placing, placement):
         report.schedule = {"mode": mode, "why_not": "one core: nothing runs at the same time"}
         return None
     t0 = time.perf_counter()
+    # a graph library's region cut at its branches (``schedule.split``): put back together
+    # where the schedule runs its pieces in turn
+    groups, origin = split_for_schedule(p.graph, placement.groups, p.backends)
     try:
-        found = plan(p.graph, placement.groups, p.backends, p.target)
+        found = plan(p.graph, groups, p.backends, p.target)
     except Exception as err:  # noqa: BLE001 - the sequential build still ships
         why = first_line(err)
         logger.warning("schedule: the plan failed (%s); the build runs in turn", why)
@@ -190,6 +194,8 @@ def _scheduled(p: Placing, placement):
     finally:
         report.times["schedule"] = time.perf_counter() - t0
     report.schedule = {"mode": mode, **found.summary()}
+    if len(groups) > len(placement.groups):
+        report.schedule["split"] = {"regions": was_split(origin), "pieces": len(groups)}
     if not found.concurrent_stages:
         report.schedule["why_not"] = found.skipped or ("no concurrent stage: " + (
             "no group is on a branch" if not found.branches
@@ -200,8 +206,8 @@ def _scheduled(p: Placing, placement):
             f"its stages measured {found.scheduled_ms:.3f} ms against {found.sequential_ms:.3f}"
             " ms in turn: not enough to try")
         return None
-    stages = chains_of(found.ordered, found.schedule)
-    return dataclasses.replace(placement, stages=stages)
+    staged, stages = remerge(found.ordered, found.schedule, origin)
+    return dataclasses.replace(placement, groups=order_groups(p.graph, staged), stages=stages)
 
 
 def final_check(p: Placing, placement, floors: dict, op_level=None, others=None,

@@ -39,8 +39,10 @@ def run_model(name: str, batch: int, out_dir: str, options, db, log=print) -> di
     from ..byoc import compile_placement
     from ..check import run_outputs
     from ..graph import DataflowGraph
-    from ..schedule.concurrent import compile_scheduled
+    from ..placement import order_groups
+    from ..schedule.concurrent import compile_staged
     from ..schedule.plan import plan
+    from ..schedule.split import remerge, split_for_schedule
     from . import bench, suites
 
     model, (example,) = _model(name)
@@ -64,14 +66,19 @@ def run_model(name: str, batch: int, out_dir: str, options, db, log=print) -> di
     if not groups:
         row["error"] = "the search kept no placement of groups (the whole model on one library)"
         return row
-    p = plan(graph, groups, found.backends, found.target)
+    # (its graph-library regions cut at their branches, put back where run in turn)
+    pieces, origin = split_for_schedule(graph, groups, found.backends)
+    p = plan(graph, pieces, found.backends, found.target)
     row["plan"] = p.summary()
+    row["groups"] = len(groups)
     log(f"  plan: {p.summary()}")
-    seq, _ = compile_placement(graph, p.ordered, found.backends, found.target, keep=True)
+    seq, _ = compile_placement(graph, order_groups(graph, groups), found.backends, found.target,
+                               keep=True)
     builds = {}
     if p.concurrent_stages:
-        builds[CONCURRENT], _ = compile_scheduled(graph, p.ordered, p.schedule, found.backends,
-                                                  found.target)
+        staged, stages = remerge(p.ordered, p.schedule, origin)
+        builds[CONCURRENT], _ = compile_staged(graph, order_groups(graph, staged), stages,
+                                               found.backends, found.target)
     rows = bench.torch_frameworks(model, (x,), path, seq, suites._framework_check(1e-3, 1e-4),
                                   label=f"{name} b{batch}", more_builds=builds)
     if CONCURRENT in builds:  # the concurrent build's outputs against the sequential one's
@@ -158,8 +165,10 @@ def markdown(suite: str, rows: list, machine: dict | None = None) -> str:
             lines.append(f"| {r['model']} | {r['batch']} | error: {r['error']} | | | | | | |")
             continue
         p = r.get("plan", {})
+        cut = r.get("groups", p.get("groups"))
+        cut = f"{cut} cut into {p.get('groups')}" if cut != p.get("groups") else f"{cut}"
         lines.append(
-            f"| {r['model']} | {r['batch']} | {p.get('groups')} ({p.get('branches')}) | "
+            f"| {r['model']} | {r['batch']} | {cut} ({p.get('branches')}) | "
             f"{len(p.get('concurrent_stages', []))} | {r['sequential_ms']:.3f} | "
             f"{_ms(r['concurrent_ms'])} | {_fmt(r['speedup'])} | "
             f"{r['best_framework_ms']:.3f} | {r['vs_best_framework']:.3f}x |")
