@@ -30,15 +30,17 @@ def test_a_region_is_cut_into_its_chains_so_each_branch_is_a_piece():
     cut = pieces(graph, whole.nodes)
     assert [_ops(graph, p) for p in cut] == [["conv2d"], ["conv2d"], ["conv2d"],
                                             ["concat", "relu"]]
-    groups, origin = split_for_schedule(graph, [whole], backends)
+    groups, origin = split_for_schedule(graph, [whole], backends, cores=4)
     assert [g.nodes for g in groups] == cut and all(origin[g] is whole for g in groups)
     assert was_split(origin) == 1
+    # on 2 cores nothing is cut (each piece runs well on both: module ``SPLIT_FROM_CORES``)
+    assert split_for_schedule(graph, [whole], backends, cores=2)[0] == [whole]
     # the pieces are a valid placement whose three convolutions are branches
     _, succ = group_dag(graph, groups)
     assert succ[0] == succ[1] == succ[2] == {3}
     # a TVM region (one fused kernel) and a chain stay whole
     tvm_groups, tvm_origin = split_for_schedule(graph, [Candidate("tvm", whole.nodes)],
-                                                {"tvm": get_backend("tvm")})
+                                                {"tvm": get_backend("tvm")}, cores=4)
     assert len(tvm_groups) == 1 and was_split(tvm_origin) == 0
     chain = frozenset(i for i in whole.nodes if _ops(graph, [i])[0] in ("concat", "relu"))
     assert pieces(graph, chain) == [chain]
@@ -46,7 +48,7 @@ def test_a_region_is_cut_into_its_chains_so_each_branch_is_a_piece():
 
 def test_what_runs_in_turn_is_put_back_and_only_concurrent_cuts_remain():
     graph, whole, backends = _whole_on("onnxruntime")
-    groups, origin = split_for_schedule(graph, [whole], backends)
+    groups, origin = split_for_schedule(graph, [whole], backends, cores=4)
     ordered, succ = group_dag(graph, groups)
     # in turn: the region as it was
     again, stages = remerge(ordered, sequential(succ), origin)
@@ -74,7 +76,7 @@ def test_a_concurrent_build_of_an_onnx_runtime_regions_branches_computes_the_sam
 
     target = make_target("llvm")
     graph, whole, backends = _whole_on("onnxruntime")
-    groups, origin = split_for_schedule(graph, [whole], backends)
+    groups, origin = split_for_schedule(graph, [whole], backends, cores=4)
     p = plan(graph, groups, backends, target, cores=2)
     # the three convolutions are the branches, each timed as an ONNX Runtime region
     assert sorted(p.branches) == [0, 1, 2] and all(set(p.group_ms[k]) == {1, 2}

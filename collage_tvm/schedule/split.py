@@ -22,6 +22,15 @@ from __future__ import annotations
 
 from ..placement import Candidate
 
+#: Regions are cut only on machines with at least this many cores. On 2 cores (the AMX
+#: Xeon, googlenet at batch 1 as one region: 36 of its 46 pieces on branches) each piece
+#: ran 1.4-1.9x faster on both cores than on one, no concurrent stage beat its pieces in
+#: turn on OpenVINO, the one that did on ONNX Runtime (0.53 against 0.62 ms) built 43%
+#: slower than the whole region (the cut region's sessions wake their threads at each
+#: operator instead of spinning), and the plan took 1.7-3.2 s: IOS's premise, operators too
+#: small for the machine, needs more cores than that.
+SPLIT_FROM_CORES = 4
+
 
 def pieces(graph, nodes) -> list[frozenset]:
     """``nodes`` (one region's) as its maximal chains, in topological order."""
@@ -39,15 +48,21 @@ def pieces(graph, nodes) -> list[frozenset]:
     return [frozenset(p) for p in out]
 
 
-def split_for_schedule(graph, groups: list, backends: dict) -> tuple[list, dict]:
+def split_for_schedule(graph, groups: list, backends: dict,
+                       cores: int | None = None) -> tuple[list, dict]:
     """(``groups`` with each graph library's region of more than one piece cut into its
-    pieces, origin: each group of the answer -> the group of ``groups`` it is part of)."""
+    pieces, origin: each group of the answer -> the group of ``groups`` it is part of).
+    On fewer than ``SPLIT_FROM_CORES`` cores (``cores``, default this machine's) nothing
+    is cut."""
+    from ..target import host_cores
+
     out, origin = [], {}
     pinned = getattr(graph, "pinned", set())
+    cut_here = (cores or host_cores()) >= SPLIT_FROM_CORES
     for g in groups:
         backend = backends.get(g.backend)
         cut = [g.nodes]
-        if (backend is not None and backend.kind == "graph" and len(g.nodes) > 1
+        if (cut_here and backend is not None and backend.kind == "graph" and len(g.nodes) > 1
                 and not (g.nodes & pinned)):
             cut = pieces(graph, g.nodes)
         if len(cut) == 1:
