@@ -76,6 +76,22 @@ def test_ranges_default_to_a_batch_of_1_to_8_and_a_sequence_up_to_the_positions(
     assert cnn.opt_shapes() == {"image": (1, 3, 8, 8)}
 
 
+def test_a_sequence_first_export_gets_a_sequence_range_on_axis_0():
+    """nn.Transformer without batch_first exports (sequence, batch, width): axis 0 named as a
+    length is a sequence, not a batch of 1 to 8."""
+    x = helper.make_tensor_value_info("src", TensorProto.FLOAT, ["src_len", "batch", 16])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["src_len", "batch", 16])
+    proto = helper.make_model(helper.make_graph([helper.make_node("Relu", ["src"], ["y"])],
+                                                "g", [x], [y]),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    ranges = shape_ranges(proto)
+    assert ranges.axes["src_len"] == Axis("src_len", 1, 128, 512)
+    assert ranges.axes["batch"] == Axis("batch", 1, 1, 8)
+    # torch's names for a dynamic axis given by index: axis 0 the batch
+    proto.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "src_dynamic_axes_1"
+    assert shape_ranges(proto).axes["src_dynamic_axes_1"] == Axis("src_dynamic_axes_1", 1, 1, 8)
+
+
 def test_given_ranges_are_checked_against_the_model(tmp_path):
     proto = _tokens(str(tmp_path / "t.onnx"))
     given = parse_shapes(["input_ids=1x8:2x32:4x64"])

@@ -241,14 +241,16 @@ def positions(proto) -> int | None:
 
 
 def default_axis(symbol: str, axis: int, rank: int, proto) -> Axis:
-    """The range of an axis the user did not give: the batch (axis 0, or a symbol naming a
-    batch) 1..8 around 1; an image's spatial axis (2 or 3 of a 4-D input) timed at 224 and
+    """The range of an axis the user did not give: the batch (a symbol naming a batch, or
+    axis 0 unless its name says a length: "seq", "len", "token", "past", "time", "frame")
+    1..8 around 1; an image's spatial axis (2 or 3 of a 4-D input) timed at 224 and
     open (any size served); any other (a sequence, a cache length) 1..the model's positions
     (or 512) around 128."""
     name = symbol.lower()
-    if axis == 0 or "batch" in name:
+    lengthy = re.search(r"seq|len|token|past|time|frame", name) is not None
+    if "batch" in name or (axis == 0 and not lengthy):  # (a sequence-first export: its length)
         return Axis(symbol, *BATCH_RANGE)
-    if rank == 4 and axis in (2, 3) and not re.search(r"seq|len|token|past", name):
+    if rank == 4 and axis in (2, 3) and not lengthy:
         return Axis(symbol, 224, 224, 224, open=True)
     top = positions(proto) or SEQUENCE_MAX
     return Axis(symbol, 1, min(SEQUENCE_OPT, top), top)
