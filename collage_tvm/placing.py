@@ -207,7 +207,10 @@ def _scheduled(p: Placing, placement):
             " ms in turn: not enough to try")
         return None
     staged, stages = remerge(found.ordered, found.schedule, origin)
-    return dataclasses.replace(placement, groups=order_groups(p.graph, staged), stages=stages)
+    owner = {i: g for g in placement.groups for i in g.nodes}  # (a piece: its region's level)
+    chosen = {g: placement.chosen_by.get(owner[min(g.nodes)], "op-level") for g in staged}
+    return dataclasses.replace(placement, groups=order_groups(p.graph, staged), stages=stages,
+                               chosen_by=chosen)
 
 
 def final_check(p: Placing, placement, floors: dict, op_level=None, others=None,

@@ -92,3 +92,34 @@ def test_a_concurrent_build_of_an_onnx_runtime_regions_branches_computes_the_sam
     got = relax.VirtualMachine(executable, tvm.cpu())["main"](x).numpy()
     want = relax.VirtualMachine(seq, tvm.cpu())["main"](x).numpy()
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_optimize_cuts_a_library_region_for_a_forced_schedule_and_ships_it(tmp_path,
+                                                                             monkeypatch):
+    """The search puts the whole block on ONNX Runtime (one region): on a machine where
+    regions are cut (forced here), the plan sees its branches, and a forced concurrent
+    schedule ships ONNX Runtime pieces side by side that compute what the region does."""
+    import collage_tvm
+    import collage_tvm.schedule.split as split
+    from test_concurrent_schedule import _forced_plan
+
+    monkeypatch.setattr(split, "SPLIT_FROM_CORES", 2)
+    _forced_plan(monkeypatch)
+    mod = tvm.IRModule({"main": _inception_block().func})
+    kw = dict(backends="tvm,onnxruntime", db=str(tmp_path / "c.db"), graph_level=False,
+              progress=False, placement_log=str(tmp_path / "p.jsonl"), schedule="concurrent")
+    res = collage_tvm.optimize(mod, "llvm", **kw)
+    assert res.report.schedule["split"] == {"regions": 1, "pieces": 4}
+    assert res.report.schedule["shipped"] is True
+    (stage,) = res.placement.stages
+    assert len(stage) == 3 and all(g.backend == "onnxruntime" for chain in stage for g in chain)
+    seq = collage_tvm.optimize(mod, "llvm", **{**kw, "schedule": "sequential",
+                                                "placement_log": str(tmp_path / "q.jsonl")})
+    assert [g.backend for g in seq.placement.groups] == ["onnxruntime"]
+    x = tvm.runtime.tensor(np.random.default_rng(4).standard_normal((1, 8, 16, 16))
+                           .astype("float32"))
+    from tvm import relax
+
+    got, want = (relax.VirtualMachine(r.executable, tvm.cpu())["main"](x).numpy()
+                 for r in (res, seq))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
