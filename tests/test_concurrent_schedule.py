@@ -237,6 +237,11 @@ def test_optimize_ships_a_forced_schedule_and_saves_logs_and_reloads_it(tmp_path
     assert loaded.manifest["placement"]["concurrent_stages"] == [
         [len(chain) for chain in s] for s in result.placement.stages]
     np.testing.assert_allclose(np.asarray(loaded(x)), want, rtol=1e-5, atol=1e-5)
+    from collage_tvm.tools.show_saved import describe
+
+    text = describe(tmp_path / "built")  # ``collage-tvm show DIR``
+    assert f"shipped: {CONCURRENT}" in text
+    assert f"{len(result.placement.stages)} concurrent stage(s)" in text
     # ``collage-tvm show`` boxes the stage around its groups
     from collage_tvm.placement import placement_record
     from collage_tvm.tools.show import render
