@@ -100,6 +100,8 @@ def describe(path) -> str:
                 note = f"  ({c['outside_budget']}, outside the budget: {c.get('advice', '')})"
             elif c.get("match") is False:
                 note = "  (wrong outputs: not a contender)"
+            elif c.get("timed_once"):
+                note = "  (timed once, its first call: out of the running by the estimates)"
             lines.append(f"  {name:<28} {_ms(ms)}{note}".rstrip())
     lines.append("(the placement picture: collage-tvm optimize MODEL -o placement.json, then "
                  "collage-tvm show placement.json)")
