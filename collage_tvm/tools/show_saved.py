@@ -101,7 +101,7 @@ def describe(path) -> str:
             elif c.get("match") is False:
                 note = "  (wrong outputs: not a contender)"
             elif c.get("timed_once"):
-                note = "  (timed once, its first call: out of the running by the estimates)"
+                note = "  (timed once: its first timed run was past the cutoff, >10x slower)"
             lines.append(f"  {name:<28} {_ms(ms)}{note}".rstrip())
     lines.append("(the placement picture: collage-tvm optimize MODEL -o placement.json, then "
                  "collage-tvm show placement.json)")
