@@ -104,7 +104,8 @@ def _bench_kind(args, backends, kind: str) -> int:
               flush=True)
     # (a dynamic suite searches each model from an empty DB of its own unless --db is given)
     db = args.db if kind == "dynamic" else args.db or DEFAULT_DB
-    rows = kept + module.run(args.suite, names, args.out, options, db, on_row=lambda r: save(kept + r),
+    rows = kept + module.run(args.suite, names, args.out, options, db,
+                             on_row=lambda r: save(kept + r),
                              log=lambda line: print(line, flush=True))
     save(rows)
     print(f"\nwrote {base}.json and {base}.md")

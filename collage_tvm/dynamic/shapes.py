@@ -315,9 +315,10 @@ def shape_ranges(proto, given: dict | None = None) -> ShapeRanges:
                 raise ShapeError(f"--shapes {name}: dimension {k} ({d}) needs min <= opt <= "
                                  f"max, got {lo}:{opt}:{hi}")
             axis = Axis(d, lo, opt, hi)
-            default = default_axis(d, k, len(dims), proto)
-            if default.open and (lo, opt, hi) == (default.min, default.opt, default.max):
-                axis = default  # (the flags a refusal names keep an open axis open)
+            if lo == opt == hi:  # (the flags a refusal names keep an open axis open)
+                default = default_axis(d, k, len(dims), proto)
+                if default.open and (lo, opt, hi) == (default.min, default.opt, default.max):
+                    axis = default
             if d in axes and axes[d] != axis:
                 raise ShapeError(f"--shapes {name}: {d} is {lo}:{opt}:{hi} here but "
                                  f"{axes[d].min}:{axes[d].opt}:{axes[d].max} for another input")
