@@ -550,8 +550,7 @@ def _check_at(gm, vm, plan: _Plan, ranges, point: dict, s: Settings, where: str)
 
     gen = torch.Generator().manual_seed(0)
     inputs = []
-    for (_, dtype, dims) in ranges.inputs:
-        shape = [point[d] if isinstance(d, str) else d for d in dims]
+    for (_, dtype, _), shape in zip(ranges.inputs, ranges.shapes(point).values()):
         dtype = getattr(torch, dtype)
         inputs.append(torch.randn(shape, generator=gen, dtype=dtype) if dtype.is_floating_point
                       else torch.zeros(shape, dtype=dtype))

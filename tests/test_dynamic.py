@@ -58,6 +58,35 @@ def _tokens(path, positions=64):
     return proto
 
 
+def _decoder(path):
+    """A decoder step as Hugging Face optimum exports one: input_ids (batch, 1), an
+    attention mask of ``past + 1`` positions and a cache of ``past``; the mask must be one
+    longer than the cache or the model fails (the Mul's broadcast)."""
+    rng = np.random.default_rng(0)
+    ids = helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch_size", 1])
+    mask = helper.make_tensor_value_info("attention_mask", TensorProto.FLOAT,
+                                         ["batch_size", "past_sequence_length + 1"])
+    past = helper.make_tensor_value_info("past_key", TensorProto.FLOAT,
+                                         ["batch_size", "past_sequence_length", 8])
+    outs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch_size", 8]),
+            helper.make_tensor_value_info("present_key", TensorProto.FLOAT,
+                                          ["batch_size", "past_sequence_length + 1", 8])]
+    inits = [onnx.numpy_helper.from_array(rng.standard_normal((50, 8)).astype("float32"),
+                                          "wte"),
+             onnx.numpy_helper.from_array(np.array([-1], "int64"), "last"),
+             onnx.numpy_helper.from_array(np.array([1], "int64"), "seq")]
+    nodes = [helper.make_node("Gather", ["wte", "input_ids"], ["e"]),
+             helper.make_node("Concat", ["past_key", "e"], ["present_key"], axis=1),
+             helper.make_node("Unsqueeze", ["attention_mask", "last"], ["m"]),
+             helper.make_node("Mul", ["present_key", "m"], ["km"]),
+             helper.make_node("ReduceSum", ["km", "seq"], ["logits"], keepdims=0)]
+    proto = helper.make_model(helper.make_graph(nodes, "g", [ids, mask, past], outs, inits),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    proto.ir_version = 9
+    onnx.save(proto, path)
+    return proto
+
+
 # ---------------------------------------------------------------------------- ranges
 
 def test_ranges_default_to_a_batch_of_1_to_8_and_a_sequence_up_to_the_positions(tmp_path):
@@ -90,6 +119,38 @@ def test_a_sequence_first_export_gets_a_sequence_range_on_axis_0():
     # torch's names for a dynamic axis given by index: axis 0 the batch
     proto.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "src_dynamic_axes_1"
     assert shape_ranges(proto).axes["src_dynamic_axes_1"] == Axis("src_dynamic_axes_1", 1, 1, 8)
+
+
+def test_a_dimension_named_by_an_expression_over_axes_follows_them(tmp_path):
+    from collage_tvm.dynamic.shapes import derived_dims
+
+    proto = _decoder(str(tmp_path / "d.onnx"))
+    r = shape_ranges(proto)
+    assert set(r.axes) == {"batch_size", "past_sequence_length"}  # not an axis of its own
+    assert r.opt_shapes() == {"input_ids": (1, 1), "attention_mask": (1, 129),
+                              "past_key": (1, 128, 8)}
+    assert all(s["attention_mask"][1] == s["past_key"][1] + 1
+               for s in map(r.shapes, r.points()))
+    assert r.point_of([(2, 1), (2, 9), (2, 8, 8)]) == {"batch_size": 2,
+                                                       "past_sequence_length": 8}
+    with pytest.raises(ShapeError, match=r"attention_mask: dimension 1 is past_sequence_len"
+                                         r"gth \+ 1, 9 with the other inputs' sizes"):
+        r.point_of([(2, 1), (2, 8), (2, 8, 8)])
+    assert "attention_mask=1x2:1x129:8x513" in r.flags()
+    assert set(ShapeRanges.from_json(r.to_json()).derived) == {"past_sequence_length + 1"}
+    given = shape_ranges(proto, parse_shapes(["past_key=1x1x8:1x16x8:2x64x8"]))
+    assert given.opt_shapes()["attention_mask"] == (1, 17)
+    assert shape_ranges(proto, parse_shapes(["attention_mask=1x2:1x17:2x65",
+                                             "past_key=1x1x8:1x16x8:2x64x8"])).axes == given.axes
+    with pytest.raises(ShapeError, match="give the range of past_sequence_length"):
+        shape_ranges(proto, parse_shapes(["attention_mask=1x2:1x17:2x65"]))
+    # the dynamo exporter's sympy names; a name that is no symbol leaves the dim its own axis
+    dims = derived_dims([("a", "f", ["s0", "s1"]),
+                         ("b", "f", ["s0 + s1", "2*s0", "floor(s1/2)", "Max(1, s0 - 3)",
+                                     "batch-size", "s0 + t", "s0", 4])])
+    assert set(dims) == {"s0 + s1", "2*s0", "floor(s1/2)", "Max(1, s0 - 3)"}
+    assert [dims[t]({"s0": 5, "s1": 7}) for t in ("s0 + s1", "2*s0", "floor(s1/2)",
+                                                  "Max(1, s0 - 3)")] == [12, 10, 3, 2]
 
 
 def test_given_ranges_are_checked_against_the_model(tmp_path):
@@ -397,6 +458,37 @@ def test_a_model_with_a_shared_batch_and_sequence_builds_and_its_saved_build_ser
     text = capsys.readouterr().out
     assert text.count("latency over 2 runs") == len(loaded.dispatch.ranges.points())
     assert "shape batch=2,sequence=32 (served by " in text
+
+
+def test_a_decoder_whose_mask_is_one_longer_than_its_cache_builds_and_serves_its_range(
+        tmp_path, capsys):
+    import onnxruntime as ort
+
+    from collage_tvm.cli import main
+
+    path = str(tmp_path / "dec.onnx")
+    _decoder(path)
+    out = tmp_path / "dec.collage"
+    assert main(["optimize", path, "--backends", ",".join(LIBS), "--no-graph-level",
+                 "--in-process", "--db", str(tmp_path / "c.db"), "--export", str(out),
+                 "--shapes", "past_key=1x1x8:1x8x8:2x32x8"]) == 0
+    text = capsys.readouterr().out
+    assert ("the search at the optimum (input_ids=1x1, attention_mask=1x9, past_key=1x8x8)"
+            in text)
+    loaded = collage_tvm.load(out)
+    sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(1)
+    for b, p in ((1, 1), (1, 8), (2, 5), (2, 32)):
+        feed = {"input_ids": rng.integers(0, 50, (b, 1)).astype("int64"),
+                "attention_mask": rng.random((b, p + 1)).astype("float32"),
+                "past_key": rng.standard_normal((b, p, 8)).astype("float32")}
+        assert matches(list(loaded(**feed)), sess.run(None, feed), 1e-3, 1e-4), (b, p)
+    with pytest.raises(ValueError, match="dimension 1 is past_sequence_length \\+ 1, 6"):
+        loaded(np.zeros((1, 1), "int64"), np.ones((1, 5), "float32"),
+               np.zeros((1, 5, 8), "float32"))
+    assert main(["run", str(out), "--bench", "2", "--warmup", "1"]) == 0
+    assert capsys.readouterr().out.count("latency over 2 runs") == len(
+        loaded.dispatch.ranges.points())
 
 
 def test_a_dynamic_model_stays_on_tvm_only_where_no_graph_library_is_among_the_backends(

@@ -68,10 +68,13 @@ def _write_report(res, args) -> None:
 
 def _shapes_text(ranges: dict, which: str) -> str:
     """The inputs' shapes at the ranges' ``which`` ("min", "opt", "max") as NAME=D1xD2."""
+    from ..dynamic import ShapeRanges
+
+    r = ShapeRanges.from_json(ranges)
     k = ("min", "opt", "max").index(which)
-    return ", ".join(f"{i['name']}=" + "x".join(
-        str(d if isinstance(d, int) else ranges["axes"][d][k]) for d in i["dims"])
-        for i in ranges["inputs"])
+    point = {s: (a.min, a.opt, a.max)[k] for s, a in r.axes.items()}
+    return ", ".join(f"{name}=" + "x".join(map(str, shape))
+                     for name, shape in r.shapes(point).items())
 
 
 def _print_int8(d: dict) -> None:

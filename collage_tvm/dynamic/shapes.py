@@ -12,10 +12,17 @@ a batch axis (the first) 1 to 8 around 1; another axis 1 up to the model's posit
 position embedding's rows) or 512, around 128; an image's spatial axis (a detector or
 segmentation export with dynamic height and width) timed at 224 and open: it serves any
 size, as the file does, each on the choice made at 224 (``Axis.open``).
+
+A dimension named by an expression over the other axes' names (Hugging Face optimum's
+decoder export: an ``attention_mask`` of ``batch_size x past_sequence_length + 1``; the
+dynamo exporter's ``s0 + s1``) is not an axis of its own: its size follows from theirs
+(``derived_dims``), at every point timed and in every call served.
 """
 from __future__ import annotations
 
+import ast
 import math
+import operator
 import os
 import re
 from dataclasses import dataclass, field
@@ -71,21 +78,111 @@ class Axis:
         return size >= 1 if self.open else self.min <= size <= self.max
 
 
+# ---------------------------------------------------------------- derived dimensions
+
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Div: operator.truediv}
+_UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos}
+# (sympy's names, as the dynamo exporter writes them, and Python's)
+_CALLS = {"floor": math.floor, "ceiling": math.ceil, "ceil": math.ceil, "Max": max,
+          "Min": min, "max": max, "min": min, "Mod": operator.mod,
+          "FloorDiv": operator.floordiv}
+
+
+class Derived:
+    """A dimension whose size is an expression over axes (``past_sequence_length + 1``):
+    ``names`` the axes it reads; called with a point (symbol -> size), its size."""
+
+    def __init__(self, text: str, tree, names: set):
+        self.text, self._tree, self.names = text, tree, frozenset(names)
+
+    def __call__(self, point: dict) -> int:
+        value = _evaluate(self._tree, point)
+        if value != int(value):
+            raise ShapeError(f"{self.text} is not a whole number at "
+                             f"{point_key({n: point[n] for n in self.names})}")
+        return int(value)
+
+
+def _evaluate(node, point: dict):
+    if isinstance(node, ast.Expression):
+        return _evaluate(node.body, point)
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Name):
+        return point[node.id]
+    if isinstance(node, ast.BinOp):
+        return _BINARY[type(node.op)](_evaluate(node.left, point), _evaluate(node.right, point))
+    if isinstance(node, ast.UnaryOp):
+        return _UNARY[type(node.op)](_evaluate(node.operand, point))
+    return _CALLS[node.func.id](*(_evaluate(a, point) for a in node.args))
+
+
+def _expression(text: str):
+    """(tree, names) where ``text`` is an arithmetic expression (integers, names, + - * //
+    % /, sympy's floor/ceiling/Max/Min/Mod) that is not one name alone; else None."""
+    try:
+        tree = ast.parse(text.strip(), mode="eval")
+    except (SyntaxError, ValueError):
+        return None
+    if isinstance(tree.body, ast.Name):
+        return None
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            names.add(node.id)
+        elif isinstance(node, ast.Call):
+            if not (isinstance(node.func, ast.Name) and node.func.id in _CALLS
+                    and not node.keywords):
+                return None
+        elif isinstance(node, ast.Constant):
+            if type(node.value) is not int:
+                return None
+        elif not isinstance(node, (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Load,
+                                   *_BINARY, *_UNARY)):
+            return None
+    calls = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call)}
+    return tree, names - calls
+
+
+def derived_dims(inputs: list) -> dict:
+    """dim text -> ``Derived`` for each dimension of ``inputs`` ([(name, dtype, dims)]) named
+    by an expression over the names of other dimensions (each of those a plain symbol of
+    some input); any other named dimension is an axis of its own."""
+    texts = {d for _, _, dims in inputs for d in dims if isinstance(d, str)}
+    parsed = {t: _expression(t) for t in texts}
+    symbols = {t for t, p in parsed.items() if p is None}
+    return {t: Derived(t, *p) for t, p in parsed.items()
+            if p is not None and p[1] and p[1] <= symbols}
+
+
 @dataclass
 class ShapeRanges:
     """The inputs of a dynamic model and the range of each of their dynamic axes.
 
-    ``inputs``: [(name, dtype, dims)], a dim an int or a symbol; ``axes``: symbol -> Axis;
-    ``given``: the symbols whose range the user gave (the others are defaults)."""
+    ``inputs``: [(name, dtype, dims)], a dim an int, a symbol or an expression over symbols
+    (``derived``: its size follows from theirs); ``axes``: symbol -> Axis; ``given``: the
+    symbols whose range the user gave (the others are defaults)."""
 
     inputs: list
     axes: dict
     given: set = field(default_factory=set)
+    derived: dict = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        self.derived = {t: e for t, e in derived_dims(self.inputs).items()
+                        if t not in self.axes}
 
     # ------------------------------------------------------------------ shapes
+    def size(self, dim, point: dict) -> int:
+        """The size of ``dim`` (an int, a symbol or a derived expression) at ``point``."""
+        if not isinstance(dim, str):
+            return dim
+        return point[dim] if dim in point else self.derived[dim](point)
+
     def shapes(self, point: dict) -> dict:
         """input name -> static shape at ``point`` (symbol -> size)."""
-        return {name: tuple(point[d] if isinstance(d, str) else d for d in dims)
+        return {name: tuple(self.size(d, point) for d in dims)
                 for name, _, dims in self.inputs}
 
     def opt(self) -> dict:
@@ -110,6 +207,7 @@ class ShapeRanges:
         naming the input, the axis and the range when a size is outside it or two inputs
         disagree on one symbol."""
         point: dict = {}
+        later = []
         for (name, _, dims), got in zip(self.inputs, shapes):
             if len(got) != len(dims):
                 raise ShapeError(f"input {name}: expected {len(dims)} dimensions "
@@ -119,6 +217,9 @@ class ShapeRanges:
                     if d != g:
                         raise ShapeError(f"input {name}: dimension {axis} is {d}, got "
                                          f"{list(got)}")
+                    continue
+                if d in self.derived:
+                    later.append((name, axis, d, g))
                     continue
                 a = self.axes[d]
                 if not a.serves(g):
@@ -130,6 +231,11 @@ class ShapeRanges:
                 if point.setdefault(d, g) != g:
                     raise ShapeError(f"input {name}: {d} = {g}, but another input has {d} = "
                                      f"{point[d]}")
+        for name, axis, d, g in later:
+            want = self.derived[d](point)
+            if want != g:
+                raise ShapeError(f"input {name}: dimension {axis} is {d}, {want} with the "
+                                 f"other inputs' sizes ({point_key(point)}), got {g}")
         return point
 
     def bucket(self, point: dict, values: dict) -> dict:
@@ -144,8 +250,8 @@ class ShapeRanges:
         axes = {s: (a.min, a.opt, a.max) for s, a in self.axes.items()}
         axes.update(override or {})
         dims = next(d for n, _, d in self.inputs if n == name)
-        return ":".join("x".join(str(d if isinstance(d, int) else axes[d][k]) for d in dims)
-                        for k in range(3))
+        return ":".join("x".join(str(self.size(d, {s: v[k] for s, v in axes.items()}))
+                                 for d in dims) for k in range(3))
 
     def describe_input(self, name: str) -> str:
         dims = next(d for n, _, d in self.inputs if n == name)
@@ -295,6 +401,8 @@ def shape_ranges(proto, given: dict | None = None) -> ShapeRanges:
                          f"inputs: {', '.join(names)}")
     axes: dict = {}
     chosen: set = set()
+    derived = derived_dims(inputs)
+    follow = []  # (input, dimension, its derived text, the (min, opt, max) given)
     for name, _, dims in inputs:
         if name not in given:
             continue
@@ -311,6 +419,9 @@ def shape_ranges(proto, given: dict | None = None) -> ShapeRanges:
                     raise ShapeError(f"--shapes {name}: dimension {k} is fixed at {d} in the "
                                      f"model, got {lo}:{opt}:{hi}")
                 continue
+            if d in derived:
+                follow.append((name, k, d, (lo, opt, hi)))
+                continue
             if not 0 <= lo <= opt <= hi or hi < 1:
                 raise ShapeError(f"--shapes {name}: dimension {k} ({d}) needs min <= opt <= "
                                  f"max, got {lo}:{opt}:{hi}")
@@ -326,8 +437,16 @@ def shape_ranges(proto, given: dict | None = None) -> ShapeRanges:
             chosen.add(d)
     for name, _, dims in inputs:
         for k, d in enumerate(dims):
-            if isinstance(d, str) and d not in axes:
+            if isinstance(d, str) and d not in axes and d not in derived:
                 axes[d] = default_axis(d, k, len(dims), proto)
+    for name, k, d, three in follow:  # (a derived size given must be what it follows as)
+        want = tuple(derived[d]({s: (a.min, a.opt, a.max)[j] for s, a in axes.items()})
+                     for j in range(3))
+        if three != want:
+            raise ShapeError(f"--shapes {name}: dimension {k} is {d} in the model, "
+                             f"{':'.join(map(str, want))} with the other axes' ranges, got "
+                             f"{':'.join(map(str, three))}; give the range of "
+                             f"{', '.join(sorted(derived[d].names))} at an input that has it")
     return ShapeRanges(inputs, axes, chosen)
 
 
@@ -387,5 +506,6 @@ def _full(path: str, header):
 
 
 
-__all__ = ["Axis", "dynamic_model", "ShapeError", "ShapeRanges", "default_axis", "is_dynamic", "model_inputs",
-           "parse_shapes", "shape_ranges", "symbol_points"]
+__all__ = ["Axis", "Derived", "dynamic_model", "ShapeError", "ShapeRanges", "default_axis",
+           "derived_dims", "is_dynamic", "model_inputs", "parse_shapes", "shape_ranges",
+           "symbol_points"]

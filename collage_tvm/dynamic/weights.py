@@ -157,6 +157,8 @@ def observed_points(ranges: ShapeRanges, weights: ShapeWeights,
                     if d != size:
                         raise ShapeError(f"observed shape {text}: dimension {k} of {name} is "
                                          f"fixed at {d}")
+                elif d in ranges.derived:
+                    continue  # (its size follows from the axes')
                 elif point.setdefault(d, size) != size:
                     raise ShapeError(f"observed shape {text}: {d} is {point[d]} and {size}")
         full = {s: point.get(s, a.opt) for s, a in ranges.axes.items()}
