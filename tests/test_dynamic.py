@@ -127,6 +127,7 @@ def test_a_dimension_named_by_an_expression_over_axes_follows_them(tmp_path):
     proto = _decoder(str(tmp_path / "d.onnx"))
     r = shape_ranges(proto)
     assert set(r.axes) == {"batch_size", "past_sequence_length"}  # not an axis of its own
+    assert r.axes["past_sequence_length"] == Axis("past_sequence_length", 0, 128, 512)
     assert r.opt_shapes() == {"input_ids": (1, 1), "attention_mask": (1, 129),
                               "past_key": (1, 128, 8)}
     assert all(s["attention_mask"][1] == s["past_key"][1] + 1
@@ -136,7 +137,7 @@ def test_a_dimension_named_by_an_expression_over_axes_follows_them(tmp_path):
     with pytest.raises(ShapeError, match=r"attention_mask: dimension 1 is past_sequence_len"
                                          r"gth \+ 1, 9 with the other inputs' sizes"):
         r.point_of([(2, 1), (2, 8), (2, 8, 8)])
-    assert "attention_mask=1x2:1x129:8x513" in r.flags()
+    assert "attention_mask=1x1:1x129:8x513" in r.flags()
     assert set(ShapeRanges.from_json(r.to_json()).derived) == {"past_sequence_length + 1"}
     given = shape_ranges(proto, parse_shapes(["past_key=1x1x8:1x16x8:2x64x8"]))
     assert given.opt_shapes()["attention_mask"] == (1, 17)
@@ -538,6 +539,20 @@ def test_a_default_range_the_model_cannot_run_to_its_end_narrows_and_a_given_one
     with pytest.raises(ShapeError, match="past=9 every library failed.*give the range it "
                                          "runs in with --shapes"):
         search.narrowed(given, err.value)
+    # a cache's default range starts empty; where no library runs an empty one, at 1
+    cache = ShapeRanges([("x", "float32", ["past", 2])], {"past": Axis("past", 0, 2, 8)})
+    with pytest.raises(search.Unservable, match="at past=0 every library failed") as err:
+        search.choose(cache, {"a": lib_from(1)}, collage_tvm.precision.parse_accuracy("f32"))
+    assert search.narrowed(cache, err.value).axes["past"] == Axis("past", 1, 2, 8)
+
+
+def lib_from(least):
+    def call(x):
+        if x.shape[0] < least:
+            raise RuntimeError(f"empty: {x.shape[0]} rows")
+        return [x * 2]
+    call.numpy_call = call
+    return call
 
 
 def test_the_dynamic_suites_summary_counts_wins_and_each_frameworks_mean_over_shapes():

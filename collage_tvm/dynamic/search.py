@@ -413,16 +413,22 @@ def runoff_settled(a: list, b: list) -> bool:
 def narrowed(ranges: ShapeRanges, err: Unservable) -> ShapeRanges:
     """``ranges`` without the point where every library failed (``err``): each default axis
     (not given by the user) at its max there ends at its next point below (a cache of
-    ``past`` 1..513 read from a 513-row position table: the position 513 is out of it).
-    A ``ShapeError`` naming the shape and the libraries' reasons where no default axis can
-    give way."""
+    ``past`` 1..513 read from a 513-row position table: the position 513 is out of it), and
+    one at 0 there (an empty cache) starts at 1. A ``ShapeError`` naming the shape and the
+    libraries' reasons where no default axis can give way."""
     from .shapes import Axis, ShapeError, symbol_points
 
     axes = dict(ranges.axes)
     moved = []
     for symbol, value in err.point.items():
         a = axes[symbol]
-        if symbol in ranges.given or value != a.max or a.max <= a.opt:
+        if symbol in ranges.given:
+            continue
+        if value == a.min == 0 and a.opt >= 1:
+            axes[symbol] = Axis(symbol, 1, a.opt, a.max)
+            moved.append(f"{symbol} {a.min}..{a.max} -> 1..")
+            continue
+        if value != a.max or a.max <= a.opt:
             continue
         below = [v for v in symbol_points(a) if a.opt <= v < a.max]
         if below:

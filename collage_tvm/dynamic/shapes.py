@@ -350,8 +350,9 @@ def default_axis(symbol: str, axis: int, rank: int, proto) -> Axis:
     """The range of an axis the user did not give: the batch (a symbol naming a batch, or
     axis 0 unless its name says a length: "seq", "len", "token", "past", "time", "frame")
     1..8 around 1; an image's spatial axis (2 or 3 of a 4-D input) timed at 224 and
-    open (any size served); any other (a sequence, a cache length) 1..the model's positions
-    (or 512) around 128."""
+    open (any size served); any other (a sequence) 1..the model's positions (or 512) around
+    128, a cache's length ("past", "cache") from 0: a decoder's first step has an empty
+    cache (``search.narrowed`` moves it to 1 where no library runs an empty one)."""
     name = symbol.lower()
     lengthy = re.search(r"seq|len|token|past|time|frame", name) is not None
     if "batch" in name or (axis == 0 and not lengthy):  # (a sequence-first export: its length)
@@ -359,7 +360,8 @@ def default_axis(symbol: str, axis: int, rank: int, proto) -> Axis:
     if rank == 4 and axis in (2, 3) and not lengthy:
         return Axis(symbol, 224, 224, 224, open=True)
     top = positions(proto) or SEQUENCE_MAX
-    return Axis(symbol, 1, min(SEQUENCE_OPT, top), top)
+    least = 0 if re.search(r"past|cache", name) else 1
+    return Axis(symbol, least, min(SEQUENCE_OPT, top), top)
 
 
 def parse_shapes(specs) -> dict:
