@@ -490,6 +490,9 @@ def test_a_decoder_whose_mask_is_one_longer_than_its_cache_builds_and_serves_its
     assert main(["run", str(out), "--bench", "2", "--warmup", "1"]) == 0
     assert capsys.readouterr().out.count("latency over 2 runs") == len(
         loaded.dispatch.ranges.points())
+    assert main(["show", str(out)]) == 0
+    assert ("attention_mask float32[batch_size, past_sequence_length + 1]"
+            in capsys.readouterr().out)
 
 
 def test_a_dynamic_model_stays_on_tvm_only_where_no_graph_library_is_among_the_backends(

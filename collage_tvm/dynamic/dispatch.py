@@ -251,8 +251,8 @@ def dynamic_module(ranges: ShapeRanges, symbol: str, out_dtypes: list):
     from ..byoc.whole import one_call_module
 
     variables = {s: tvm.tirx.Var(s, "int64") for s in ranges.axes}
-    for k, text in enumerate(ranges.derived):  # (checked by the dispatch: ``point_of``)
-        variables[text] = tvm.tirx.Var(f"derived_{k}", "int64")
+    for text in ranges.derived:  # (its own variable, named as the export names it; the
+        variables[text] = tvm.tirx.Var(text, "int64")  # dispatch checks it: ``point_of``)
     ins = [relax.TensorType([variables[d] if isinstance(d, str) else d for d in dims], dtype)
            for _, dtype, dims in ranges.inputs]
     return one_call_module(symbol, ins, [relax.TensorType(ndim=rank, dtype=dtype)

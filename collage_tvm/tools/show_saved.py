@@ -62,16 +62,20 @@ def describe(path) -> str:
              f"{m.get('accuracy', 'f32')}",
              f"shipped: {placement.get('shipped', '?')}"]
     dynamic = [e for e in m.get("regions", []) if e.get("format") == "dynamic" and "ranges" in e]
-    at = ""
+    at, inputs = "", m.get("inputs", [])
     if dynamic:
         from ..dynamic.shapes import ShapeRanges, point_key
 
-        at = point_key(ShapeRanges.from_json(dynamic[0]["ranges"]).opt())
+        ranges = ShapeRanges.from_json(dynamic[0]["ranges"])
+        at = point_key(ranges.opt())
+        # (the export's names of the dimensions: the signature's may be TVM's spelling)
+        dims = {n: d for n, _, d in ranges.inputs}
+        inputs = [{**i, "shape": dims.get(i.get("name"), i.get("shape"))} for i in inputs]
     whole = placement.get("whole_model")
     if whole:
         lines.append(f"  {'at the optimum (' + at + ') ' if at else ''}{whole.get('backend')}: "
                      f"{whole.get('why', '')}")
-    lines.append("inputs: " + "; ".join(_dims(s) for s in m.get("inputs", [])))
+    lines.append("inputs: " + "; ".join(_dims(s) for s in inputs))
     lines.append("outputs: " + "; ".join(_dims(s) for s in m.get("outputs", [])))
     backends = m.get("backends", {})
     if backends:
