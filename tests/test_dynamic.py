@@ -98,6 +98,10 @@ def test_ranges_default_to_a_batch_of_1_to_8_and_a_sequence_up_to_the_positions(
     assert ranges.opt_shapes() == {"input_ids": (1, 64), "attention_mask": (1, 64)}
     assert "[default]" in ranges.describe()
     assert "--shapes input_ids=1x1:1x64:8x64" in ranges.flags()
+    proto.graph.initializer[1].name = "transformer.wpe.weight"  # (GPT-2's name for it)
+    assert shape_ranges(proto).axes["sequence"] == Axis("sequence", 1, 64, 64)
+    proto.graph.initializer[1].name = "transformer.wpet"
+    assert shape_ranges(proto).axes["sequence"] == Axis("sequence", 1, 128, 512)
     path = str(tmp_path / "cnn.onnx")
     _cnn(path)
     cnn = shape_ranges(onnx.load(path))
@@ -547,6 +551,35 @@ def test_a_default_range_the_model_cannot_run_to_its_end_narrows_and_a_given_one
     with pytest.raises(search.Unservable, match="at past=0 every library failed") as err:
         search.choose(cache, {"a": lib_from(1)}, collage_tvm.precision.parse_accuracy("f32"))
     assert search.narrowed(cache, err.value).axes["past"] == Axis("past", 1, 2, 8)
+
+
+def test_where_the_reference_fails_as_the_model_does_another_librarys_outputs_do_not_serve(
+        monkeypatch):
+    from collage_tvm.dynamic import search
+
+    monkeypatch.setattr(search, "POINT_BATCH_MS", 1.0)
+    monkeypatch.setattr(search, "POINT_RUNOFF_ROUNDS", 3)
+
+    def ort(code, limit=4):
+        def call(x):
+            if x.shape[0] > limit:  # (ONNX Runtime's own words, as pybind raises them)
+                raise RuntimeError(f"[ONNXRuntimeError] : {code} : indices element out of "
+                                   "data bounds, idx=8 must be within [-4,3]")
+            return [x * 2]
+        call.numpy_call = call
+        return call
+
+    ranges = ShapeRanges([("x", "float32", ["sequence", 2])],
+                         {"sequence": Axis("sequence", 1, 2, 8)})
+    f32 = collage_tvm.precision.parse_accuracy("f32")
+    ov = lib_from(0)  # (an index past the table: zeros, no error)
+    with pytest.raises(search.Unservable, match="at sequence=8 the model fails on the "
+                                                "reference .ONNX Runtime.: onnxruntime"):
+        search.choose(ranges, {"onnxruntime": ort("2 : INVALID_ARGUMENT"), "openvino": ov}, f32)
+    # a library's own limit (not implemented there) leaves it out; the other serves
+    chosen = search.choose(ranges, {"onnxruntime": ort("9 : NOT_IMPLEMENTED"), "openvino": ov},
+                           f32)
+    assert chosen["table"]["sequence=8"] == "openvino"
 
 
 def lib_from(least):

@@ -217,3 +217,16 @@ def test_a_dynamic_build_races_each_close_call_shape_and_no_other(monkeypatch):
 
 def test_race_rounds_are_enough_for_by_round():
     assert RACE_ROUNDS >= race_module.PAIRED_MIN_ROUNDS
+
+
+def test_a_program_that_ends_at_once_waits_for_a_contender_still_being_made(tmp_path):
+    import subprocess
+    import sys
+
+    # (a daemon thread still inside OpenVINO's compile at exit aborted the process)
+    flag = tmp_path / "made"
+    script = ("import time\nfrom collage_tvm.check.race import Making\n"
+              f"Making(lambda: (time.sleep(0.5), open({str(flag)!r}, 'w').write('x')))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr.decode()[-500:]
+    assert flag.read_text() == "x"

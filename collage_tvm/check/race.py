@@ -68,9 +68,12 @@ RACE_MARGIN = 3 * MARGIN
 
 
 class Making:
-    """A contender's callable made in a daemon thread (``make()``: its library loading the
-    model), so that ``load`` returns without waiting for it: ``done()``, then ``result()``
-    (the callable, or the exception ``make`` raised)."""
+    """A contender's callable made in a thread (``make()``: its library loading the model),
+    so that ``load`` returns without waiting for it: ``done()``, then ``result()`` (the
+    callable, or the exception ``make`` raised). The thread is not a daemon: a program
+    that loads a build and ends at once waits for it to finish, as a daemon thread still
+    inside OpenVINO's compile when the process exits aborts it ("terminate called without
+    an active exception")."""
 
     def __init__(self, make):
         self._value, self._error = None, None
@@ -84,7 +87,7 @@ class Making:
             finally:
                 self._done.set()
 
-        threading.Thread(target=run, name="collage-race-make", daemon=True).start()
+        threading.Thread(target=run, name="collage-race-make", daemon=False).start()
 
     def done(self) -> bool:
         return self._done.is_set()

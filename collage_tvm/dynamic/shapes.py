@@ -338,10 +338,11 @@ def is_dynamic(proto) -> bool:
 
 def positions(proto) -> int | None:
     """The model's positions: the rows of a 2-D float weight whose name says "position"
-    (a position embedding), else None."""
+    (a position embedding; GPT-2's "wpe"), else None."""
     best = None
     for t in proto.graph.initializer:
-        if len(t.dims) == 2 and re.search(r"position", t.name, re.I) and t.data_type in (1, 10, 16):
+        if len(t.dims) == 2 and re.search(r"position|(^|[._])wpe([._]|$)", t.name, re.I) \
+                and t.data_type in (1, 10, 16):
             best = max(best or 0, int(t.dims[0]))
     return best
 
