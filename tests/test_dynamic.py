@@ -683,12 +683,12 @@ def test_points_inside_a_box_one_library_won_clearly_go_to_it_untimed(monkeypatc
                    "batch=8,seq=64"}
     timed = []
 
-    def at(point, contenders, args, accuracy, lead):
+    def at(point, contenders, args, accuracy, lead, load):
         timed.append(point_key(point))
         slow = 1.0 + lead(point)
         return {"point": point, "chose": "a" if slow > 1 else "b",
                 "ms": {"a": 1.0, "b": slow} if slow > 1 else {"a": 2.0 - slow, "b": 1.0},
-                "left_out": {}}
+                "left_out": {}, "other_load": load(point)}
 
     def lib(x):
         return [x]
@@ -696,9 +696,10 @@ def test_points_inside_a_box_one_library_won_clearly_go_to_it_untimed(monkeypatc
     fns = {"a": lib, "b": lib}
     f32 = collage_tvm.precision.parse_accuracy("f32")
 
-    def run(lead, **kw):
+    def run(lead, load=lambda q: 0.0, **kw):
         timed.clear()
-        monkeypatch.setattr(search, "_choose_at", lambda p, c, a, acc: at(p, c, a, acc, lead))
+        monkeypatch.setattr(search, "_choose_at",
+                            lambda p, c, a, acc: at(p, c, a, acc, lead, load))
         return search.choose(ranges, fns, f32, **kw)
 
     # "a" leads by 30% at every corner: the 11 points between are its, untimed
@@ -716,6 +717,15 @@ def test_points_inside_a_box_one_library_won_clearly_go_to_it_untimed(monkeypatc
     assert "batch=8,seq=64" in timed and corner_keys < set(timed)
     assert len(set(timed)) == len(timed) < len(todo)  # (none timed twice)
     assert set(chosen["table"].values()) == {"a"}
+    # a corner timed while other processes took the CPU vouches for nothing: its boxes are
+    # timed, as where its lead was small
+    from collage_tvm.measure.other_load import BUSY_SHARE
+    chosen = run(lambda q: 0.3,
+                 load=lambda q: 2 * BUSY_SHARE if q == {"batch": 1, "seq": 1} else 0.01)
+    assert corner_keys < set(timed) and len(set(timed)) == len(timed) < len(todo)
+    assert "batch=2,seq=1" in timed and "batch=8,seq=16" not in timed
+    run(lambda q: 0.3, load=lambda q: None)  # (no figure: /proc/stat unread)
+    assert set(timed) == corner_keys
     # one crossover (b ahead from batch x seq = T on, a below it): every point gets the
     # library that is faster there, most of them untimed
     for threshold in (2, 16, 64, 128, 256, 512):

@@ -310,7 +310,10 @@ def subdivide(ranges: ShapeRanges, record_of) -> dict:
 def clear_winner(records: list) -> str | None:
     """The library that won each of ``records`` (a box's corners) by ``CORNER_LEAD``
     or more over the next one timed there (the static build aside: it serves the optimum
-    alone), else None."""
+    alone), else None. A corner timed while other processes took more than ``BUSY_SHARE``
+    of the CPU (after its second try, ``_choose_at``) vouches for nothing: gpt2's corners,
+    timed beside another search (33-53% of the CPU), gave OpenVINO its whole grid by 19%+
+    at batch 1, where ONNX Runtime was 0.83x its time at 1x8 on a quiet machine."""
     winner = None
     for record in records:
         ms = {n: v for n, v in (record.get("ms") or {}).items()
@@ -325,8 +328,19 @@ def clear_winner(records: list) -> str | None:
             return None
         if record.get("left_out"):  # (one failed there: it cannot be judged in between)
             return None
+        if _under_load(record):
+            return None
         winner = best
     return winner
+
+
+def _under_load(record: dict) -> bool:
+    """Whether ``record`` was timed while other processes took more than ``BUSY_SHARE``
+    of the CPU (its last try: ``_choose_at``)."""
+    from ..measure.other_load import BUSY_SHARE
+
+    share = record.get("other_load")
+    return share is not None and share > BUSY_SHARE
 
 
 def _choose_at(point: dict, contenders: dict, args: list, accuracy) -> dict:
