@@ -1,6 +1,7 @@
 """Models with dynamic dimensions (issue #77): one build serves every shape of a range."""
 import importlib
 import json
+import math
 
 import numpy as np
 import onnx
@@ -227,6 +228,53 @@ def test_points_cover_the_range_and_a_shape_goes_to_the_least_point_above_it():
         ranges.point_of([(9, 4)])
     with pytest.raises(ShapeError, match="dimension 1 is 4, got"):
         ranges.point_of([(2, 5)])
+
+
+def test_three_axes_thin_to_the_grid_limit_keeping_each_axis_ends_and_optimum(monkeypatch):
+    from collage_tvm.dynamic import search
+    from collage_tvm.dynamic.shapes import MAX_GRID_POINTS, grid_values, key_point
+
+    two = {"batch": Axis("batch", 1, 1, 8), "sequence": Axis("sequence", 1, 128, 512)}
+    assert grid_values(two) == {s: symbol_points(a) for s, a in two.items()}  # (24: fits)
+    # an optimum-style decoder with a cache: batch x past x sequence, 120 points in full
+    axes = {"batch": Axis("batch", 1, 1, 8), "past": Axis("past", 0, 128, 256),
+            "sequence": Axis("sequence", 1, 1, 256)}
+    full = {s: symbol_points(a) for s, a in axes.items()}
+    assert math.prod(len(v) for v in full.values()) == 120
+    grid = grid_values(axes)
+    assert math.prod(len(v) for v in grid.values()) <= MAX_GRID_POINTS
+    for s, a in axes.items():
+        assert set(grid[s]) <= set(full[s]) and {a.min, a.opt, a.max} <= set(grid[s])
+        assert len(grid[s]) > 3 or s == "batch"  # (thinned, not cut to the anchors)
+    ranges = ShapeRanges([("ids", "int64", ["batch", "sequence"]),
+                          ("cache", "float32", ["batch", 2, "past", 4])], axes)
+    points = ranges.points()
+    assert len(points) == math.prod(len(v) for v in grid.values())
+    assert points[0] == ranges.opt()
+    # the search's boxes and the dispatch's buckets follow the same grid: a shape between
+    # its points goes to the least point above it
+    seen = []
+
+    def at(point, contenders, args, accuracy):
+        seen.append(point_key(point))
+        lead = point["sequence"] * (point["past"] + 1) >= 64
+        return {"point": point, "chose": "b" if lead else "a", "left_out": {},
+                "ms": {"a": 1.3, "b": 1.0} if lead else {"a": 1.0, "b": 1.3}}
+
+    monkeypatch.setattr(search, "_choose_at", at)
+
+    def lib(x):
+        return [x]
+    lib.numpy_call = lib
+    chosen = search.choose(ranges, {"a": lib, "b": lib}, collage_tvm.precision.parse_accuracy(
+        "f32"))
+    assert set(chosen["table"]) == {point_key(p) for p in points}
+    assert len(set(seen)) == len(seen) < len(points)
+    values = {s: sorted({key_point(k)[s] for k in chosen["table"]}) for s in axes}
+    assert values == grid
+    assert ranges.bucket({"batch": 3, "past": 5, "sequence": 1}, values) == {
+        "batch": 8, "past": grid["past"][next(i for i, v in enumerate(grid["past"]) if v >= 5)],
+        "sequence": 1}
 
 
 def test_the_dispatch_sends_each_shape_to_its_points_choice_and_the_optimum_to_the_special():

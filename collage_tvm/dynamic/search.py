@@ -31,7 +31,7 @@ import time
 from .._errors import first_line
 from .dispatch import (STATIC, Dispatch, StaticBuild, dynamic_module, fixed_label,
                        fixed_library, library_call, output_types, point_key)
-from .shapes import ShapeRanges, key_point, symbol_points
+from .shapes import ShapeRanges, grid_values, key_point
 from .weights import expected_ms
 
 logger = logging.getLogger("collage_tvm")
@@ -255,7 +255,7 @@ def _fixed_wins(ms: dict, label: str) -> bool:
 
 def subdivide(ranges: ShapeRanges, record_of) -> dict:
     """The points of ``ranges`` that go untimed: point key -> the library. The grid of the
-    points (each symbol's ``symbol_points``) is a box; its corners are timed
+    points (each symbol's ``grid_values``) is a box; its corners are timed
     (``record_of(point)`` -> the point's record); where one library won every corner by
     ``CORNER_LEAD`` or more (``clear_winner``), the points inside go to it untimed, else the
     box is halved along its longest side and each half is judged the same way, down to boxes
@@ -264,7 +264,7 @@ def subdivide(ranges: ShapeRanges, record_of) -> dict:
     (ONNX Runtime ahead at few tokens and small batches, OpenVINO at many): gpt2's 24 points,
     split at one crossover, were all timed when only the whole grid's corners could decide,
     47 s of its 61 s search. A point inside two boxes won by different libraries is timed."""
-    per = {s: symbol_points(a) for s, a in ranges.axes.items()}
+    per = grid_values(ranges.axes)
     symbols = list(per)
     inferred: dict = {}
     timed: set = set()
@@ -447,7 +447,7 @@ def narrowed(ranges: ShapeRanges, err: Unservable) -> ShapeRanges:
     ``past`` 1..513 read from a 513-row position table: the position 513 is out of it), and
     one at 0 there (an empty cache) starts at 1. A ``ShapeError`` naming the shape and the
     libraries' reasons where no default axis can give way."""
-    from .shapes import Axis, ShapeError, symbol_points
+    from .shapes import Axis, ShapeError
 
     axes = dict(ranges.axes)
     moved = []
@@ -461,7 +461,7 @@ def narrowed(ranges: ShapeRanges, err: Unservable) -> ShapeRanges:
             continue
         if value != a.max or a.max <= a.opt:
             continue
-        below = [v for v in symbol_points(a) if a.opt <= v < a.max]
+        below = [v for v in grid_values(ranges.axes)[symbol] if a.opt <= v < a.max]
         if below:
             axes[symbol] = Axis(symbol, a.min, a.opt, max(below))
             moved.append(f"{symbol} {a.min}..{a.max} -> ..{max(below)}")

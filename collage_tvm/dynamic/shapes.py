@@ -34,6 +34,11 @@ SEQUENCE_MAX = 512
 # Most points a symbol gets in ``ShapeRanges.points`` before they thin out to every other
 # power of two (two symbols of 1..512 would otherwise make 100 points to time)
 MAX_POINTS_PER_SYMBOL = 6
+# Most points of the whole grid (``grid_values``): past it the symbol with the most points
+# thins again (every other point between its min, opt and max) until the grid fits. Two
+# symbols (batch x sequence: 4 x 6) fit; three (an optimum-style decoder with a cache:
+# batch x past x sequence) made 120 points, 87 of them timed in a 14-minute search.
+MAX_GRID_POINTS = 48
 
 
 STATIC = "collage"  # the label of Collage's static build at the optimum (``dispatch``)
@@ -194,8 +199,9 @@ class ShapeRanges:
     def points(self) -> list:
         """The representative points the choice per shape is made at: each symbol's min,
         opt, max and the powers of two between (every other one past
-        ``MAX_POINTS_PER_SYMBOL``), all combinations, the optimum first."""
-        per = {s: symbol_points(a) for s, a in self.axes.items()}
+        ``MAX_POINTS_PER_SYMBOL``, fewer where the grid would pass ``MAX_GRID_POINTS``:
+        ``grid_values``), all combinations, the optimum first."""
+        per = grid_values(self.axes)
         out = [{}]
         for s, values in per.items():
             out = [{**p, s: v} for p in out for v in values]
@@ -292,6 +298,39 @@ def symbol_points(axis: Axis) -> list:
         anchor = math.log2(axis.opt) if axis.opt > 0 else 0
         powers = [p for p in powers if round(math.log2(p) - anchor) % 2 == 0]
     return sorted({axis.min, axis.opt, axis.max, *powers})
+
+
+def _thinned(values: list, axis: Axis) -> list:
+    """``values`` (sorted) with every other point dropped between ``axis``' min, opt and
+    max (those stay): of each run of points between two of them, the first, third, ...
+    stay (a run of one stays whole); the same list where there is nothing to drop."""
+    anchors = {axis.min, axis.opt, axis.max}
+    out, run = [], 0
+    for v in values:
+        if v in anchors:
+            out.append(v)
+            run = 0
+            continue
+        run += 1
+        if run % 2 == 1:
+            out.append(v)
+    return out
+
+
+def grid_values(axes: dict) -> dict:
+    """symbol -> the sizes the choice is made at (``symbol_points``), thinned where the
+    grid of all their combinations would pass ``MAX_GRID_POINTS``: the symbol with the most
+    points first (``_thinned``), until it fits or none can thin."""
+    per = {s: symbol_points(a) for s, a in axes.items()}
+    while math.prod(len(v) for v in per.values()) > MAX_GRID_POINTS:
+        for s in sorted(per, key=lambda s: -len(per[s])):
+            fewer = _thinned(per[s], axes[s])
+            if len(fewer) < len(per[s]):
+                per[s] = fewer
+                break
+        else:
+            break
+    return per
 
 
 # ---------------------------------------------------------------------------- reading
@@ -511,4 +550,4 @@ def _full(path: str, header):
 
 __all__ = ["Axis", "Derived", "dynamic_model", "ShapeError", "ShapeRanges", "default_axis",
            "derived_dims", "is_dynamic", "model_inputs", "parse_shapes", "shape_ranges",
-           "symbol_points"]
+           "grid_values", "symbol_points"]
