@@ -667,6 +667,15 @@ def test_the_dynamic_suites_summary_counts_wins_and_each_frameworks_mean_over_sh
     assert "| bert | 1x512 | openvino | 10.000 | 20.000 | 10.000 |" in text
     assert "error: export: x" in text and "1 rows beat every f32 framework by 3%" in text
     assert "OpenVINO at its default precision" not in text  # (f32 rows)
+    assert "between" not in s and "between points" not in text
+    # a shape between the search's points: marked, and its own line
+    between = dict(row("3x100", 1.0, 0.95, 1.2, "onnxruntime"), between=True)
+    s = dynamic_suite.summary(rows + [between])
+    assert s["between"] == {"rows": 1, "median": 0.95, "worst": ("bert", "3x100", 0.95),
+                            "below_goal": 1}
+    text = dynamic_suite.markdown("transformers", rows + [between])
+    assert "| bert | 3x100 (between points) | onnxruntime |" in text
+    assert "next point above it), 1 rows: median 0.950x, worst 0.950x (bert 3x100)" in text
     # under a reduced budget: the rows against OpenVINO at its default precision too
     for r, default in zip(rows[:3], (0.9, 1.2, 1.0)):
         r["frameworks"]["collage"]["precision"] = "bf16"
@@ -685,6 +694,9 @@ def test_the_decode_step_takes_eight_caches_of_one_past_length_and_batch():
     assert len(case["names"]) == 9 and case["axes"]["past_3_value"] == {0: "batch", 2: "past"}
     assert len(case["shapes"]) == 12 and case["shapes"][-1][0] == (8, 1)
     assert {s[2] for s in case["shapes"][-1][1:]} == {512}
+    # the shape between the search's points: batch 3, 100 cached positions
+    assert case["between"][0] == (3, 1) and {s[:3] for s in case["between"][1:]} == {
+        (3, 4, 100)}
     out = case["model"](*case["inputs"])
     assert out[0].shape == (1, 1, 1000) and out[1].shape[2] == 17  # the cache, one longer
 

@@ -6,7 +6,8 @@ a dynamic batch axis (PyTorch's tutorial export), transformers configs with dyna
 sequence (as optimum writes them; ViT and Whisper's encoder: a dynamic batch). Then
 ``collage_tvm.optimize(file)`` with no other argument (the ranges are the defaults read from
 the model), saved and loaded back, and at each timed shape (images: batch 1, 4, 8; tokens:
-batch 1, 4, 8 x sequence 8, 32, 128, 512) timed interleaved in this process beside the same
+batch 1, 4, 8 x sequence 8, 32, 128, 512; and one shape between the search's points, batch
+3 x sequence 100, images batch 3) timed interleaved in this process beside the same
 dynamic file on ONNX Runtime, OpenVINO at f32 and at its default precision, and PyTorch
 eager (``bench.torch_frameworks``), each output checked against PyTorch's. A row per
 (model, shape); the figures the issue asks for are in ``summary``.
@@ -37,6 +38,11 @@ DYNAMIC_SUITES = {
 }
 BATCHES = (1, 4, 8)
 SEQUENCES = (8, 32, 128, 512)
+# One more row per model at a shape between the search's points (batch 3, sequence or cache
+# 100): served by the choice at the next point above it, never by a file compiled for a
+# point's exact shapes, as a server's calls mostly are
+BETWEEN_BATCH = 3
+BETWEEN_SEQUENCE = 100
 POSITIONS = 512  # the transformers configs' positions, for sequences up to 512
 IMAGE_INPUT = {"vit": "pixel_values", "whisper_encoder": "input_features"}
 
@@ -94,7 +100,7 @@ def dynamic_case(suite: str, name: str) -> dict:
     """Model ``name`` of dynamic ``suite`` as it is exported and timed: {"model", "inputs"
     (example torch tensors), "names" (the inputs'), "axes" (input name -> its dynamic axes),
     "outputs" (output name -> its dynamic axes), "shapes" (per timed point, one shape per
-    input)}."""
+    input), "between" (the same for the shape between the search's points)}."""
     from . import suites
 
     if name == "gpt2_decode_step":
@@ -108,7 +114,9 @@ def dynamic_case(suite: str, name: str) -> dict:
                             **{c.replace("past", "present"): {0: "batch", 2: "present"}
                                for c in caches}},
                 "shapes": [[(b, 1)] + [(b, heads, p, width)] * len(caches)
-                           for b in BATCHES for p in SEQUENCES]}
+                           for b in BATCHES for p in SEQUENCES],
+                "between": [(BETWEEN_BATCH, 1)] + [(BETWEEN_BATCH, heads, BETWEEN_SEQUENCE,
+                                                    width)] * len(caches)}
     if suite == "transformers":
         model, inputs = suites.transformers_model(name, "usual", positions=POSITIONS)
         if name in IMAGE_INPUT:
@@ -116,17 +124,20 @@ def dynamic_case(suite: str, name: str) -> dict:
             return {"model": model, "inputs": inputs, "names": [IMAGE_INPUT[name]],
                     "axes": {IMAGE_INPUT[name]: {0: "batch"}},
                     "outputs": {"last_hidden_state": {0: "batch"}},
-                    "shapes": [[(b, *shape[1:])] for b in BATCHES]}
+                    "shapes": [[(b, *shape[1:])] for b in BATCHES],
+                    "between": [(BETWEEN_BATCH, *shape[1:])]}
         return {"model": model, "inputs": inputs, "names": ["input_ids"],
                 "axes": {"input_ids": {0: "batch", 1: "sequence"}},
                 "outputs": {"last_hidden_state": {0: "batch", 1: "sequence"}},
-                "shapes": [[(b, q)] for b in BATCHES for q in SEQUENCES]}
+                "shapes": [[(b, q)] for b in BATCHES for q in SEQUENCES],
+                "between": [(BETWEEN_BATCH, BETWEEN_SEQUENCE)]}
     make = {"torchvision": suites.torchvision_model, "timm": suites.timm_model}[suite]
     model, inputs = make(name, "usual")
     shape = tuple(inputs[0].shape)
     return {"model": model, "inputs": inputs, "names": ["x"], "axes": {"x": {0: "batch"}},
             "outputs": {"output": {0: "batch"}},
-            "shapes": [[(b, *shape[1:])] for b in BATCHES]}
+            "shapes": [[(b, *shape[1:])] for b in BATCHES],
+            "between": [(BETWEEN_BATCH, *shape[1:])]}
 
 
 def export_dynamic(case: dict, path: str) -> str:
@@ -206,10 +217,11 @@ def run_model(suite: str, name: str, out_dir: str, options, db, log=print) -> li
     accuracy = "f32" if options.accuracy.strict else options.accuracy.name
     if accuracy != "f32":  # judged against OpenVINO at its default precision too
         controls[OPENVINO_CONTROL] = "openvino (default)"
-    for k, shapes in enumerate(case["shapes"]):
+    timed = [(shapes, False) for shapes in case["shapes"]] + [(case["between"], True)]
+    for k, (shapes, between) in enumerate(timed):
         xs = shape_inputs(case["inputs"], shapes, seed=k)
         row = {**info, "shape": ", ".join("x".join(map(str, s)) for s in shapes[:2])
-               + (", ..." if len(shapes) > 2 else "")}
+               + (", ..." if len(shapes) > 2 else ""), **({"between": True} if between else {})}
         try:
             share, fws, tries = quietest(
                 lambda: torch_frameworks(case["model"], xs, path, loaded, check,
@@ -268,6 +280,13 @@ def summary(rows: list) -> dict:
                    below_goal=sum(r < GOAL for r in ratios),
                    clear_wins=[(r["model"], r["shape"], r["vs_best_f32"]) for r in timed
                                if r["vs_best_f32"] >= CLEAR_WIN])
+    between = [r for r in timed if r.get("between")]
+    if between:  # (the shapes between the search's points: ``BETWEEN_BATCH``, ...)
+        worst = min(between, key=lambda r: r["vs_best_f32"])
+        out["between"] = {"rows": len(between),
+                          "median": statistics.median(r["vs_best_f32"] for r in between),
+                          "worst": (worst["model"], worst["shape"], worst["vs_best_f32"]),
+                          "below_goal": sum(r["vs_best_f32"] < GOAL for r in between)}
     defaults = [r for r in timed if r.get("vs_openvino_default")]
     if defaults:  # (a reduced budget's rows: against OpenVINO at its default precision)
         worst = min(defaults, key=lambda r: r["vs_openvino_default"])
@@ -321,7 +340,8 @@ def markdown(suite: str, rows: list, machine: dict | None = None) -> str:
             return f"{f['ms']:.3f}" + ("" if f.get("match") else " (wrong)")
 
         ratio = r.get("vs_best_f32")
-        lines.append(f"| {r['model']} | {r['shape']} | {r.get('served_by', '-')} | "
+        shape = r["shape"] + (" (between points)" if r.get("between") else "")
+        lines.append(f"| {r['model']} | {shape} | {r.get('served_by', '-')} | "
                      f"{cell('collage')} | {cell('onnxruntime')} | {cell('openvino')} | "
                      f"{cell('openvino (default)')} | {cell('pytorch')} | "
                      + (f"{ratio:.3f}x" if ratio else "-") + " |")
@@ -332,6 +352,12 @@ def markdown(suite: str, rows: list, machine: dict | None = None) -> str:
                      f"{s['median']:.3f}x, worst {s['worst'][2]:.3f}x ({s['worst'][0]} "
                      f"{s['worst'][1]}), {s['below_goal']} below 0.97x; "
                      f"{len(s['clear_wins'])} rows beat every f32 framework by 3% or more.")
+    b = s.get("between")
+    if b:
+        lines.append(f"At a shape between the search's points (served by the choice at the "
+                     f"next point above it), {b['rows']} rows: median {b['median']:.3f}x, "
+                     f"worst {b['worst'][2]:.3f}x ({b['worst'][0]} {b['worst'][1]}), "
+                     f"{b['below_goal']} below 0.97x.")
     d = s.get("vs_openvino_default")
     if d and any(r.get("frameworks", {}).get("collage", {}).get("precision", "f32") != "f32"
                  for r in rows):
