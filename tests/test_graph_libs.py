@@ -102,6 +102,29 @@ def test_a_library_region_takes_the_items_of_a_split_made_outside_it(lib):
     assert [(v.name, j) for v, j in inputs] == [(g.nodes[1].var.name, j) for j in range(3)]
 
 
+@pytest.mark.parametrize("lib", GRAPH_LIBS)
+def test_a_split_on_a_library_hands_its_items_to_the_groups_outside(lib):
+    # relu and the split on the library, the items taken apart on TVM: the region returns
+    # the tuple's fields, each a tensor (the graph level offered GPT-2's qkv split so, and
+    # each such placement was invalid: "result type T.Tuple(...) is not a static tensor")
+    from collage_tvm.graph.subgraph import extract_function
+
+    g = DataflowGraph(_split_func())
+    target = make_target("llvm")
+    backends = {"tvm": get_backend("tvm"), lib: get_backend(lib)}
+    ref = evaluate(tvm.compile(tvm.IRModule({"main": g.func}), target), g, target)
+    for on_lib in ({0, 1}, {1}, {1, 2}):  # (the split alone; with one item taken inside)
+        groups = [Candidate(lib, frozenset(on_lib))] + [
+            Candidate("tvm", frozenset([i])) for i in range(len(g)) if i not in on_lib]
+        groups.sort(key=lambda c: min(c.nodes))
+        ex, mod = compile_placement(g, groups, backends, target)
+        got = evaluate(ex, g, target, ref["outputs"])
+        assert got["match"], (on_lib, got["max_err"])
+    func = extract_function(g, frozenset({0, 1}), flat_outputs=True)[0]
+    assert [type(t).__name__ for t in func.ret_ty.fields] == ["TensorType"] * 3
+    assert isinstance(extract_function(g, frozenset({0, 1}))[0].ret_ty, relax.TupleType)
+
+
 def test_library_versions_and_probes():
     for lib in GRAPH_LIBS:
         b = get_backend(lib)

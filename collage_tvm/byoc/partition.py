@@ -12,7 +12,8 @@ import tvm
 from tvm import relax
 
 from ..graph import GLOBALS_ATTR, DataflowGraph
-from ..graph.subgraph import PART_ATTR, extract_function, function_key, substitute
+from ..graph.subgraph import (PART_ATTR, extract_function, function_key, output_fields,
+                              substitute)
 
 CODEGEN_PREFIX = "collage_"
 
@@ -44,8 +45,10 @@ def partition(graph: DataflowGraph, groups, backends: dict) -> tvm.IRModule:
                                        if n.match_ty is not None
                                        else bb.emit(value, name_hint=n.var.name))
                     continue
+                # (a library returns tensors: a tuple leaving its region, field by field)
                 sub, inputs, outputs, consts = extract_function(
-                    graph, group.nodes, lift_constants=not backend.is_external)
+                    graph, group.nodes, lift_constants=not backend.is_external,
+                    flat_outputs=backend.is_external)
                 if backend.is_external:
                     key = function_key(sub)
                     sub = sub.with_attrs({"Codegen": CODEGEN_PREFIX + backend.name,
@@ -59,17 +62,31 @@ def partition(graph: DataflowGraph, groups, backends: dict) -> tvm.IRModule:
                     args = _args(bb, vmap, inputs) + list(consts)
                 gv = bb.add_func(sub, f"collage_{backend.name}_g{k}")
                 call = bb.emit(relax.Call(gv, args), name_hint=f"g{k}")
-                if len(outputs) == 1:
-                    vmap[graph.nodes[outputs[0]].var] = call
-                else:
-                    for j, i in enumerate(outputs):
-                        vmap[graph.nodes[i].var] = bb.emit(relax.TupleGetItem(call, j))
+                _bind_results(bb, vmap, graph, call, outputs, backend.is_external)
             out = bb.emit_output(substitute(func.body.body, vmap))
         bb.emit_func_output(out)
     mod = bb.get()
     for gv, f in graph.globals.items():  # the PrimFuncs main's call_tir bindings run
         mod[gv] = f
     return mod
+
+
+def _bind_results(bb, vmap: dict, graph: DataflowGraph, call, outputs: list,
+                  flat: bool) -> None:
+    """Each of a group's ``outputs`` (node indices) bound to its results of ``call``; with
+    ``flat`` (``extract_function``'s ``flat_outputs``) a tuple-typed output's fields are
+    results of their own, made a tuple again for the groups that take it."""
+    fields = output_fields(graph, outputs, flat)
+    tupled = [flat and isinstance(graph.nodes[i].var.ty, relax.TupleType) for i in outputs]
+    if sum(fields) == 1 and not any(tupled):
+        vmap[graph.nodes[outputs[0]].var] = call
+        return
+    results = ([call] if sum(fields) == 1 else
+               [bb.emit(relax.TupleGetItem(call, j)) for j in range(sum(fields))])
+    j = 0
+    for i, n, tup in zip(outputs, fields, tupled):
+        vmap[graph.nodes[i].var] = bb.emit(relax.Tuple(results[j:j + n])) if tup else results[j]
+        j += n
 
 
 def _args(bb, vmap: dict, inputs: list) -> list:

@@ -31,7 +31,8 @@ def group_boundary(graph: DataflowGraph, group) -> tuple[list, list]:
     return inputs, graph.escapes(group)
 
 
-def extract_function(graph: DataflowGraph, group, lift_constants: bool = False):
+def extract_function(graph: DataflowGraph, group, lift_constants: bool = False,
+                     flat_outputs: bool = False):
     """The group as ``relax.Function``; returns (func, inputs, output_node_indices, consts).
 
     ``inputs``: what each parameter takes, in order: a var of the graph, or (var, j), field
@@ -39,7 +40,9 @@ def extract_function(graph: DataflowGraph, group, lift_constants: bool = False):
     takes tensors, so each field is a parameter, and the group's ``TupleGetItem`` of it is
     that parameter). With ``lift_constants`` every non-scalar constant becomes a trailing
     parameter (TVM's FuseTIR accepts no tensor constants inside a primitive function);
-    ``consts`` lists them.
+    ``consts`` lists them. With ``flat_outputs`` a tuple-typed output (a ``split`` whose
+    items other groups take) is returned field by field, each a result of its own
+    (``output_fields`` counts them): a library returns tensors.
     """
     boundary, outputs = group_boundary(graph, group)
     inputs, new_params, vmap, fields = [], [], {}, {}
@@ -71,7 +74,16 @@ def extract_function(graph: DataflowGraph, group, lift_constants: bool = False):
         vmap[node.var] = new_var
         bindings.append(relax.MatchCast(new_var, value, node.match_ty) if node.match_ty is not None
                         else relax.VarBinding(new_var, value))
-    out_vars = [vmap[graph.nodes[i].var] for i in outputs]
+    out_vars = []
+    for i in outputs:
+        var = vmap[graph.nodes[i].var]
+        if not (flat_outputs and isinstance(var.ty, relax.TupleType)):
+            out_vars.append(var)
+            continue
+        for j, ty in enumerate(var.ty.fields):
+            field = relax.Var(f"{graph.nodes[i].var.name}_{j}", ty)
+            bindings.append(relax.VarBinding(field, relax.TupleGetItem(var, j)))
+            out_vars.append(field)
     body_out = out_vars[0] if len(out_vars) == 1 else relax.Tuple(out_vars)
     body = relax.SeqExpr([relax.DataflowBlock(bindings)], body_out)
     ret_ty = out_vars[0].ty if len(out_vars) == 1 else relax.TupleType([v.ty for v in out_vars])
@@ -80,6 +92,14 @@ def extract_function(graph: DataflowGraph, group, lift_constants: bool = False):
     if called:  # the PrimFuncs of call_tir etc.: the candidate builds alone
         func = func.with_attr(GLOBALS_ATTR, called)
     return func, inputs, outputs, consts
+
+
+def output_fields(graph: DataflowGraph, outputs: list, flat_outputs: bool) -> list:
+    """How many results of ``extract_function``'s function each of ``outputs`` (node
+    indices) is: its tuple's fields with ``flat_outputs``, else 1."""
+    return [len(graph.nodes[i].var.ty.fields)
+            if flat_outputs and isinstance(graph.nodes[i].var.ty, relax.TupleType) else 1
+            for i in outputs]
 
 
 def _is_param_field(node, fields, outputs) -> bool:
