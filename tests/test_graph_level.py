@@ -184,7 +184,7 @@ def test_two_libraries_and_ops_one_library_cannot_run():
     assert res.evaluated > len(seeds)
 
 
-def test_invalid_individuals_are_skipped_and_the_search_goes_on():
+def test_invalid_individuals_are_skipped_and_the_search_goes_on(caplog):
     g = _diamond_chain()
     base, _ = _fake_latency(g, {"tvm": 0.0, "ort": 0.1})
 
@@ -194,8 +194,12 @@ def test_invalid_individuals_are_skipped_and_the_search_goes_on():
         return base(groups)
 
     search = GraphLevelSearch(g, _op_level(g), {"ort": _lib("ort")}, evaluate, seed=0)
-    res = search.run(budget_s=30, population=10, patience=6)
+    with caplog.at_level("WARNING", logger="collage_tvm"):
+        res = search.run(budget_s=30, population=10, patience=6)
     assert res.invalid and all("cannot load" in r for r in res.invalid.values())
+    # one warning for the one reason, however many placements it made invalid
+    assert len(res.invalid) > 1
+    assert sum("placement invalid" in r.message for r in caplog.records) == 1
     assert math.isfinite(res.best_ms) and res.best_ms < res.seed_ms
     assert all(len(c.nodes) <= 3 for c in res.placement.groups if c.backend == "ort")
 

@@ -91,6 +91,7 @@ class GraphLevelSearch:
         self.rng = random.Random(seed)
         self.memo: dict = {}
         self.invalid: dict = {}
+        self._warned: set = set()  # the reasons logged as warnings (``_log_invalid``)
         self.call_ms = {lib: ms for lib, ms in (call_ms or {}).items()
                         if lib in graph_libs and math.isfinite(ms) and ms > 0}
         self.bounded: dict = {}  # key -> lower bound (ms) of a placement left unbuilt
@@ -134,9 +135,19 @@ class GraphLevelSearch:
         except ValueError as e:  # no executable order: an invalid individual, not a crash
             key = frozenset(i for i, g in enumerate(genes) if g)
             self.invalid.setdefault(("genes", key), str(e))
-            logger.warning("graph-level: placement invalid: %s", e)
+            self._log_invalid(str(e))
             return math.inf
         return self.fitness_of(groups)
+
+    def _log_invalid(self, reason: str) -> None:
+        """A warning the first time a reason makes a placement invalid; the same reason
+        again only in the debug log (GPT-2's graph level logged one reason for each of
+        a dozen placements: the search's ``invalid`` keeps every one)."""
+        if reason in self._warned:
+            logger.debug("graph-level: placement invalid: %s", reason)
+            return
+        self._warned.add(reason)
+        logger.warning("graph-level: placement invalid: %s", reason)
 
     def lower_bound(self, groups) -> float:
         """The least a placement can take: its graph-library calls at their call
@@ -164,7 +175,7 @@ class GraphLevelSearch:
             self.memo[key] = ms
             if reason:
                 self.invalid[key] = reason
-                logger.warning("graph-level: placement invalid: %s", reason)
+                self._log_invalid(reason)
         return self.memo[key]
 
     def reachable(self, limit: int = 64) -> set | None:
