@@ -12,8 +12,7 @@ import tvm
 from tvm import relax
 
 from ..graph import GLOBALS_ATTR, DataflowGraph
-from ..graph.subgraph import (PART_ATTR, extract_function, function_key, output_fields,
-                              substitute)
+from ..graph.subgraph import PART_ATTR, extract_function, function_key, substitute
 
 CODEGEN_PREFIX = "collage_"
 
@@ -76,8 +75,9 @@ def _bind_results(bb, vmap: dict, graph: DataflowGraph, call, outputs: list,
     """Each of a group's ``outputs`` (node indices) bound to its results of ``call``; with
     ``flat`` (``extract_function``'s ``flat_outputs``) a tuple-typed output's fields are
     results of their own, made a tuple again for the groups that take it."""
-    fields = output_fields(graph, outputs, flat)
     tupled = [flat and isinstance(graph.nodes[i].var.ty, relax.TupleType) for i in outputs]
+    fields = [len(graph.nodes[i].var.ty.fields) if tup else 1
+              for i, tup in zip(outputs, tupled)]
     if sum(fields) == 1 and not any(tupled):
         vmap[graph.nodes[outputs[0]].var] = call
         return

@@ -450,6 +450,7 @@ def narrowed(ranges: ShapeRanges, err: Unservable) -> ShapeRanges:
     from .shapes import Axis, ShapeError
 
     axes = dict(ranges.axes)
+    grid = grid_values(ranges.axes)
     moved = []
     for symbol, value in err.point.items():
         a = axes[symbol]
@@ -461,7 +462,7 @@ def narrowed(ranges: ShapeRanges, err: Unservable) -> ShapeRanges:
             continue
         if value != a.max or a.max <= a.opt:
             continue
-        below = [v for v in grid_values(ranges.axes)[symbol] if a.opt <= v < a.max]
+        below = [v for v in grid[symbol] if a.opt <= v < a.max]
         if below:
             axes[symbol] = Axis(symbol, a.min, a.opt, max(below))
             moved.append(f"{symbol} {a.min}..{a.max} -> ..{max(below)}")

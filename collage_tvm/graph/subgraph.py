@@ -41,8 +41,8 @@ def extract_function(graph: DataflowGraph, group, lift_constants: bool = False,
     that parameter). With ``lift_constants`` every non-scalar constant becomes a trailing
     parameter (TVM's FuseTIR accepts no tensor constants inside a primitive function);
     ``consts`` lists them. With ``flat_outputs`` a tuple-typed output (a ``split`` whose
-    items other groups take) is returned field by field, each a result of its own
-    (``output_fields`` counts them): a library returns tensors.
+    items other groups take) is returned field by field, each a result of its own: a
+    library returns tensors.
     """
     boundary, outputs = group_boundary(graph, group)
     inputs, new_params, vmap, fields = [], [], {}, {}
@@ -92,14 +92,6 @@ def extract_function(graph: DataflowGraph, group, lift_constants: bool = False,
     if called:  # the PrimFuncs of call_tir etc.: the candidate builds alone
         func = func.with_attr(GLOBALS_ATTR, called)
     return func, inputs, outputs, consts
-
-
-def output_fields(graph: DataflowGraph, outputs: list, flat_outputs: bool) -> list:
-    """How many results of ``extract_function``'s function each of ``outputs`` (node
-    indices) is: its tuple's fields with ``flat_outputs``, else 1."""
-    return [len(graph.nodes[i].var.ty.fields)
-            if flat_outputs and isinstance(graph.nodes[i].var.ty, relax.TupleType) else 1
-            for i in outputs]
 
 
 def _is_param_field(node, fields, outputs) -> bool:

@@ -268,33 +268,22 @@ def summary(rows: list) -> dict:
     0.97x), the rows where it beats every f32 framework by 3% or more, each framework's
     mean (geometric) ratio of its time over Collage's, and the search time against the
     search at one shape."""
-    from .suites import CLEAR_WIN, GOAL
+    from .suites import CLEAR_WIN
 
     timed = [r for r in rows if r.get("vs_best_f32")]
-    ratios = [r["vs_best_f32"] for r in timed]
     out = {"rows": len(rows), "timed": len(timed), "errors": len(rows) - len(timed)}
-    if ratios:
-        worst = min(timed, key=lambda r: r["vs_best_f32"])
-        out.update(median=statistics.median(ratios),
-                   worst=(worst["model"], worst["shape"], worst["vs_best_f32"]),
-                   below_goal=sum(r < GOAL for r in ratios),
+    if timed:
+        stats = _ratio_stats(timed, "vs_best_f32")
+        out.update(median=stats["median"], worst=stats["worst"],
+                   below_goal=stats["below_goal"],
                    clear_wins=[(r["model"], r["shape"], r["vs_best_f32"]) for r in timed
                                if r["vs_best_f32"] >= CLEAR_WIN])
     between = [r for r in timed if r.get("between")]
     if between:  # (the shapes between the search's points: ``BETWEEN_BATCH``, ...)
-        worst = min(between, key=lambda r: r["vs_best_f32"])
-        out["between"] = {"rows": len(between),
-                          "median": statistics.median(r["vs_best_f32"] for r in between),
-                          "worst": (worst["model"], worst["shape"], worst["vs_best_f32"]),
-                          "below_goal": sum(r["vs_best_f32"] < GOAL for r in between)}
+        out["between"] = _ratio_stats(between, "vs_best_f32")
     defaults = [r for r in timed if r.get("vs_openvino_default")]
     if defaults:  # (a reduced budget's rows: against OpenVINO at its default precision)
-        worst = min(defaults, key=lambda r: r["vs_openvino_default"])
-        out["vs_openvino_default"] = {
-            "rows": len(defaults),
-            "median": statistics.median(r["vs_openvino_default"] for r in defaults),
-            "worst": (worst["model"], worst["shape"], worst["vs_openvino_default"]),
-            "below_goal": sum(r["vs_openvino_default"] < GOAL for r in defaults)}
+        out["vs_openvino_default"] = _ratio_stats(defaults, "vs_openvino_default")
     means = {}
     for fw in MEAN_OF:
         logs = [math.log(r["frameworks"][fw]["ms"] / r["frameworks"]["collage"]["ms"])
@@ -316,6 +305,17 @@ def summary(rows: list) -> dict:
                           "measured": sorted(m for m, r in rebuilt.items()
                                              if r["rebuild_measured"])}
     return out
+
+
+def _ratio_stats(rows: list, key: str) -> dict:
+    """{"rows", "median", "worst": (model, shape, ratio), "below_goal"} of ratio ``key``
+    over ``rows`` (each has it)."""
+    from .suites import GOAL
+
+    worst = min(rows, key=lambda r: r[key])
+    return {"rows": len(rows), "median": statistics.median(r[key] for r in rows),
+            "worst": (worst["model"], worst["shape"], worst[key]),
+            "below_goal": sum(r[key] < GOAL for r in rows)}
 
 
 def markdown(suite: str, rows: list, machine: dict | None = None) -> str:
